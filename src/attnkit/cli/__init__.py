@@ -1,0 +1,19 @@
+"""The `attnkit` command line. The only part of attnkit that prints.
+
+Each feature's commands live in their own module and register on the shared
+Typer app when imported below.
+"""
+
+from __future__ import annotations
+
+from attnkit.cli._app import app
+
+# Command modules: each registers its commands on `app` when imported.
+from attnkit.cli import demo  # noqa: F401,E402
+
+
+def main() -> None:
+    app()
+
+
+__all__ = ["app", "main"]

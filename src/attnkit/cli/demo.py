@@ -1,0 +1,3 @@
+"""`attnkit demo` and `attnkit walkthrough`."""
+
+from __future__ import annotations

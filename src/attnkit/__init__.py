@@ -9,3 +9,29 @@ Importing attnkit never imports torch, matplotlib or a web framework.
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from attnkit import masks
+from attnkit.functional import (
+    ATTENTION_BACKENDS,
+    AttentionGrads,
+    AttentionOutput,
+    get_attention,
+    log_softmax,
+    logsumexp,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+    softmax,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionGrads",
+    "AttentionOutput",
+    "get_attention",
+    "log_softmax",
+    "logsumexp",
+    "masks",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "softmax",
+]

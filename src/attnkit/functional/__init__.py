@@ -1,0 +1,47 @@
+"""attnkit's NumPy core: pure functions, no state, no printing.
+
+Every attention implementation here has the signature of
+`scaled_dot_product_attention` and is chosen by name from `ATTENTION_BACKENDS`
+(see `get_attention`), never by a chain of fast-path conditions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from attnkit.functional import masks
+from attnkit.functional.attention import (
+    AttentionGrads,
+    AttentionOutput,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
+from attnkit.functional.softmax import log_softmax, logsumexp, softmax
+
+ATTENTION_BACKENDS: dict[str, Callable] = {
+    "naive": scaled_dot_product_attention,
+}
+
+
+def get_attention(name: str) -> Callable:
+    """The attention implementation registered under `name` (e.g. "naive", "flash")."""
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; expected one of {sorted(ATTENTION_BACKENDS)}"
+        ) from None
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionGrads",
+    "AttentionOutput",
+    "get_attention",
+    "log_softmax",
+    "logsumexp",
+    "masks",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "softmax",
+]

@@ -1,0 +1,185 @@
+"""Input checks shared by every attention implementation.
+
+Each public function validates at its boundary with these helpers, so every
+kernel (plain, tiled) reports the same error for the same mistake. Messages say
+what was expected and what arrived.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def shape_str(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def compute_dtype_of(dtype: np.dtype) -> np.dtype:
+    """float16 computes in float32; float32 and float64 compute as themselves."""
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+def as_float_array(x, name: str) -> np.ndarray:
+    """Array-like of real numbers -> floating ndarray (integers become float64)."""
+    arr = np.asarray(x)
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+    ):
+        raise TypeError(f"expected {name} to hold real numbers, got dtype {arr.dtype}")
+    if np.issubdtype(arr.dtype, np.integer):
+        arr = arr.astype(np.float64)
+    return arr
+
+
+def require_float_tensor(x, name: str, min_ndim: int) -> np.ndarray:
+    """A floating ndarray of at least `min_ndim` dims, as attention inputs must be."""
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
+            x = np.asarray(x)
+        else:
+            raise TypeError(f"expected {name} to be a numpy array, got {type(x).__name__}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(
+            f"expected {name} to be a floating array (float16, float32 or float64), got dtype {x.dtype}"
+        )
+    if x.ndim < min_ndim:
+        raise ValueError(
+            f"expected {name} of rank >= {min_ndim} laid out as (..., H, L, E), "
+            f"got shape {shape_str(x.shape)}"
+        )
+    return x
+
+
+@dataclass(frozen=True)
+class AttentionShapes:
+    """Sizes of one attention call, read off validated inputs."""
+
+    batch: tuple[int, ...]  # leading batch dims
+    q_heads: int
+    kv_heads: int
+    L: int  # query length
+    S: int  # key length
+    E: int  # query/key head dim
+    Ev: int  # value head dim
+    dtype: np.dtype  # input and output dtype
+    compute_dtype: np.dtype
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def scores_shape(self) -> tuple[int, ...]:
+        return (*self.batch, self.q_heads, self.L, self.S)
+
+
+def check_qkv(query, key, value, enable_gqa: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionShapes]:
+    """Validate query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev)."""
+    query = require_float_tensor(query, "query", 2)
+    key = require_float_tensor(key, "key", 2)
+    value = require_float_tensor(value, "value", 2)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "expected query, key and value of one dtype, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}"
+        )
+    if not (query.ndim == key.ndim == value.ndim):
+        raise ValueError(
+            "expected query, key and value of the same rank (..., H, L, E), got shapes "
+            f"{shape_str(query.shape)}, {shape_str(key.shape)} and {shape_str(value.shape)}"
+        )
+    *q_lead, L, E = query.shape
+    *k_lead, S, Ek = key.shape
+    *v_lead, Sv, Ev = value.shape
+    if Ek != E:
+        raise ValueError(
+            f"expected key of shape (..., H, S, E) with E={E} like query, got {shape_str(key.shape)}"
+        )
+    if Sv != S or tuple(v_lead) != tuple(k_lead):
+        raise ValueError(
+            f"expected value of shape {shape_str((*k_lead, S))[:-1]}, Ev) matching key "
+            f"{shape_str(key.shape)}, got {shape_str(value.shape)}"
+        )
+    if query.ndim >= 3:
+        batch, q_heads, kv_heads = tuple(q_lead[:-1]), q_lead[-1], k_lead[-1]
+        if tuple(k_lead[:-1]) != batch:
+            raise ValueError(
+                f"expected key's batch dims {shape_str(batch)} like query's, got key of shape "
+                f"{shape_str(key.shape)} for query of shape {shape_str(query.shape)}"
+            )
+    else:
+        batch, q_heads, kv_heads = (), 1, 1
+    if q_heads != kv_heads:
+        if not enable_gqa:
+            raise ValueError(
+                f"query has {q_heads} heads but key/value have {kv_heads}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
+        if kv_heads == 0 or q_heads % kv_heads != 0:
+            raise ValueError(
+                f"expected the query head count to be a multiple of the key/value head count "
+                f"for grouped-query attention, got {q_heads} query heads over {kv_heads}"
+            )
+    shapes = AttentionShapes(
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads, L=L, S=S, E=E, Ev=Ev,
+        dtype=query.dtype, compute_dtype=compute_dtype_of(query.dtype),
+    )
+    return query, key, value, shapes
+
+
+def check_scale(scale, E: int) -> float:
+    """The softmax temperature: 1/sqrt(E) by default, else a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(E) if E > 0 else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"expected scale to be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)  # a Python float never promotes float32 arrays to float64
+    if not math.isfinite(scale):
+        raise ValueError(f"expected a finite scale, got {scale}")
+    return scale
+
+
+def check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"expected dropout_p to be a number in [0, 1), got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"expected dropout_p in [0, 1), got {dropout_p}")
+    return dropout_p
+
+
+def check_mask(attn_mask, shapes: AttentionShapes, is_causal: bool) -> np.ndarray | None:
+    """A boolean (True = may attend) or additive float mask that broadcasts to (..., Hq, L, S).
+
+    Float masks are returned in the compute dtype; boolean masks as they are.
+    """
+    if attn_mask is None:
+        return None
+    if is_causal:
+        raise ValueError(
+            "got both attn_mask and is_causal=True; pass one: build a causal mask with "
+            "attnkit.masks.causal_mask and combine it with yours using attnkit.masks.and_masks"
+        )
+    mask = np.asarray(attn_mask)
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        raise TypeError(
+            "expected attn_mask to be boolean (True = may attend) or floating (added to the scores), "
+            f"got dtype {mask.dtype}"
+        )
+    target = shapes.scores_shape
+    try:
+        broadcast = np.broadcast_shapes(mask.shape, target)
+    except ValueError:
+        broadcast = None
+    if broadcast != target:
+        raise ValueError(
+            f"expected attn_mask broadcastable to (..., H, L, S) = {shape_str(target)}, "
+            f"got {shape_str(mask.shape)}"
+        )
+    if mask.dtype != np.bool_:
+        mask = mask.astype(shapes.compute_dtype, copy=False)
+    return mask

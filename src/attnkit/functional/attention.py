@@ -1,0 +1,248 @@
+"""Scaled dot-product attention and its backward, written as plainly as the math.
+
+    scores  = query @ key^T * scale   (+ mask)        # (..., H, L, S)
+    weights = softmax(scores)                          # each row sums to 1
+    output  = weights @ value                          # (..., H, L, Ev)
+
+Semantics follow torch's `F.scaled_dot_product_attention`:
+
+- Layout (..., H, L, E): any leading batch dims, then heads, query length L
+  (key length S), head dim E; value may have its own head dim Ev.
+- `attn_mask`: boolean True = may attend, or a float mask added to the scores;
+  either broadcasts to (..., H, L, S).
+- `is_causal=True` is top-left aligned (query i sees keys 0..i) and cannot be
+  combined with `attn_mask`: build the mask you want with `attnkit.masks`.
+- `scale` defaults to 1/sqrt(E).
+- Grouped-query attention (`enable_gqa=True`): query head h reads key/value
+  head h // (Hq // Hkv), as torch's `repeat_interleave` lays them out.
+- A query row with every key masked gives output 0 and weights 0, never NaN.
+- float16 inputs compute in float32; the output has the input dtype.
+- NaN in an input propagates to the rows it touches, as in torch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from attnkit.functional._checks import (
+    AttentionShapes,
+    check_dropout,
+    check_mask,
+    check_qkv,
+    check_scale,
+    require_float_tensor,
+    shape_str,
+)
+from attnkit.functional.masks import causal_mask
+
+
+class AttentionOutput(NamedTuple):
+    """What `scaled_dot_product_attention` returns when extras are asked for.
+
+    output:  (..., Hq, L, Ev)
+    weights: (..., Hq, L, S) the weights that multiplied value (after dropout),
+             or None unless `return_weights=True`
+    lse:     (..., Hq, L) natural-log logsumexp of each row of masked, scaled
+             scores (-inf for a fully masked row), or None unless `return_lse=True`
+    """
+
+    output: np.ndarray
+    weights: np.ndarray | None
+    lse: np.ndarray | None
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of a scalar loss with respect to the attention inputs."""
+
+    grad_query: np.ndarray  # (..., Hq, L, E)
+    grad_key: np.ndarray  # (..., Hkv, S, E)
+    grad_value: np.ndarray  # (..., Hkv, S, Ev)
+
+
+def _group_queries(x: np.ndarray, shapes: AttentionShapes) -> np.ndarray:
+    """(..., Hq, L, D) -> (..., Hkv, group * L, D): the query heads that share a
+    key/value head become one taller matrix, so GQA needs no copy of key/value."""
+    return x.reshape(*shapes.batch, shapes.kv_heads, shapes.group * x.shape[-2], x.shape[-1])
+
+
+def _ungroup_queries(x: np.ndarray, shapes: AttentionShapes) -> np.ndarray:
+    """(..., Hkv, group * L, D) -> (..., Hq, L, D)."""
+    return x.reshape(*shapes.batch, shapes.q_heads, shapes.L, x.shape[-1])
+
+
+def _with_head_axis(x: np.ndarray) -> np.ndarray:
+    """(L, E) inputs get a head axis of 1 so every path sees (..., H, L, E)."""
+    return x[None] if x.ndim == 2 else x
+
+
+def _attention_weights(query, key, shapes, scale, attn_mask, is_causal):
+    """Softmax weights (..., Hq, L, S) in the compute dtype, and lse (..., Hq, L)."""
+    cd = shapes.compute_dtype
+    q = _group_queries(query.astype(cd, copy=False), shapes)  # (..., Hkv, g*L, E)
+    k = key.astype(cd, copy=False)  # (..., Hkv, S, E)
+    scores = np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Hkv, g*L, S)
+    scores = scores.reshape(shapes.scores_shape)  # (..., Hq, L, S)
+    scores *= scale
+    if is_causal:
+        attn_mask = causal_mask(shapes.L, shapes.S)
+    if attn_mask is not None:
+        if attn_mask.dtype == np.bool_:
+            np.copyto(scores, -np.inf, where=~attn_mask)
+        else:
+            scores += attn_mask
+
+    # Stable softmax in place: shift by the row max (0 for an all -inf row, so
+    # its exponentials are exactly 0), exponentiate, normalize.
+    row_max = np.max(scores, axis=-1, keepdims=True)
+    row_max[np.isneginf(row_max)] = 0
+    scores -= row_max
+    np.exp(scores, out=scores)
+    total = np.sum(scores, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(total) + row_max)[..., 0]  # -inf for a fully masked row
+    total[total == 0] = 1
+    scores /= total
+    return scores, lse
+
+
+def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    query, key, value, shapes = check_qkv(query, key, value, enable_gqa)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
+    scale = check_scale(scale, shapes.E)
+    q, k, v = _with_head_axis(query), _with_head_axis(key), _with_head_axis(value)
+    if q is not query:  # (L, E) inputs: describe them with a head axis of 1
+        _, _, _, shapes = check_qkv(q, k, v, enable_gqa)
+    mask = check_mask(attn_mask, shapes, bool(is_causal))
+    return q, k, v, shapes, scale, mask
+
+
+def scaled_dot_product_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    rng: np.random.Generator | None = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+) -> np.ndarray | AttentionOutput:
+    """softmax(query @ key^T * scale + mask) @ value, with torch SDPA's semantics.
+
+    Arguments:
+        query: (..., Hq, L, E) floating array.
+        key: (..., Hkv, S, E), same dtype and batch dims as query.
+        value: (..., Hkv, S, Ev).
+        attn_mask: bool (True = may attend) or float (added to the scores),
+            broadcastable to (..., Hq, L, S).
+        dropout_p: probability of zeroing each weight; kept weights are scaled
+            by 1 / (1 - dropout_p). Drawn from `rng`.
+        is_causal: top-left causal mask (query i sees keys 0..i); not with attn_mask.
+        scale: multiplies the scores; default 1/sqrt(E).
+        enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
+        rng: numpy Generator for dropout (a fresh unseeded one if None).
+        return_weights: also return the (..., Hq, L, S) weights.
+        return_lse: also return the (..., Hq, L) logsumexp of each score row.
+
+    Returns:
+        The output (..., Hq, L, Ev) in query's dtype, or, when return_weights or
+        return_lse is set, AttentionOutput(output, weights, lse) with the fields
+        not asked for set to None. A query whose keys are all masked gets
+        output 0, weights 0 and lse -inf.
+    """
+    dropout_p = check_dropout(dropout_p)
+    squeeze = np.ndim(query) == 2
+    q, k, v, shapes, scale, mask = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    cd = shapes.compute_dtype
+
+    weights, lse = _attention_weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+    if dropout_p > 0.0:
+        rng = np.random.default_rng() if rng is None else rng
+        keep = rng.random(weights.shape) >= dropout_p
+        weights = np.where(keep, weights * cd.type(1.0 / (1.0 - dropout_p)), cd.type(0))
+
+    out = np.matmul(_group_queries(weights, shapes), v.astype(cd, copy=False))  # (..., Hkv, g*L, Ev)
+    out = _ungroup_queries(out, shapes).astype(shapes.dtype, copy=False)  # (..., Hq, L, Ev)
+
+    if squeeze:
+        out, weights, lse = out[0], weights[0], lse[0]
+    if not (return_weights or return_lse):
+        return out
+    return AttentionOutput(
+        output=out,
+        weights=weights.astype(shapes.dtype, copy=False) if return_weights else None,
+        lse=lse.astype(shapes.dtype, copy=False) if return_lse else None,
+    )
+
+
+def scaled_dot_product_attention_backward(
+    grad_output: np.ndarray,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> AttentionGrads:
+    """Gradients of `scaled_dot_product_attention` (without dropout).
+
+    Takes the forward's arguments and grad_output = dLoss/doutput, shaped
+    (..., Hq, L, Ev). The weights P are recomputed rather than stored.
+
+    Derivation, one line of the forward per step (S = scores, P = softmax(S)):
+
+        forward: output = P @ value        -> grad_value = P^T @ grad_output
+                                              grad_P     = grad_output @ value^T
+        forward: P = softmax(S) row-wise   -> grad_S = P * (grad_P - rowsum(P * grad_P))
+        forward: S = query @ key^T * scale -> grad_query = grad_S @ key * scale
+                                              grad_key   = grad_S^T @ query * scale
+
+    rowsum(P * grad_P) equals rowsum(grad_output * output), FlashAttention's D.
+    With GQA the query heads sharing a key/value head add their contributions.
+    Masked positions have P = 0 and so receive no gradient; a fully masked row
+    contributes exactly zero.
+
+    Returns:
+        AttentionGrads(grad_query, grad_key, grad_value), each in its input's
+        shape and dtype.
+    """
+    squeeze = np.ndim(query) == 2
+    q, k, v, shapes, scale, mask = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    grad_output = require_float_tensor(grad_output, "grad_output", 2)
+    expected = (*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev)
+    d_out = _with_head_axis(grad_output)
+    if d_out.shape != expected:
+        raise ValueError(
+            f"expected grad_output of the output's shape {shape_str(expected if not squeeze else expected[1:])}, "
+            f"got {shape_str(grad_output.shape)}"
+        )
+    cd = shapes.compute_dtype
+    q, k, v, d_out = (x.astype(cd, copy=False) for x in (q, k, v, d_out))
+
+    P, _ = _attention_weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+    P = _group_queries(P, shapes)  # (..., Hkv, g*L, S)
+    d_out = _group_queries(d_out, shapes)  # (..., Hkv, g*L, Ev)
+
+    # forward: output = P @ value
+    grad_value = np.matmul(np.swapaxes(P, -1, -2), d_out)  # (..., Hkv, S, Ev)
+    grad_P = np.matmul(d_out, np.swapaxes(v, -1, -2))  # (..., Hkv, g*L, S)
+    # forward: P = softmax(scores)
+    grad_P -= np.sum(P * grad_P, axis=-1, keepdims=True)
+    grad_scores = P * grad_P
+    grad_scores *= scale
+    # forward: scores = query @ key^T * scale
+    grad_query = np.matmul(grad_scores, k)  # (..., Hkv, g*L, E)
+    grad_key = np.matmul(np.swapaxes(grad_scores, -1, -2), _group_queries(q, shapes))  # (..., Hkv, S, E)
+    grad_query = _ungroup_queries(grad_query, shapes)  # (..., Hq, L, E)
+
+    grads = (grad_query, grad_key, grad_value)
+    if squeeze:
+        grads = tuple(g[0] for g in grads)
+    return AttentionGrads(*(g.astype(shapes.dtype, copy=False) for g in grads))

@@ -61,11 +61,14 @@ def logsumexp(x, axis: int = -1, keepdims: bool = False) -> np.ndarray:
 
 
 def log_softmax(x, axis: int = -1) -> np.ndarray:
-    """log(softmax(x)) along `axis`, computed as x - logsumexp(x) so it never
-    takes the log of an underflowed zero. An all -inf slice gives all -inf."""
+    """log(softmax(x)) along `axis`, computed as (x - max) - log(sum(exp(x - max)))
+    so it never takes the log of an underflowed zero and keeps the precision of
+    the shifted values. An all -inf slice gives all -inf."""
     x = as_float_array(x, "x")
-    work = x.astype(compute_dtype_of(x.dtype), copy=False)
-    lse = logsumexp(work, axis=axis, keepdims=True)
-    # For an all -inf row, lse is -inf and -inf - (-inf) would be NaN.
-    lse[np.isneginf(lse)] = 0
-    return (work - lse).astype(x.dtype, copy=False)
+    shifted = x.astype(compute_dtype_of(x.dtype), copy=True)
+    shifted -= _finite_row_max(shifted, axis)
+    with np.errstate(divide="ignore"):  # an all -inf row: log(0) = -inf, kept as -inf
+        log_total = np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+    log_total[np.isneginf(log_total)] = 0
+    shifted -= log_total
+    return shifted.astype(x.dtype, copy=False)

@@ -1,0 +1,424 @@
+"""Attention modules: one self-attention head, and batch-first multi-head attention.
+
+Both call `attnkit.functional.scaled_dot_product_attention` for the attention
+itself; this file only projects, splits heads, builds masks and merges heads.
+
+Masks use attnkit's one polarity: boolean True = may attend, float masks are
+added to the scores. `key_mask` (B, S) is True for a real token. torch's
+`nn.MultiheadAttention` reads a boolean True as *masked*; convert its masks
+with `attnkit.masks.from_torch_mask` (or `~mask`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attnkit.functional import scaled_dot_product_attention
+from attnkit.nn.layers import check_dropout
+from attnkit.nn.linear import Linear, linear
+from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
+
+
+class AttentionResult(NamedTuple):
+    """(output, weights) from an attention module.
+
+    weights is None unless asked for (need_weights=True on MultiHeadAttention).
+    """
+
+    output: np.ndarray
+    weights: np.ndarray | None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"expected {name} to be a positive int, got {value!r}")
+    return int(value)
+
+
+def build_attention_mask(
+    attn_mask: np.ndarray | None,
+    key_mask: np.ndarray | None,
+    is_causal: bool,
+    batch: int,
+    num_heads: int,
+    L: int,
+    S: int,
+    dtype: np.dtype,
+) -> tuple[np.ndarray | None, bool]:
+    """Combine a module call's masks into one mask for scaled_dot_product_attention.
+
+    Arguments:
+        attn_mask: None, bool (True = may attend) or float (added), shaped (L, S)
+            or 4-D broadcastable to (B, H, L, S), e.g. (B, 1, L, S).
+        key_mask: None or bool (B, S), True = a real token that may be attended.
+        is_causal: add a top-left causal mask (alone it is passed through to SDPA).
+        dtype: the compute dtype, for float masks.
+
+    Returns:
+        (mask, is_causal) to pass on: mask is None, bool or float, broadcastable
+        to (B, H, L, S); is_causal is True only when no mask is needed.
+    """
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
+    allowed: np.ndarray | None = None  # boolean part, broadcastable to (B, H, L, S)
+    if key_mask is not None:
+        key_mask = np.asarray(key_mask)
+        if key_mask.dtype != np.bool_:
+            raise TypeError(
+                f"expected key_mask to be boolean (True = real token), got dtype {key_mask.dtype}; "
+                "for torch's key_padding_mask (True = padding) pass ~key_padding_mask"
+            )
+        if key_mask.shape != (batch, S):
+            raise ValueError(f"expected key_mask of shape (B, S) = ({batch}, {S}), got {key_mask.shape}")
+        allowed = key_mask[:, None, None, :]  # (B, 1, 1, S)
+    if attn_mask is None and allowed is None:
+        return None, bool(is_causal)
+    if is_causal:
+        causal = np.tri(L, S, dtype=bool)  # (L, S), query i sees keys 0..i
+        allowed = causal if allowed is None else allowed & causal
+    if attn_mask is None:
+        return allowed, False
+
+    attn_mask = np.asarray(attn_mask)
+    if attn_mask.dtype != np.bool_ and not np.issubdtype(attn_mask.dtype, np.floating):
+        raise TypeError(
+            "expected attn_mask to be boolean (True = may attend) or floating (added to the scores), "
+            f"got dtype {attn_mask.dtype}"
+        )
+    target = (batch, num_heads, L, S)
+    ok = attn_mask.ndim in (2, 4)
+    if ok:
+        try:
+            ok = np.broadcast_shapes(attn_mask.shape, target) == target
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"expected attn_mask of shape (L, S) = ({L}, {S}) or 4-D broadcastable to (B, H, L, S) = {target}, "
+            f"got {attn_mask.shape}"
+            + ("; torch's 3-D (B*H, L, S) masks must be reshaped to (B, H, L, S)" if attn_mask.ndim == 3 else "")
+        )
+    if attn_mask.dtype == np.bool_:
+        return (attn_mask if allowed is None else attn_mask & allowed), False
+    attn_mask = attn_mask.astype(dtype, copy=False)
+    if allowed is None:
+        return attn_mask, False
+    return np.where(allowed, attn_mask, dtype.type(-np.inf)), False
+
+
+class SingleHeadSelfAttention(Module):
+    """One self-attention head (the first seed's class, with torch-layout weights).
+
+    output = softmax(q @ k^T / sqrt(d_head) + mask) @ v, with q, k, v = x @ W.T.
+
+    Arguments:
+        d_model: size of the input embeddings.
+        d_head: size of the query, key and value vectors.
+        bias: biases on the projections (the seed has none).
+        seed: int, Generator or None.
+
+    Parameters: ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, each
+    (d_head, d_model) (plus ``*.bias`` (d_head,) with bias=True).
+    """
+
+    def __init__(
+        self, d_model: int, d_head: int, bias: bool = False, *, seed: int | np.random.Generator | None = None
+    ) -> None:
+        super().__init__()
+        self.d_model = _positive_int("d_model", d_model)
+        self.d_head = _positive_int("d_head", d_head)
+        rng = make_rng(seed)
+        self.q_proj = Linear(d_model, d_head, bias, seed=rng)
+        self.k_proj = Linear(d_model, d_head, bias, seed=rng)
+        self.v_proj = Linear(d_model, d_head, bias, seed=rng)
+
+    def forward(self, x: np.ndarray, mask: np.ndarray | None = None, *, is_causal: bool = False) -> AttentionResult:
+        """Attend over a sequence.
+
+        Arguments:
+            x: (L, d_model) or (..., L, d_model).
+            mask: bool (True = may attend) or float (added), broadcastable to (..., L, L).
+                The seed's 0/1 float "look-ahead" matrix is not a mask here:
+                pass ``attnkit.masks.causal_mask(L)`` or is_causal=True.
+            is_causal: top-left causal mask.
+
+        Returns:
+            AttentionResult(output (..., L, d_head), weights (..., L, L)), x's dtype.
+        """
+        x = check_float_input("x", x)
+        if x.ndim < 2 or x.shape[-1] != self.d_model:
+            raise ValueError(f"expected x of shape (L, {self.d_model}) or (..., L, {self.d_model}), got {x.shape}")
+        dt = compute_dtype(x.dtype, self.q_proj.weight.dtype)
+        xc = x.astype(dt, copy=False)
+        q = linear(xc, self.q_proj.weight, self.q_proj.bias)  # (..., L, d_head)
+        k = linear(xc, self.k_proj.weight, self.k_proj.bias)
+        v = linear(xc, self.v_proj.weight, self.v_proj.bias)
+        result = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, return_weights=True)
+        return AttentionResult(result.output.astype(x.dtype, copy=False), result.weights.astype(x.dtype, copy=False))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_head={self.d_head}"
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention, batch-first, split-head (one projection per role).
+
+    Arguments:
+        d_model: model width; query input size and output size.
+        num_heads: query heads; head_dim = d_model // num_heads.
+        num_kv_heads: key/value heads for grouped-query attention (default
+            num_heads; 1 is multi-query attention). Query head h reads
+            key/value head h // (num_heads // num_kv_heads).
+        bias: biases on all four projections.
+        dropout: dropout on the attention weights, only in training mode.
+        kdim, vdim: input sizes of key and value (default d_model), for cross attention.
+        seed: int, Generator or None; initializes q, k, v, out in that order,
+            then drives dropout.
+
+    Parameters (torch layout): ``q_proj.weight`` (d_model, d_model),
+    ``k_proj.weight`` (num_kv_heads * head_dim, kdim), ``v_proj.weight``
+    (num_kv_heads * head_dim, vdim), ``out_proj.weight`` (d_model, d_model),
+    and a ``.bias`` for each with bias=True.
+
+    Self-attention (key and value omitted or the very same array as query)
+    runs one fused QKV matrix product; the concatenated weight is built once
+    and rebuilt whenever a projection's parameters are replaced.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if self.d_model % self.num_heads:
+            raise ValueError(f"expected num_heads to divide d_model, got d_model={d_model} and num_heads={num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"expected num_kv_heads to divide num_heads, got num_heads={num_heads} and num_kv_heads={num_kv_heads}"
+            )
+        self.head_dim = self.d_model // self.num_heads
+        self.kdim = self.d_model if kdim is None else _positive_int("kdim", kdim)
+        self.vdim = self.d_model if vdim is None else _positive_int("vdim", vdim)
+        self.dropout = check_dropout(dropout)
+        rng = make_rng(seed)
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(self.d_model, self.d_model, bias, seed=rng)
+        self.k_proj = Linear(self.kdim, kv_width, bias, seed=rng)
+        self.v_proj = Linear(self.vdim, kv_width, bias, seed=rng)
+        self.out_proj = Linear(self.d_model, self.d_model, bias, seed=rng)
+        self.rng = rng
+        self._fused: dict[tuple[str, np.dtype], tuple[tuple, np.ndarray, np.ndarray | None]] = {}
+
+    # ----- fused projections ---------------------------------------------------------
+
+    def _parameters_changed(self) -> None:
+        self._fused.clear()
+
+    def _fused_weights(self, name: str, projections: tuple[Linear, ...], dtype: np.dtype):
+        """Concatenated (sum of outs, in) weight and bias of `projections`, cached
+        per dtype while the projections hold the same parameter arrays."""
+        sources = tuple(a for p in projections for a in (p.weight, p.bias))
+        cached = self._fused.get((name, dtype))
+        if cached is not None and len(cached[0]) == len(sources) and all(a is b for a, b in zip(cached[0], sources)):
+            return cached[1], cached[2]
+        weight = np.concatenate([p.weight for p in projections], axis=0).astype(dtype, copy=False)
+        bias = None
+        if projections[0].bias is not None:
+            bias = np.concatenate([p.bias for p in projections]).astype(dtype, copy=False)
+        self._fused[(name, dtype)] = (sources, weight, bias)
+        return weight, bias
+
+    def _project(self, query, key, value, dtype):
+        """q (B, L, d_model), k and v (B, S, num_kv_heads * head_dim) in `dtype`."""
+        q_width, kv_width = self.d_model, self.num_kv_heads * self.head_dim
+        if key is query and value is query and self.kdim == self.vdim == self.d_model:
+            weight, bias = self._fused_weights("qkv", (self.q_proj, self.k_proj, self.v_proj), dtype)
+            qkv = linear(query.astype(dtype, copy=False), weight, bias)  # (B, L, q_width + 2 kv_width)
+            return qkv[..., :q_width], qkv[..., q_width : q_width + kv_width], qkv[..., q_width + kv_width :]
+        q = linear(query.astype(dtype, copy=False), self.q_proj.weight, self.q_proj.bias)  # (B, L, d_model)
+        if key is value and self.kdim == self.vdim:
+            weight, bias = self._fused_weights("kv", (self.k_proj, self.v_proj), dtype)
+            kv = linear(key.astype(dtype, copy=False), weight, bias)  # (B, S, 2 kv_width)
+            return q, kv[..., :kv_width], kv[..., kv_width:]
+        k = linear(key.astype(dtype, copy=False), self.k_proj.weight, self.k_proj.bias)  # (B, S, kv_width)
+        v = linear(value.astype(dtype, copy=False), self.v_proj.weight, self.v_proj.bias)
+        return q, k, v
+
+    # ----- forward ---------------------------------------------------------------------
+
+    def _check_inputs(self, query, key, value):
+        query = check_float_input("query", query)
+        if query.ndim != 3 or query.shape[-1] != self.d_model:
+            raise ValueError(
+                f"expected query of shape (B, L, d_model={self.d_model}), got {query.shape}"
+                + ("; add a batch axis with x[None]" if query.ndim == 2 and query.shape[-1] == self.d_model else "")
+            )
+        if key is None:
+            if value is not None:
+                raise ValueError("got value without key; pass key too (or neither, for self-attention)")
+            if self.kdim != self.d_model or self.vdim != self.d_model:
+                raise ValueError(f"this module has kdim={self.kdim}, vdim={self.vdim}: pass key and value")
+            return query, query, query
+        key = check_float_input("key", key)
+        value = key if value is None else check_float_input("value", value)
+        if key.ndim != 3 or key.shape[0] != query.shape[0] or key.shape[-1] != self.kdim:
+            raise ValueError(f"expected key of shape (B={query.shape[0]}, S, kdim={self.kdim}), got {key.shape}")
+        if value.ndim != 3 or value.shape[:2] != key.shape[:2] or value.shape[-1] != self.vdim:
+            raise ValueError(
+                f"expected value of shape (B={key.shape[0]}, S={key.shape[1]}, vdim={self.vdim}), got {value.shape}"
+            )
+        return query, key, value
+
+    def forward(
+        self,
+        query: np.ndarray,
+        key: np.ndarray | None = None,
+        value: np.ndarray | None = None,
+        *,
+        attn_mask: np.ndarray | None = None,
+        key_mask: np.ndarray | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        average_attn_weights: bool = True,
+    ) -> AttentionResult:
+        """Attend from query to key/value.
+
+        Arguments:
+            query: (B, L, d_model).
+            key: (B, S, kdim); omitted for self-attention (key = value = query).
+            value: (B, S, vdim); defaults to key.
+            attn_mask: bool (True = may attend) or float (added to the scores),
+                (L, S) or 4-D broadcastable to (B, num_heads, L, S).
+            key_mask: bool (B, S), True = a real token (the opposite of torch's
+                key_padding_mask).
+            is_causal: top-left causal mask; combines with the other masks.
+            need_weights: also return the attention weights.
+            average_attn_weights: average the weights over heads -> (B, L, S);
+                otherwise per head (B, num_heads, L, S).
+
+        Returns:
+            AttentionResult(output (B, L, d_model), weights or None), in query's
+            dtype. A query that may attend to no key gets attention output 0
+            (so the layer output is out_proj's bias), never NaN.
+        """
+        query, key, value = self._check_inputs(query, key, value)
+        B, L, _ = query.shape
+        S = key.shape[1]
+        H, Hkv, E = self.num_heads, self.num_kv_heads, self.head_dim
+        dt = compute_dtype(np.result_type(query, key, value), self.q_proj.weight.dtype)
+        mask, causal = build_attention_mask(attn_mask, key_mask, is_causal, B, H, L, S, dt)
+
+        q, k, v = self._project(query, key, value, dt)
+        q = q.reshape(B, L, H, E).transpose(0, 2, 1, 3)  # (B, H, L, E)
+        k = k.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
+        v = v.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
+        result = scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=Hkv != H, rng=self.rng, return_weights=need_weights,
+        )
+        heads = result.output if need_weights else result  # (B, H, L, E)
+        merged = heads.transpose(0, 2, 1, 3).reshape(B, L, H * E)  # (B, L, d_model)
+        out = linear(merged, self.out_proj.weight, self.out_proj.bias).astype(query.dtype, copy=False)
+        weights = None
+        if need_weights:
+            weights = result.weights  # (B, H, L, S)
+            if average_attn_weights:
+                weights = weights.mean(axis=1)  # (B, L, S)
+            weights = weights.astype(query.dtype, copy=False)
+        return AttentionResult(out, weights)
+
+    # ----- torch interchange -------------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, module: Any) -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention`` into a new MultiHeadAttention.
+
+        Handles the packed ``in_proj_weight`` (3E, E) and the separate
+        ``q/k/v_proj_weight`` used when kdim or vdim differ from embed_dim,
+        with or without biases. batch_first is not recorded: this module is
+        always batch-first, so feed a batch_first=False module's (L, B, E)
+        inputs as ``x.transpose(1, 0, 2)``. Masks keep torch's polarity there:
+        pass ``~key_padding_mask`` as key_mask and ``~attn_mask`` for boolean
+        attn_mask (see attnkit.masks.from_torch_mask). float64 modules become
+        float64 modules; anything else float32.
+        """
+        import torch
+
+        if not isinstance(module, torch.nn.MultiheadAttention):
+            raise TypeError(f"expected a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.bias_v is not None or module.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported by attnkit's MultiHeadAttention")
+
+        def arr(t):
+            return t.detach().cpu().numpy()
+
+        E = module.embed_dim
+        has_bias = module.in_proj_bias is not None
+        ours = cls(E, module.num_heads, bias=has_bias, dropout=float(module.dropout),
+                   kdim=module.kdim, vdim=module.vdim, seed=0)
+        if module.in_proj_weight is not None:
+            w = arr(module.in_proj_weight)  # (3E, E), rows q | k | v
+            wq, wk, wv = w[:E], w[E : 2 * E], w[2 * E :]
+        else:
+            wq, wk, wv = arr(module.q_proj_weight), arr(module.k_proj_weight), arr(module.v_proj_weight)
+        state = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv,
+                 "out_proj.weight": arr(module.out_proj.weight)}
+        if has_bias:
+            b = arr(module.in_proj_bias)
+            state.update({"q_proj.bias": b[:E], "k_proj.bias": b[E : 2 * E], "v_proj.bias": b[2 * E :],
+                          "out_proj.bias": arr(module.out_proj.bias)})
+        ours.astype(np.float64 if wq.dtype == np.float64 else np.float32)
+        ours.load_state_dict(state)
+        return ours
+
+    def to_torch(self, batch_first: bool = True) -> Any:
+        """A ``torch.nn.MultiheadAttention`` (eval mode) computing the same function.
+        Packed in_proj when kdim == vdim == d_model. Not possible with GQA."""
+        import torch
+
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"torch.nn.MultiheadAttention has no grouped-query attention; this module has "
+                f"num_kv_heads={self.num_kv_heads} != num_heads={self.num_heads}"
+            )
+        has_bias = self.q_proj.bias is not None
+        dtype = torch.float64 if self.dtype == np.float64 else torch.float32
+        module = torch.nn.MultiheadAttention(
+            self.d_model, self.num_heads, dropout=self.dropout, bias=has_bias,
+            kdim=self.kdim, vdim=self.vdim, batch_first=batch_first, dtype=dtype,
+        )
+
+        def t(a):
+            return torch.from_numpy(np.array(a))
+
+        with torch.no_grad():
+            if module.in_proj_weight is not None:
+                module.in_proj_weight.copy_(t(np.concatenate([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])))
+            else:
+                module.q_proj_weight.copy_(t(self.q_proj.weight))
+                module.k_proj_weight.copy_(t(self.k_proj.weight))
+                module.v_proj_weight.copy_(t(self.v_proj.weight))
+            module.out_proj.weight.copy_(t(self.out_proj.weight))
+            if has_bias:
+                module.in_proj_bias.copy_(t(np.concatenate([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])))
+                module.out_proj.bias.copy_(t(self.out_proj.bias))
+        return module.eval()
+
+    def extra_repr(self) -> str:
+        extra = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        if self.kdim != self.d_model or self.vdim != self.d_model:
+            extra += f", kdim={self.kdim}, vdim={self.vdim}"
+        return f"d_model={self.d_model}, num_heads={self.num_heads}{extra}, dropout={self.dropout}"

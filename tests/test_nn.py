@@ -1,0 +1,302 @@
+"""attnkit.nn building blocks: the Module base, Linear, LayerNorm, activations,
+FeedForward, positional encoding; checked against torch and float64 math."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from attnkit import nn
+from conftest import assert_close
+
+TOL = {np.float64: 1e-10, np.float32: 1e-5}
+
+
+def t(a):
+    return torch.from_numpy(np.array(a))
+
+
+# ----------------------------------------------------------------- Module base
+
+
+def test_state_dict_keys_shapes_and_torch_layout():
+    mha = nn.MultiHeadAttention(12, 3, num_kv_heads=1, kdim=5, vdim=7, seed=0)
+    shapes = {k: v.shape for k, v in mha.state_dict().items()}
+    assert shapes == {
+        "q_proj.weight": (12, 12), "q_proj.bias": (12,),
+        "k_proj.weight": (4, 5), "k_proj.bias": (4,),
+        "v_proj.weight": (4, 7), "v_proj.bias": (4,),
+        "out_proj.weight": (12, 12), "out_proj.bias": (12,),
+    }
+    assert all(v.dtype == np.float32 for v in mha.state_dict().values())
+    assert mha.num_parameters() == sum(int(np.prod(s)) for s in shapes.values())
+    assert [k for k, _ in mha.named_parameters()] == list(shapes)
+
+
+def test_linear_is_x_times_weight_transposed_plus_bias():
+    lin = nn.Linear(5, 3, seed=1).astype(np.float64)
+    x = np.random.default_rng(0).standard_normal((2, 4, 5))
+    expected = np.einsum("bli,oi->blo", x, lin.weight) + lin.bias
+    assert_close(lin(x), expected, 1e-12)
+    torch_out = F.linear(t(x), t(lin.weight), t(lin.bias)).numpy()
+    assert_close(lin(x), torch_out, 1e-12)
+
+
+def test_seeded_init_is_reproducible_and_torch_like():
+    a = nn.TransformerBlock(32, 4, 64, seed=7).state_dict()
+    b = nn.TransformerBlock(32, 4, 64, seed=7).state_dict()
+    c = nn.TransformerBlock(32, 4, 64, seed=8).state_dict()
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["attn.q_proj.weight"], c["attn.q_proj.weight"])
+    # A Generator is accepted and consumed.
+    g1, g2 = np.random.default_rng(3), np.random.default_rng(3)
+    assert np.array_equal(nn.Linear(4, 4, seed=g1).weight, nn.Linear(4, 4, seed=g2).weight)
+    # torch-like scales: weight in +-1/sqrt(fan_in), bias zero, LayerNorm ones/zeros.
+    lin = nn.Linear(400, 300, seed=0)
+    bound = 1 / math.sqrt(400)
+    assert np.abs(lin.weight).max() <= bound
+    assert np.abs(lin.weight).max() > 0.95 * bound
+    assert abs(lin.weight.std() - bound / math.sqrt(3)) < 0.01 * bound
+    assert not lin.bias.any()
+    assert (a["norm1.weight"] == 1).all() and not a["norm1.bias"].any()
+    # float64 module from the same seed: same draws, unrounded.
+    lin64 = nn.Linear(400, 300, seed=0).astype(np.float64)
+    assert np.array_equal(lin64.weight.astype(np.float32), lin.weight)
+
+
+def test_load_state_dict_round_trip_and_copy():
+    src = nn.TransformerBlock(16, 2, 32, seed=1)
+    dst = nn.TransformerBlock(16, 2, 32, seed=2)
+    state = {k: np.array(v, dtype=np.float64) for k, v in src.state_dict().items()}
+    result = dst.load_state_dict(state)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for k, v in src.state_dict().items():
+        assert np.array_equal(dst.state_dict()[k], v)
+        assert dst.state_dict()[k].dtype == np.float32  # cast to the module's dtype
+    state["norm1.weight"][:] = 5  # the module holds its own copy
+    assert (dst.norm1.weight == 1).all()
+
+
+def test_load_state_dict_errors_name_key_and_shapes():
+    mha = nn.MultiHeadAttention(8, 2, seed=0)
+    good = dict(mha.state_dict())
+    bad = dict(good, **{"k_proj.weight": np.zeros((8, 4), np.float32)})
+    with pytest.raises(ValueError, match=r"k_proj\.weight.*\(8, 8\).*\(8, 4\)"):
+        mha.load_state_dict(bad)
+    missing = {k: v for k, v in good.items() if k != "out_proj.bias"}
+    with pytest.raises(ValueError, match=r"missing keys \['out_proj.bias'\]"):
+        mha.load_state_dict(missing)
+    with pytest.raises(ValueError, match=r"unexpected keys \['extra'\]"):
+        mha.load_state_dict(dict(good, extra=np.zeros(3)))
+    with pytest.raises(TypeError, match=r"q_proj\.weight.*floating"):
+        mha.load_state_dict(dict(good, **{"q_proj.weight": np.zeros((8, 8), np.int64)}))
+    # strict=False reports, still checks shapes, and loads what matches.
+    partial = {"q_proj.weight": np.ones((8, 8)), "extra": np.zeros(1)}
+    result = mha.load_state_dict(partial, strict=False)
+    assert result.unexpected_keys == ["extra"] and "out_proj.weight" in result.missing_keys
+    assert (mha.q_proj.weight == 1).all()
+    # A failed load changes nothing.
+    before = mha.state_dict()["v_proj.weight"].copy()
+    with pytest.raises(ValueError):
+        mha.load_state_dict(dict(good, **{"v_proj.weight": np.zeros(8), "q_proj.weight": np.zeros((8, 8))}))
+    assert np.array_equal(mha.v_proj.weight, before) and (mha.q_proj.weight == 1).all()
+
+
+def test_parameters_are_read_only_and_assignment_checks_shape():
+    lin = nn.Linear(3, 2, seed=0)
+    with pytest.raises(ValueError, match="read-only"):
+        lin.weight[0, 0] = 1.0
+    with pytest.raises(ValueError, match=r"expected parameter 'weight' of shape \(2, 3\), got \(3, 2\)"):
+        lin.weight = np.zeros((3, 2))
+    lin.weight = np.ones((2, 3))
+    assert lin.weight.dtype == np.float32 and (lin.weight == 1).all()
+    user = np.zeros((2, 3), np.float32)
+    lin.weight = user
+    user[0, 0] = 9  # assignment copies nothing, but the module never writes to it
+    assert user.flags.writeable
+
+
+def test_astype_dtype_and_modes():
+    block = nn.TransformerBlock(8, 2, 16, dropout=0.1, seed=0)
+    assert block.dtype == np.float32 and not block.training and not block.attn.training
+    block.astype(np.float64)
+    assert block.dtype == np.float64 and all(p.dtype == np.float64 for p in block.parameters())
+    block.train()
+    assert block.training and block.ffn.training and block.attn.q_proj.training
+    block.eval()
+    assert not block.ffn.training
+    with pytest.raises(TypeError, match="float32 or float64"):
+        block.astype(np.int32)
+    with pytest.raises(TypeError, match="seed"):
+        nn.Linear(2, 2, seed="x")
+
+
+def test_module_list_naming():
+    heads = nn.PerHeadMultiHeadAttention(8, 2, seed=0)
+    keys = list(heads.state_dict())
+    assert keys[:2] == ["heads.0.q_proj.weight", "heads.0.q_proj.bias"]
+    assert "heads.1.v_proj.bias" in keys and keys[-1] == "out_proj.bias"
+    assert len(heads.heads) == 2 and heads.heads[-1] is heads.heads[1]
+
+
+# ------------------------------------------------------------------- LayerNorm
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("eps", [1e-5, 1e-12, 0.5])
+def test_layer_norm_matches_torch(dtype, eps):
+    rng = np.random.default_rng(0)
+    d = 37
+    ln = nn.LayerNorm(d, eps=eps).astype(dtype)
+    ln.weight = rng.standard_normal(d)
+    ln.bias = rng.standard_normal(d)
+    x = (rng.standard_normal((3, 5, d)) * 4 + 3).astype(dtype)
+    out = ln(x)
+    assert out.dtype == dtype
+    expected = F.layer_norm(t(x), (d,), t(ln.weight), t(ln.bias), eps).numpy()
+    assert_close(out, expected, 10 * TOL[dtype], "layer_norm")
+    # torch's formula: biased variance, eps inside the square root.
+    x64 = x.astype(np.float64)
+    plain = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + eps)
+    assert_close(out, plain * ln.weight + ln.bias, 10 * TOL[dtype], "formula")
+
+
+def test_layer_norm_float16_computes_in_float32():
+    x = (np.random.default_rng(1).standard_normal((4, 64)) * 30).astype(np.float16)
+    ln = nn.LayerNorm(64)
+    out = ln(x)
+    assert out.dtype == np.float16
+    expected = F.layer_norm(t(x).float(), (64,)).numpy().astype(np.float16)
+    assert np.max(np.abs(out.astype(np.float32) - expected.astype(np.float32))) <= 2e-3 * 4
+
+
+def test_layer_norm_constant_row_is_finite_and_no_bias():
+    ln = nn.LayerNorm(4, bias=False)
+    assert "bias" not in ln.state_dict()
+    out = ln(np.full((2, 4), 3.0, np.float32))
+    assert np.isfinite(out).all() and not out.any()
+
+
+# -------------------------------------------------------- activations, FFN
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_activations_match_torch(dtype):
+    x = np.linspace(-8, 8, 1001).astype(dtype)
+    tol = 2 * TOL[dtype]
+    assert_close(nn.relu(x), F.relu(t(x)).numpy(), tol, "relu")
+    assert_close(nn.gelu(x), F.gelu(t(x)).numpy(), tol, "gelu")
+    assert_close(nn.gelu_tanh(x), F.gelu(t(x), approximate="tanh").numpy(), tol, "gelu_tanh")
+    for f in (nn.relu, nn.gelu, nn.gelu_tanh):
+        assert f(x).dtype == dtype
+    # exact and tanh GELU do differ (so the test above can tell them apart).
+    assert np.max(np.abs(nn.gelu(x.astype(np.float64)) - nn.gelu_tanh(x.astype(np.float64)))) > 1e-4
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+def test_feed_forward_matches_torch(activation):
+    ffn = nn.FeedForward(16, 40, activation, seed=3).astype(np.float64)
+    x = np.random.default_rng(2).standard_normal((2, 7, 16))
+    h = F.linear(t(x), t(ffn.fc1.weight), t(ffn.fc1.bias))
+    h = F.relu(h) if activation == "relu" else F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
+    expected = F.linear(h, t(ffn.fc2.weight), t(ffn.fc2.bias)).numpy()
+    assert_close(ffn(x), expected, 1e-12, activation)
+    assert ffn(x.astype(np.float32)).dtype == np.float32
+
+
+def test_feed_forward_dropout_only_in_training_and_seeded():
+    x = np.ones((2, 3, 8), np.float32)
+    ffn = nn.FeedForward(8, 64, dropout=0.5, seed=0)
+    assert np.array_equal(ffn(x), ffn(x))  # eval: deterministic
+    ffn.train()
+    a = ffn(x)
+    assert not np.array_equal(a, ffn(x))
+    ffn.set_rng(5)
+    a = ffn(x)
+    ffn.set_rng(5)
+    assert np.array_equal(a, ffn(x))
+    with pytest.raises(ValueError, match="activation"):
+        nn.FeedForward(8, 16, "swish")
+    with pytest.raises(ValueError, match=r"dropout.*\[0, 1\)"):
+        nn.FeedForward(8, 16, dropout=1.0)
+
+
+def test_dropout_scales_kept_values():
+    x = np.ones(100_000, np.float32)
+    out = nn.dropout(x, 0.25, np.random.default_rng(0))
+    kept = out != 0
+    assert out.dtype == np.float32
+    assert np.allclose(out[kept], 1 / 0.75)
+    assert abs(kept.mean() - 0.75) < 0.01
+
+
+# ---------------------------------------------------------- positional
+
+
+def test_sinusoidal_positional_encoding():
+    pe = nn.sinusoidal_positional_encoding(50, 16, dtype=np.float64)
+    assert pe.shape == (50, 16)
+    pos, i = 7, 3
+    assert math.isclose(pe[pos, 2 * i], math.sin(pos / 10000 ** (2 * i / 16)), rel_tol=1e-12)
+    assert math.isclose(pe[pos, 2 * i + 1], math.cos(pos / 10000 ** (2 * i / 16)), rel_tol=1e-12)
+    assert np.array_equal(pe[0, 0::2], np.zeros(8)) and np.array_equal(pe[0, 1::2], np.ones(8))
+    # continuing from an offset gives the rows of the longer table
+    assert np.allclose(nn.sinusoidal_positional_encoding(10, 16, start=40, dtype=np.float64), pe[40:])
+    odd = nn.sinusoidal_positional_encoding(4, 7)
+    assert odd.shape == (4, 7) and odd.dtype == np.float32
+    assert math.isclose(odd[3, 6], math.sin(3 / 10000 ** (6 / 7)), rel_tol=1e-6)
+    assert math.isclose(odd[3, 5], math.cos(3 / 10000 ** (4 / 7)), rel_tol=1e-6)
+    with pytest.raises(ValueError, match="d_model"):
+        nn.sinusoidal_positional_encoding(4, 0)
+
+
+# ----------------------------------------------------- dtype and bad input
+
+
+def test_float32_stays_float32_everywhere():
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    block = nn.TransformerBlock(16, 4, 32, activation="gelu", seed=0)
+    out = block(x, key_mask=np.ones((2, 5), bool), attn_mask=np.zeros((5, 5), np.float64))
+    assert out.dtype == np.float32
+    out, w = block.attn(x, need_weights=True)
+    assert out.dtype == np.float32 and w.dtype == np.float32
+    assert nn.LayerNorm(16)(x).dtype == np.float32
+    # float16 input computes in float32 and comes back as float16
+    assert block(x.astype(np.float16)).dtype == np.float16
+
+
+def test_bad_input_errors():
+    lin = nn.Linear(4, 3, seed=0)
+    with pytest.raises(ValueError, match=r"expected x of shape \(\.\.\., 4\), got \(2, 5\)"):
+        lin(np.zeros((2, 5), np.float32))
+    with pytest.raises(TypeError, match="floating-point.*int64"):
+        lin(np.zeros((2, 4), np.int64))
+    with pytest.raises(TypeError, match="torch tensor"):
+        lin(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="in_features"):
+        nn.Linear(0, 3)
+    with pytest.raises(ValueError, match=r"normalized_shape"):
+        nn.LayerNorm(-1)
+    with pytest.raises(ValueError, match=r"expected x of shape \(\.\.\., 8\)"):
+        nn.LayerNorm(8)(np.zeros((2, 7)))
+
+
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    d_in=st.integers(1, 9),
+    d_out=st.integers(1, 9),
+    bias=st.booleans(),
+)
+def test_linear_random_shapes_match_torch(lead, d_in, d_out, bias):
+    lin = nn.Linear(d_in, d_out, bias, seed=0).astype(np.float64)
+    x = np.random.default_rng(1).standard_normal((*lead, d_in))
+    out = lin(x)
+    assert out.shape == (*lead, d_out)
+    expected = F.linear(t(x), t(lin.weight), t(lin.bias) if bias else None).numpy()
+    assert_close(out, expected, 1e-12)

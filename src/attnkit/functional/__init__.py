@@ -17,9 +17,18 @@ from attnkit.functional.attention import (
     scaled_dot_product_attention_backward,
 )
 from attnkit.functional.softmax import log_softmax, logsumexp, softmax
+from attnkit.functional import mods
+from attnkit.functional.flash import (
+    AttentionState,
+    flash_attention,
+    flash_attention_backward,
+    flash_backend,
+    merge_attention_states,
+)
 
 ATTENTION_BACKENDS: dict[str, Callable] = {
     "naive": scaled_dot_product_attention,
+    "flash": flash_backend,
 }
 
 
@@ -37,6 +46,11 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionGrads",
     "AttentionOutput",
+    "AttentionState",
+    "flash_attention",
+    "flash_attention_backward",
+    "merge_attention_states",
+    "mods",
     "get_attention",
     "log_softmax",
     "logsumexp",

@@ -1,0 +1,774 @@
+"""Flash attention on the CPU: exact attention computed tile by tile.
+
+The plain path (`scaled_dot_product_attention`) materializes the (L, S) score
+matrix. This one never does: for a block of queries it walks over blocks of
+keys keeping, per query row, a running reference m (the max so far), a running
+sum l = sum exp(s - m) and an accumulator acc = sum exp(s - m) v, rescaling both
+by exp(m_old - m_new) whenever the reference moves (the online softmax). At the
+end output = acc / l and lse = m + log(l). Extra memory is O(block_q * block_k)
+per thread plus O(L + S) per head; results equal the plain path to rounding.
+
+The backward is FlashAttention-2's: with D = rowsum(dO * O) it recomputes each
+tile's weights P = exp(s - lse) from the saved lse and accumulates dV, dK and dQ
+tile by tile, never holding an (L, S) array either.
+
+Speed on a CPU comes from NumPy doing the heavy lifting in BLAS matmuls and
+SIMD ufuncs that release the GIL: tiles are large (they fit the L2 cache),
+everything stays in the compute dtype, buffers are reused (out=), blocks the
+masks exclude entirely are skipped, and (batch, head, query block) tasks run on
+a pool of threads while BLAS itself is held to one thread (threadpoolctl).
+
+Two tricks cut elementwise passes, exactly:
+- The row shift is folded into the score matmul: query rows carry an extra
+  column -m and key rows an extra column 1, so Q K^T - m comes out of BLAS.
+  The reference m is the row max of the blocks seen so far, which is exact
+  for the softmax as long as exp does not overflow; a block whose scores
+  jump too far above it (detected from a non-finite row sum) is redone with
+  its true max. The same trick folds -lse and -D into the backward matmuls.
+- Value rows carry an extra column 1, so the row sums l come out of P @ V.
+
+See docs/flash.md for the algorithm and the mods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from attnkit.functional._checks import (
+    AttentionShapes,
+    check_mask,
+    check_qkv,
+    check_scale,
+    require_float_tensor,
+    shape_str,
+)
+from attnkit.functional.attention import AttentionGrads, AttentionOutput
+from attnkit.functional.masks import ALIGNMENTS
+
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 512
+_REBASE_ABOVE = 2.0**60  # a row sum above this moves the row's reference up
+
+
+class AttentionState(NamedTuple):
+    """Attention over some set of keys, in a form that can be merged.
+
+    output: (..., H, L, Ev) the attention output over those keys.
+    lse:    (..., H, L) natural-log logsumexp of each query row's masked,
+            scaled scores (-inf for a row with no key allowed), in the compute
+            dtype (float32 for float16 inputs).
+    """
+
+    output: np.ndarray
+    lse: np.ndarray
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+_blas_controller = None
+_scratch = threading.local()
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _pool(num_threads: int) -> ThreadPoolExecutor:
+    with _pool_lock:
+        if num_threads not in _pools:
+            _pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix="attnkit-flash")
+        return _pools[num_threads]
+
+
+def _blas_one_thread():
+    """A context that holds BLAS to one thread (our threads do the spreading)."""
+    global _blas_controller
+    from threadpoolctl import ThreadpoolController
+
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController()
+    return _blas_controller.limit(limits=1, user_api="blas")
+
+
+def _buffer(name: str, size: int, dtype: np.dtype) -> np.ndarray:
+    """A per-thread flat scratch buffer of at least `size` elements, reused across tiles."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (name, np.dtype(dtype).str)
+    buf = bufs.get(key)
+    if buf is None or buf.size < size:
+        buf = bufs[key] = np.empty(max(size, 1), dtype=dtype)
+    return buf
+
+
+def _tile(name: str, rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous (rows, cols) view of a scratch buffer (BLAS writes it directly)."""
+    return _buffer(name, rows * cols, dtype)[: rows * cols].reshape(rows, cols)
+
+
+def _run(tasks: list, fn: Callable, num_threads: int) -> list:
+    with _blas_one_thread():
+        if num_threads == 1 or len(tasks) <= 1:
+            return [fn(*t) for t in tasks]
+        return list(_pool(num_threads).map(lambda t: fn(*t), tasks))
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _check_mod(fn, name: str, arity: int, args: str):
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TypeError(f"expected {name} to be callable {name}{args}, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(*([None] * arity))
+    except TypeError:
+        raise TypeError(
+            f"expected {name} to take {arity} positional arguments {args}, "
+            f"got a callable with signature {inspect.signature(fn)}"
+        ) from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+    return fn
+
+
+def _check_block(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"expected {name} to be a positive integer or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"expected {name} >= 1, got {value}")
+    return int(value)
+
+
+def _check_window(window) -> tuple[int | None, int | None]:
+    """window=w (left=w, right=0) or (left, right), as in masks.sliding_window_mask."""
+    if window is None:
+        return None, None
+    if isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_)):
+        window = (int(window), 0)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"expected window as an int (left) or a (left, right) pair, got {window!r}")
+    sides = []
+    for side, name in zip(window, ("left", "right")):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"expected window {name} to be an integer or None, got {type(side).__name__}")
+        if side < 0:
+            raise ValueError(f"expected window {name} >= 0, got {side}")
+        sides.append(int(side))
+    return sides[0], sides[1]
+
+
+@dataclass
+class _Plan:
+    """Everything a tile needs, fixed once per call. Bands are on kv - q:
+    a key kv is allowed for query q only if lo <= kv - q <= hi."""
+
+    shapes: AttentionShapes
+    scale: float
+    lo: int | None
+    hi: int | None
+    mask: np.ndarray | None  # broadcast view (*batch, Hq, L, S) or None
+    mask_mod: Callable | None  # evaluated per tile (a band-only mod is folded into lo/hi)
+    score_mod: Callable | None
+    block_q: int
+    block_k: int
+    num_threads: int
+
+    def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """Keys any query in [q0, q1) may see: the band's reach, clipped to [0, S)."""
+        start = 0 if self.lo is None else max(0, q0 + self.lo)
+        end = self.shapes.S if self.hi is None else min(self.shapes.S, q1 - 1 + self.hi + 1)
+        return start, max(start, end)
+
+    def q_range(self, k0: int, k1: int) -> tuple[int, int]:
+        """Queries that may see any key in [k0, k1)."""
+        start = 0 if self.hi is None else max(0, k0 - self.hi)
+        end = self.shapes.L if self.lo is None else min(self.shapes.L, k1 - 1 - self.lo + 1)
+        return start, max(start, end)
+
+    def batch_index(self, b: int) -> tuple[int, ...]:
+        return tuple(int(i) for i in np.unravel_index(b, self.shapes.batch)) if self.shapes.batch else ()
+
+    def tile_masks(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int):
+        """(skip, keep, add) for one tile: skip when no pair is allowed; keep a
+        bool (rows, cols) array of allowed pairs or None when all are; add the
+        float mask tile or None."""
+        keep = None
+        partial_band = (self.lo is not None and k0 - (q1 - 1) < self.lo) or (
+            self.hi is not None and (k1 - 1) - q0 > self.hi
+        )
+        if partial_band:
+            rel = np.arange(k0, k1)[None, :] - np.arange(q0, q1)[:, None]  # kv - q
+            if self.lo is not None and self.hi is not None:
+                keep = (rel >= self.lo) & (rel <= self.hi)
+            elif self.lo is not None:
+                keep = rel >= self.lo
+            else:
+                keep = rel <= self.hi
+        add = None
+        if self.mask is not None:
+            tile = self.mask[self.batch_index(b) + (h, slice(q0, q1), slice(k0, k1))]
+            if tile.dtype == np.bool_:
+                if not tile.all():
+                    keep = tile if keep is None else keep & tile
+            else:
+                add = tile
+        if self.mask_mod is not None:
+            allowed = np.asarray(
+                self.mask_mod(b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
+            )
+            if allowed.dtype != np.bool_:
+                raise TypeError(f"expected mask_mod to return booleans, got dtype {allowed.dtype}")
+            allowed = np.broadcast_to(allowed, (q1 - q0, k1 - k0))
+            if not allowed.all():
+                keep = allowed if keep is None else keep & allowed
+        if keep is not None and not keep.any():
+            return True, None, None
+        return False, keep, add
+
+    def modded(self, s: np.ndarray, b: int, h: int, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+        """score_mod applied to a tile of scaled scores (same shape, compute dtype)."""
+        out = self.score_mod(s, b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
+        out = np.asarray(out)
+        if out.shape != s.shape:
+            try:
+                out = np.broadcast_to(out, s.shape)
+            except ValueError:
+                raise ValueError(
+                    f"expected score_mod to return scores of shape {shape_str(s.shape)}, "
+                    f"got {shape_str(out.shape)}"
+                ) from None
+        if out is not s:
+            np.copyto(s, out, casting="same_kind")
+        return s
+
+
+def _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window,
+               score_mod, mask_mod, block_q, block_k, num_threads):
+    query, key, value, shapes = check_qkv(query, key, value, enable_gqa)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
+    if causal_align not in ALIGNMENTS:
+        raise ValueError(f"expected causal_align to be one of {ALIGNMENTS}, got {causal_align!r}")
+    scale = check_scale(scale, shapes.E)
+    q, k, v = (x[None] if x.ndim == 2 else x for x in (query, key, value))
+    if q is not query:  # (L, E) inputs: a head axis of 1
+        q, k, v, shapes = check_qkv(q, k, v, enable_gqa)
+    mask = check_mask(attn_mask, shapes, bool(is_causal))
+    if mask is not None:
+        mask = np.broadcast_to(mask, shapes.scores_shape)
+    score_mod = _check_mod(score_mod, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
+    mask_mod = _check_mod(mask_mod, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
+    block_q, block_k = _check_block(block_q, "block_q"), _check_block(block_k, "block_k")
+    if num_threads is None:
+        num_threads = _default_threads()
+    num_threads = _check_block(num_threads, "num_threads")
+
+    L, S = shapes.L, shapes.S
+    offset = 0 if causal_align == "top_left" else S - L
+    lo = hi = None
+    if is_causal:
+        hi = offset
+    left, right = _check_window(window)
+    if right is not None:
+        hi = offset + right if hi is None else min(hi, offset + right)
+    if left is not None:
+        lo = offset - left
+    if mask_mod is not None and hasattr(mask_mod, "bind"):
+        mask_mod = mask_mod.bind(L, S)
+    if score_mod is not None and hasattr(score_mod, "bind"):
+        score_mod = score_mod.bind(L, S)
+    band = getattr(mask_mod, "band", None)
+    if band is not None:  # a ready-made mod that implies lo <= kv - q <= hi
+        mlo, mhi, exact = band
+        if mlo is not None:
+            lo = mlo if lo is None else max(lo, mlo)
+        if mhi is not None:
+            hi = mhi if hi is None else min(hi, mhi)
+        if exact:
+            mask_mod = None
+        elif hasattr(mask_mod, "rest"):
+            mask_mod = mask_mod.rest
+    plan = _Plan(
+        shapes=shapes, scale=scale, lo=lo, hi=hi, mask=mask, mask_mod=mask_mod, score_mod=score_mod,
+        block_q=min(block_q or DEFAULT_BLOCK_Q, max(L, 1)), block_k=min(block_k or DEFAULT_BLOCK_K, max(S, 1)),
+        num_threads=num_threads,
+    )
+    return q, k, v, plan
+
+
+def _flat(x: np.ndarray, shapes: AttentionShapes, heads: int, dtype) -> np.ndarray:
+    """(..., H, N, D) -> C-contiguous (B, H, N, D) in the compute dtype, B = prod(batch)."""
+    B = math.prod(shapes.batch)
+    return np.ascontiguousarray(x, dtype=dtype).reshape(B, heads, x.shape[-2], x.shape[-1])
+
+
+def _with_ones(x: np.ndarray) -> np.ndarray:
+    """(B, H, N, D) -> (B, H, N, D + 1) with a last column of ones."""
+    out = np.empty((*x.shape[:-1], x.shape[-1] + 1), dtype=x.dtype)
+    out[..., :-1] = x
+    out[..., -1] = 1
+    return out
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out_rows, lse_rows):
+    """Queries [q0, q1) of head (b, h) over keys [k_start, k_end): writes
+    out_rows (r, Ev) and lse_rows (r,). qa_src (L, E) query rows, ka (S, E+1)
+    keys with a ones column, va (S, Ev+1) values with a ones column."""
+    cd = ka.dtype
+    E, Ev = ka.shape[1] - 1, va.shape[1] - 1
+    r = q1 - q0
+    qa = _tile("qa", r, E + 1, cd)  # [q * scale, -m]
+    np.multiply(qa_src[q0:q1], cd.type(plan.scale), out=qa[:, :E])
+    qs = qa[:, :E]
+    m = np.full(r, -np.inf, dtype=cd)  # running reference per row (the max seen so far)
+    acc = np.zeros((r, Ev + 1), dtype=cd)  # [sum p v, sum p] relative to m
+    part = _tile("part", r, Ev + 1, cd)
+    established = False  # every row has a finite reference
+    for k0 in range(k_start, k_end, plan.block_k):
+        k1 = min(k0 + plan.block_k, k_end)
+        skip, keep, add = plan.tile_masks(b, h, q0, q1, k0, k1)
+        if skip:
+            continue
+        s = _tile("s", r, k1 - k0, cd)
+        if established and plan.score_mod is None:
+            # s = q k^T * scale - m straight out of BLAS, then exp, then P @ [V, 1].
+            qa[:, E] = -m
+            np.matmul(qa, ka[k0:k1].T, out=s)
+            if add is not None:
+                s += add
+            if keep is not None:
+                np.copyto(s, cd.type(-np.inf), where=~keep)
+            np.exp(s, out=s)
+            np.matmul(s, va[k0:k1], out=part)
+            if np.isfinite(part).all():
+                acc += part
+                big = acc[:, Ev] > _REBASE_ABOVE
+                if big.any():  # move the reference up so later tiles cannot overflow
+                    new_m = np.where(big, m + np.log(acc[:, Ev]), m).astype(cd)
+                    acc *= np.exp(m - new_m)[:, None]
+                    m = new_m
+                continue
+            # exp overflowed (a score far above m) or NaN: redo this tile exactly below.
+        np.matmul(qs, ka[k0:k1, :E].T, out=s)
+        if plan.score_mod is not None:
+            plan.modded(s, b, h, q0, q1, k0, k1)
+        if add is not None:
+            s += add
+        if keep is not None:
+            np.copyto(s, cd.type(-np.inf), where=~keep)
+        new_m = np.maximum(m, s.max(axis=1))
+        shift = np.where(np.isneginf(new_m), cd.type(0), new_m)  # an all -inf row stays at 0
+        alpha = np.exp(m - shift)
+        s -= shift[:, None]
+        np.exp(s, out=s)
+        np.matmul(s, va[k0:k1], out=part)
+        acc *= alpha[:, None]
+        acc += part
+        m = new_m
+        established = bool(np.isfinite(m).all())
+    total = acc[:, Ev]
+    empty = total == 0  # no key allowed: output 0, lse -inf
+    np.divide(acc[:, :Ev], np.where(empty, cd.type(1), total)[:, None], out=out_rows)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse_rows[:] = np.where(empty, cd.type(-np.inf), m + np.log(total))
+
+
+def flash_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: int | tuple[int | None, int | None] | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    return_lse: bool = False,
+    num_threads: int | None = None,
+) -> np.ndarray | AttentionState:
+    """Exact attention computed tile by tile: `scaled_dot_product_attention`'s
+    results without ever holding the (L, S) scores.
+
+    Arguments:
+        query: (..., Hq, L, E) floating array (or (L, E)).
+        key: (..., Hkv, S, E), same dtype and batch dims.
+        value: (..., Hkv, S, Ev).
+        attn_mask: bool (True = may attend) or float (added to the scores),
+            broadcastable to (..., Hq, L, S); not together with is_causal.
+        is_causal: causal mask, aligned by `causal_align`.
+        scale: multiplies q . k; default 1/sqrt(E).
+        enable_gqa: query head h reads key/value head h // (Hq // Hkv).
+        causal_align: "top_left" (torch's is_causal; query i sees keys 0..i) or
+            "bottom_right" (query i sees keys 0..i + S - L, as with a KV cache).
+            Also aligns `window`.
+        window: sliding window: an int `left` or a pair (left, right); query i
+            sees keys i - left .. i + right (None = unbounded), exactly like
+            `masks.sliding_window_mask(left=, right=)`. Tiles outside are skipped.
+        score_mod: FlexAttention-style `score_mod(score, b, h, q_idx, kv_idx)`
+            returning new scores; `score` is a (rows, cols) tile of scaled
+            scores, q_idx (rows, 1) and kv_idx (1, cols) integer positions, h
+            the query head and b the index into the flattened batch dims.
+            Applied before attn_mask is added. See `attnkit.functional.mods`.
+        mask_mod: `mask_mod(b, h, q_idx, kv_idx)` returning booleans (True = may
+            attend), evaluated per tile; tiles it excludes entirely are skipped.
+        block_q, block_k: tile sizes (default 256 x 512).
+        return_lse: also return the logsumexp of each score row.
+        num_threads: worker threads (default: the CPUs this process may use).
+
+    Returns:
+        The output (..., Hq, L, Ev) in query's dtype, or with return_lse
+        AttentionState(output, lse) with lse (..., Hq, L) in the compute dtype.
+        A query row with no key allowed gets output 0 and lse -inf.
+    """
+    squeeze = np.ndim(query) == 2
+    q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
+                               window, score_mod, mask_mod, block_q, block_k, num_threads)
+    shapes = plan.shapes
+    cd, B, Hq, g, L, S = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.group, shapes.L, shapes.S
+    q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
+    ka = _with_ones(_flat(k, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, E+1)
+    va = _with_ones(_flat(v, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, Ev+1)
+    out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
+    lse = np.full((B, Hq, L), -np.inf, dtype=cd)
+
+    # Tasks: (b, h, query block), the longest first so the pool ends evenly. When
+    # there are fewer query blocks than threads (decoding), split the keys too and
+    # merge the partial states.
+    blocks = []
+    for q0 in range(0, L, plan.block_q):
+        q1 = min(q0 + plan.block_q, L)
+        k_start, k_end = plan.kv_range(q0, q1)
+        if k_end > k_start:
+            blocks.append((q0, q1, k_start, k_end))
+    blocks.sort(key=lambda t: t[1] - t[0] if plan.lo is None and plan.hi is None else t[3] - t[2], reverse=True)
+    n_heads = B * Hq
+    splits = 1
+    if n_heads * len(blocks) < plan.num_threads and len(blocks) >= 1:
+        widest = max(t[3] - t[2] for t in blocks)
+        splits = max(1, min(plan.num_threads, widest // plan.block_k))
+
+    def task(b, h, q0, q1, k_start, k_end):
+        _forward_rows(plan, q[b, h], ka[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end,
+                      out[b, h, q0:q1], lse[b, h, q0:q1])
+
+    if splits == 1:
+        tasks = [(b, h, *blk) for blk in blocks for b in range(B) for h in range(Hq)]
+        _run(tasks, task, plan.num_threads)
+    else:
+        def split_task(b, h, q0, q1, k_start, k_end, o_part, l_part):
+            _forward_rows(plan, q[b, h], ka[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end, o_part, l_part)
+
+        tasks, parts = [], []
+        for blk in blocks:
+            q0, q1, k_start, k_end = blk
+            edges = np.linspace(k_start, k_end, splits + 1).astype(int)
+            for b in range(B):
+                for h in range(Hq):
+                    o_parts = np.zeros((splits, q1 - q0, shapes.Ev), dtype=cd)
+                    l_parts = np.full((splits, q1 - q0), -np.inf, dtype=cd)
+                    parts.append((b, h, q0, q1, o_parts, l_parts))
+                    for i in range(splits):
+                        if edges[i + 1] > edges[i]:
+                            tasks.append((b, h, q0, q1, int(edges[i]), int(edges[i + 1]), o_parts[i], l_parts[i]))
+        _run(tasks, split_task, plan.num_threads)
+        for b, h, q0, q1, o_parts, l_parts in parts:
+            merged = merge_attention_states(o_parts, l_parts)
+            out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
+
+    out = out.reshape(*shapes.batch, Hq, L, shapes.Ev).astype(shapes.dtype, copy=False)
+    lse = lse.reshape(*shapes.batch, Hq, L)
+    if squeeze:
+        out, lse = out[0], lse[0]
+    return AttentionState(out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, k1, dk_out, dv_out):
+    """Keys [k0, k1) of kv head (b, h_kv): accumulate their dK, dV over every query
+    head of the group and every query block that can see them, and add the dQ
+    contributions into this thread's dq_acc (B, Hq, L, E) (dQ / scale).
+
+    qs: (B, Hq, L, E) query * scale; do_a: (B, Hq, L, Ev+1) [dO, -D];
+    lse_use: (B, Hq, L) lse with -inf rows at 0; ka (S, E+1), va (S, Ev+1)."""
+    cd = qs.dtype
+    E, Ev = qs.shape[-1], do_a.shape[-1] - 1
+    g = plan.shapes.group
+    c = k1 - k0
+    dk = np.zeros((c, E), dtype=cd)
+    dv = np.zeros((c, Ev), dtype=cd)
+    dk_part = _tile("dk_part", c, E, cd)
+    dv_part = _tile("dv_part", c, Ev, cd)
+    q_start, q_end = plan.q_range(k0, k1)
+    for h in range(h_kv * g, (h_kv + 1) * g):
+        qa = _tile("qa_b", plan.block_q, E + 1, cd)
+        for q0 in range(q_start, q_end, plan.block_q):
+            q1 = min(q0 + plan.block_q, q_end)
+            r = q1 - q0
+            skip, keep, add = plan.tile_masks(b, h, q0, q1, k0, k1)
+            if skip:
+                continue
+            p = _tile("p", r, c, cd)
+            qa_r = qa[:r]
+            qa_r[:, :E] = qs[b, h, q0:q1]
+            mod_grad = None
+            if plan.score_mod is None:
+                # forward: s = q k^T * scale; P = exp(s - lse) straight out of BLAS
+                qa_r[:, E] = -lse_use[b, h, q0:q1]
+                np.matmul(qa_r, ka[k0:k1].T, out=p)
+                if add is not None:
+                    p += add
+            else:
+                np.matmul(qa_r[:, :E], ka[k0:k1, :E].T, out=p)
+                if plan.score_mod.grad is not None:  # None: additive, derivative 1
+                    mod_grad = plan.score_mod.grad(
+                        p.copy(), b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
+                    )
+                plan.modded(p, b, h, q0, q1, k0, k1)
+                if add is not None:
+                    p += add
+                p -= lse_use[b, h, q0:q1, None]
+            if keep is not None:
+                np.copyto(p, cd.type(-np.inf), where=~keep)
+            np.exp(p, out=p)
+            # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
+            np.matmul(p.T, do_a[b, h, q0:q1, :Ev], out=dv_part)
+            dv += dv_part
+            ds = _tile("ds", r, c, cd)
+            np.matmul(do_a[b, h, q0:q1], va[k0:k1].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            # forward: P = softmax(s)  ->  dS = P * (dP - D)
+            np.multiply(ds, p, out=ds)
+            if mod_grad is not None:
+                # forward: s = score_mod(q k^T * scale)  ->  chain rule through the mod
+                ds *= mod_grad
+            # forward: s = (q * scale) k^T  ->  dQ += dS K (times scale later), dK += dS^T (q * scale)
+            np.matmul(ds.T, qs[b, h, q0:q1], out=dk_part)
+            dk += dk_part
+            dq_part = _tile("dq_part", r, E, cd)
+            np.matmul(ds, ka[k0:k1, :E], out=dq_part)
+            dq_acc[b, h, q0:q1] += dq_part
+    dk_out[...] = dk
+    dv_out[...] = dv
+
+
+def flash_attention_backward(
+    grad_output: np.ndarray,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    output: np.ndarray,
+    lse: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: int | tuple[int | None, int | None] | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+) -> AttentionGrads:
+    """Gradients of `flash_attention`, FlashAttention-2 style, tile by tile.
+
+    Takes the forward's inputs and mask arguments, its `output` and `lse`
+    (from `flash_attention(..., return_lse=True)`) and grad_output = dLoss/dO
+    of shape (..., Hq, L, Ev). With D = rowsum(dO * O) each tile's weights are
+    recomputed as P = exp(s - lse) and
+
+        dV += P^T dO,   dP = dO V^T,   dS = P * (dP - D),
+        dQ += dS K * scale,   dK += dS^T Q * scale.
+
+    Work is spread over (batch, kv head, key block); each thread adds its dQ
+    contributions into its own (B, Hq, L, E) buffer, summed at the end: extra
+    memory O(threads * L + S), never (L, S).
+
+    A score_mod needs its derivative d score_mod / d score for the chain rule:
+    ready-made mods carry it (`.grad`); wrap your own function with
+    `mods.ScoreMod(fn, grad)`, where grad=None declares it additive
+    (derivative 1, as for ALiBi or any bias that ignores the score).
+
+    Returns:
+        AttentionGrads(grad_query, grad_key, grad_value) in the inputs' shapes
+        and dtype. Rows with no key allowed give zero gradients.
+    """
+    squeeze = np.ndim(query) == 2
+    q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
+                               window, score_mod, mask_mod, block_q, block_k, num_threads)
+    shapes = plan.shapes
+    cd, B, Hq, Hkv, g = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads, shapes.group
+    L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
+    out_shape = (*shapes.batch, Hq, L, Ev)
+    lse_shape = (*shapes.batch, Hq, L)
+    extra = 1 if squeeze else 0
+    for arr, name, want in ((grad_output, "grad_output", out_shape), (output, "output", out_shape),
+                            (lse, "lse", lse_shape)):
+        arr = require_float_tensor(arr, name, 1)
+        if arr.shape != want[extra:]:
+            raise ValueError(f"expected {name} of shape {shape_str(want[extra:])}, got {shape_str(arr.shape)}")
+
+    if plan.score_mod is not None and not hasattr(plan.score_mod, "grad"):
+        raise TypeError(
+            "flash_attention_backward needs the derivative of score_mod: wrap it as "
+            "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
+        )
+    qs = _flat(q, shapes, Hq, cd) * cd.type(plan.scale)  # (B, Hq, L, E)
+    ka = _with_ones(_flat(k, shapes, Hkv, cd))  # (B, Hkv, S, E+1)
+    va = _with_ones(_flat(v, shapes, Hkv, cd))  # (B, Hkv, S, Ev+1)
+    d_out = np.asarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
+    o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)
+    do_a = np.empty((B, Hq, L, Ev + 1), dtype=cd)  # [dO, -D]
+    do_a[..., :Ev] = d_out
+    do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o)  # D = rowsum(dO * O)
+    lse_use = np.asarray(lse, dtype=cd).reshape(B, Hq, L).copy()
+    lse_use[np.isneginf(lse_use)] = 0  # rows with no key: their tiles are all masked anyway
+
+    grad_k = np.zeros((B, Hkv, S, E), dtype=cd)
+    grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)
+    dq_buffers: dict[int, np.ndarray] = {}
+    lock = threading.Lock()
+
+    def task(b, h_kv, k0, k1):
+        ident = threading.get_ident()
+        with lock:
+            if ident not in dq_buffers:
+                dq_buffers[ident] = np.zeros((B, Hq, L, E), dtype=cd)
+            dq_acc = dq_buffers[ident]
+        _backward_cols(plan, qs, dq_acc, do_a, lse_use, ka[b, h_kv], va[b, h_kv], b, h_kv, k0, k1,
+                       grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
+
+    blocks = []
+    for k0 in range(0, S, plan.block_k):
+        k1 = min(k0 + plan.block_k, S)
+        q_start, q_end = plan.q_range(k0, k1)
+        if q_end > q_start:
+            blocks.append((k0, k1, q_end - q_start))
+    blocks.sort(key=lambda t: t[2], reverse=True)
+    tasks = [(b, h, k0, k1) for k0, k1, _ in blocks for b in range(B) for h in range(Hkv)]
+    _run(tasks, task, plan.num_threads)
+
+    grad_q = np.zeros((B, Hq, L, E), dtype=cd)
+    for buf in dq_buffers.values():
+        grad_q += buf
+    grad_q *= cd.type(plan.scale)
+    grads = (
+        grad_q.reshape(*shapes.batch, Hq, L, E),
+        grad_k.reshape(*shapes.batch, Hkv, S, E),
+        grad_v.reshape(*shapes.batch, Hkv, S, Ev),
+    )
+    if squeeze:
+        grads = tuple(x[0] for x in grads)
+    return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def merge_attention_states(outputs: Sequence[np.ndarray], lses: Sequence[np.ndarray]) -> AttentionState:
+    """Combine attention computed over disjoint sets of keys into attention over their union.
+
+    With per-part outputs o_i and logsumexps lse_i of the same queries,
+        lse = log(sum_i exp(lse_i)),   output = sum_i exp(lse_i - lse) * o_i,
+    exactly what attention over all the keys at once gives (split-KV decoding,
+    chunked prefill). Parts where a row saw no key (lse -inf) weigh 0; a row
+    no part saw stays output 0, lse -inf.
+
+    Arguments:
+        outputs: n arrays (..., L, Ev), or one stacked array (n, ..., L, Ev).
+        lses: n arrays (..., L), or one stacked array (n, ..., L).
+
+    Returns:
+        AttentionState(output (..., L, Ev), lse (..., L)) in the outputs' dtype
+        (float16 computes in float32).
+    """
+    outs = [require_float_tensor(o, f"outputs[{i}]", 1) for i, o in enumerate(outputs)]
+    ls = [require_float_tensor(x, f"lses[{i}]", 1) for i, x in enumerate(lses)]
+    if not outs:
+        raise ValueError("merge_attention_states needs at least one state, got none")
+    if len(outs) != len(ls):
+        raise ValueError(f"expected as many lses as outputs, got {len(ls)} lses for {len(outs)} outputs")
+    for i, (o, x) in enumerate(zip(outs, ls)):
+        if o.shape != outs[0].shape:
+            raise ValueError(f"expected every output of shape {shape_str(outs[0].shape)}, got {shape_str(o.shape)} at {i}")
+        if o.ndim < 1 or x.shape != o.shape[:-1]:
+            raise ValueError(
+                f"expected lses[{i}] of shape {shape_str(o.shape[:-1])} (the output without its last axis), "
+                f"got {shape_str(x.shape)}"
+            )
+    dtype = outs[0].dtype
+    cd = np.dtype(np.float32) if dtype == np.float16 else np.result_type(dtype, ls[0].dtype)
+    lse_stack = np.stack([x.astype(cd, copy=False) for x in ls])  # (n, ..., L)
+    top = np.max(lse_stack, axis=0)
+    top = np.where(np.isneginf(top), cd.type(0), top)
+    weights = np.exp(lse_stack - top)  # (n, ..., L); 0 for parts that saw nothing
+    total = weights.sum(axis=0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), cd.type(-np.inf))
+    out = np.zeros(outs[0].shape, dtype=cd)
+    for w, o in zip(weights, outs):
+        out += w[..., None] * o.astype(cd, copy=False)
+    out /= np.where(total > 0, total, 1)[..., None]
+    return AttentionState(out.astype(dtype, copy=False), lse.astype(cd, copy=False))
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+def flash_backend(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    rng: np.random.Generator | None = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+) -> np.ndarray | AttentionOutput:
+    """`flash_attention` behind `scaled_dot_product_attention`'s signature
+    (registered as ATTENTION_BACKENDS["flash"]). It never forms the weights,
+    so dropout and return_weights are refused."""
+    if dropout_p:
+        raise ValueError(f"the flash backend has no dropout; expected dropout_p=0.0, got {dropout_p}")
+    if return_weights:
+        raise ValueError("the flash backend never forms the (L, S) weights; use the 'naive' backend for them")
+    res = flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse=True)
+    if not return_lse:
+        return res.output
+    return AttentionOutput(output=res.output, weights=None, lse=res.lse.astype(res.output.dtype, copy=False))

@@ -1,0 +1,348 @@
+"""Ready-made score and mask modifications for `flash_attention`, FlexAttention style.
+
+A mask mod says which (query, key) pairs may attend; a score mod rewrites the
+scaled scores before the softmax:
+
+    mask_mod(b, h, q_idx, kv_idx) -> bool        True = may attend
+    score_mod(score, b, h, q_idx, kv_idx) -> new score
+
+`flash_attention` calls them once per tile, vectorized: `q_idx` is a (rows, 1)
+and `kv_idx` a (1, cols) integer array of absolute positions, `h` the query
+head, `b` the index into the flattened leading batch dims, and `score` the
+(rows, cols) tile. Any function with those signatures works; the ones here also
+tell flash which tiles they exclude wholesale (a band lo <= kv - q <= hi), so
+those tiles are never computed, and score mods carry their derivative for the
+backward.
+
+Mods with an alignment (causal, sliding window, ALiBi) need the lengths for
+"bottom_right": `flash_attention` binds them (`mod.bind(L, S)`); to use one
+elsewhere, bind it yourself or go through `create_mask` / `score_bias`, which
+turn a mod into the dense mask or bias the plain `scaled_dot_product_attention`
+takes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from attnkit.functional.masks import ALIGNMENTS
+
+Band = tuple  # (lo | None, hi | None, exact: bool) on kv - q
+
+
+def _check_align(align: str) -> str:
+    if align not in ALIGNMENTS:
+        raise ValueError(f"expected align to be one of {ALIGNMENTS}, got {align!r}")
+    return align
+
+
+def _offset(align: str, L: int | None, S: int | None) -> int:
+    if align == "top_left":
+        return 0
+    if L is None or S is None:
+        raise ValueError(
+            "a bottom_right mod needs the lengths: call mod.bind(L, S) first "
+            "(flash_attention, create_mask and score_bias do it for you)"
+        )
+    return S - L
+
+
+def _nonneg_int(value, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"expected {name} to be an integer, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"expected {name} >= 0, got {value}")
+    return int(value)
+
+
+def _per_batch(values, name: str, ndim_one: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim not in (0, 1, 2):
+        raise TypeError(f"expected {name} as integers shaped {ndim_one}, got dtype {arr.dtype} shape {arr.shape}")
+    return arr
+
+
+# ----------------------------------------------------------------------------- mask mods
+
+
+class MaskMod:
+    """A mask mod: `mod(b, h, q_idx, kv_idx) -> bool` (True = may attend).
+
+    `band` is None or (lo, hi, exact): every allowed pair has lo <= kv - q <= hi
+    (None = unbounded), and `exact` says the band is the whole mask. Flash skips
+    tiles outside the band and, when exact, never evaluates the mod.
+    """
+
+    band: Band | None = None
+
+    def __init__(self, fn: Callable | None = None, name: str = "mask_mod"):
+        self._fn = fn
+        self.name = name
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self._fn(b, h, q_idx, kv_idx)
+
+    def bind(self, L: int, S: int) -> "MaskMod":
+        """This mod for L queries over S keys (resolves bottom_right alignment)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class _Band(MaskMod):
+    """lo <= kv - q - offset <= hi, offset 0 top-left or S - L bottom-right."""
+
+    def __init__(self, lo: int | None, hi: int | None, align: str, name: str, offset: int | None = None):
+        super().__init__(name=name)
+        self.lo_rel, self.hi_rel, self.align = lo, hi, _check_align(align)
+        self.offset = 0 if align == "top_left" else offset
+        if self.offset is not None:
+            self.band = (
+                None if lo is None else self.offset + lo,
+                None if hi is None else self.offset + hi,
+                True,
+            )
+
+    def bind(self, L: int, S: int) -> "_Band":
+        return _Band(self.lo_rel, self.hi_rel, self.align, self.name, offset=_offset(self.align, L, S))
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        if self.offset is None:
+            _offset(self.align, None, None)  # raises: bottom_right needs bind(L, S)
+        rel = np.asarray(kv_idx) - np.asarray(q_idx) - self.offset
+        allowed = np.ones(np.broadcast_shapes(np.shape(rel)), dtype=bool)
+        if self.lo_rel is not None:
+            allowed &= rel >= self.lo_rel
+        if self.hi_rel is not None:
+            allowed &= rel <= self.hi_rel
+        return allowed
+
+
+def causal(align: str = "top_left") -> MaskMod:
+    """Query i sees keys up to its own position (aligned "top_left" like torch's
+    is_causal, or "bottom_right" for a KV cache). Tiles above the diagonal are skipped."""
+    return _Band(None, 0, align, f"causal, {align}")
+
+
+def sliding_window(left: int | None, right: int = 0, align: str = "top_left") -> MaskMod:
+    """Query i sees keys i - left .. i + right (None = unbounded), as
+    `masks.sliding_window_mask`. Costs O(L * (left + right)) in flash."""
+    left = None if left is None else _nonneg_int(left, "left")
+    right = _nonneg_int(right, "right")
+    return _Band(None if left is None else -left, right, align, f"window -{left}..+{right}, {align}")
+
+
+def prefix_lm(prefix_length) -> MaskMod:
+    """Prefix-LM (T5/PaLM style): every query sees the first `prefix_length`
+    keys bidirectionally, and the rest causally (top-left). `prefix_length` is
+    an int or a (B,) array, one per flattened batch index."""
+    prefix = _per_batch(prefix_length, "prefix_length", "() or (B,)")
+    if prefix.ndim > 1 or (prefix < 0).any():
+        raise ValueError(f"expected prefix_length >= 0 as an int or a (B,) array, got {prefix_length!r}")
+
+    def fn(b, h, q_idx, kv_idx):
+        p = prefix if prefix.ndim == 0 else prefix[b]
+        return (kv_idx < p) | (kv_idx <= q_idx)
+
+    mod = MaskMod(fn, name=f"prefix_lm {prefix.tolist()}")
+    # Nothing beyond max(prefix, q) is seen: a one-sided band only when there is no prefix.
+    return mod
+
+
+def document(q_ids, kv_ids=None) -> MaskMod:
+    """Packed sequences: a query sees only keys of the same document (segment).
+
+    q_ids: (L,) or (B, L) integer document id of each query position;
+    kv_ids: the same for the keys (defaults to q_ids, self-attention).
+    Combine with `causal()` through `and_mods` for packed causal LM training.
+    """
+    q_arr = _per_batch(q_ids, "q_ids", "(L,) or (B, L)")
+    kv_arr = q_arr if kv_ids is None else _per_batch(kv_ids, "kv_ids", "(S,) or (B, S)")
+    if q_arr.ndim == 0 or kv_arr.ndim == 0:
+        raise ValueError("expected document ids shaped (L,) or (B, L), got a scalar")
+
+    def fn(b, h, q_idx, kv_idx):
+        qd = q_arr if q_arr.ndim == 1 else q_arr[b]
+        kd = kv_arr if kv_arr.ndim == 1 else kv_arr[b]
+        return qd[q_idx] == kd[kv_idx]
+
+    return MaskMod(fn, name="document")
+
+
+def key_padding(lengths) -> MaskMod:
+    """Only the first lengths[b] keys of batch element b are real tokens."""
+    arr = _per_batch(lengths, "lengths", "(B,)")
+    if arr.ndim != 1 or (arr < 0).any():
+        raise ValueError(f"expected lengths as a (B,) array of non-negative integers, got {lengths!r}")
+    return MaskMod(lambda b, h, q_idx, kv_idx: np.broadcast_to(kv_idx < arr[b], np.broadcast_shapes(
+        np.shape(q_idx), np.shape(kv_idx))), name="key_padding")
+
+
+class _Combined(MaskMod):
+    def __init__(self, mods, op):
+        super().__init__(name=f"{op.__name__}({', '.join(repr(m) for m in mods)})")
+        self.mods, self.op = list(mods), op
+        if op is np.logical_and:
+            bands = [m.band for m in self.mods if getattr(m, "band", None) is not None]
+            if bands:
+                los = [b[0] for b in bands if b[0] is not None]
+                his = [b[1] for b in bands if b[1] is not None]
+                rest = [m for m in self.mods if getattr(m, "band", None) is None or not m.band[2]]
+                self.band = (max(los) if los else None, min(his) if his else None, not rest)
+                # what remains to evaluate per tile once the band is applied
+                self.rest = None if not rest else (rest[0] if len(rest) == 1 else _Combined(rest, op))
+
+    def bind(self, L: int, S: int) -> "_Combined":
+        return _Combined([m.bind(L, S) if hasattr(m, "bind") else m for m in self.mods], self.op)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        shape = np.broadcast_shapes(np.shape(q_idx), np.shape(kv_idx))
+        result = np.broadcast_to(np.asarray(self.mods[0](b, h, q_idx, kv_idx), dtype=bool), shape)
+        for m in self.mods[1:]:
+            result = self.op(result, m(b, h, q_idx, kv_idx))
+        return result
+
+
+def and_mods(*mods) -> MaskMod:
+    """A pair is allowed when every mod allows it (bands intersect: tiles are still skipped)."""
+    if not mods:
+        raise ValueError("and_mods needs at least one mask mod")
+    return _Combined(mods, np.logical_and)
+
+
+def or_mods(*mods) -> MaskMod:
+    """A pair is allowed when any mod allows it."""
+    if not mods:
+        raise ValueError("or_mods needs at least one mask mod")
+    return _Combined(mods, np.logical_or)
+
+
+# ----------------------------------------------------------------------------- score mods
+
+
+class ScoreMod:
+    """A score mod `mod(score, b, h, q_idx, kv_idx) -> new score` with its derivative.
+
+    grad: `grad(score, b, h, q_idx, kv_idx) -> d new_score / d score` (elementwise),
+    or None for an additive mod (derivative 1). `flash_attention_backward`
+    needs it for the chain rule.
+    """
+
+    def __init__(self, fn: Callable, grad: Callable | None = None, name: str = "score_mod"):
+        self._fn, self.grad, self.name = fn, grad, name
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self._fn(score, b, h, q_idx, kv_idx)
+
+    def bind(self, L: int, S: int) -> "ScoreMod":
+        return self
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({self.name})"
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes (Press et al.): 2^(-8 i / n) for a power of two n,
+    with the paper's interleaving rule otherwise. float64 (num_heads,)."""
+    num_heads = _nonneg_int(num_heads, "num_heads")
+    if num_heads == 0:
+        raise ValueError("expected num_heads >= 1, got 0")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < num_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return np.array(slopes, dtype=np.float64)
+
+
+class _Alibi(ScoreMod):
+    def __init__(self, slopes: np.ndarray, align: str, offset: int | None = None):
+        super().__init__(self._apply, grad=None, name=f"alibi, {align}")
+        self.slopes, self.align = slopes, _check_align(align)
+        self.offset = 0 if align == "top_left" else offset
+
+    def bind(self, L: int, S: int) -> "_Alibi":
+        return _Alibi(self.slopes, self.align, offset=_offset(self.align, L, S))
+
+    def _apply(self, score, b, h, q_idx, kv_idx):
+        if self.offset is None:
+            _offset(self.align, None, None)
+        if not 0 <= h < len(self.slopes):
+            raise ValueError(f"alibi has {len(self.slopes)} slopes but was called for head {h}")
+        score = np.asarray(score)
+        slope = score.dtype.type(self.slopes[h])
+        rel = (np.asarray(kv_idx) - np.asarray(q_idx) - self.offset).astype(score.dtype)
+        return score + slope * rel
+
+
+def alibi(num_heads: int | None = None, *, slopes=None, align: str = "top_left") -> ScoreMod:
+    """ALiBi: score + slope[h] * (kv - q), a linear penalty on distance, meant
+    with causal attention (kv <= q). Give num_heads (standard slopes) or slopes."""
+    if (num_heads is None) == (slopes is None):
+        raise ValueError("give alibi either num_heads or slopes, not both or neither")
+    slopes = alibi_slopes(num_heads) if slopes is None else np.asarray(slopes, dtype=np.float64).reshape(-1)
+    return _Alibi(slopes, align)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping (Gemma 2, Grok): cap * tanh(score / cap), keeping
+    scores in (-cap, cap). Derivative 1 - tanh(score / cap)^2."""
+    if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"expected cap to be a positive number, got {type(cap).__name__}")
+    cap = float(cap)
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"expected a finite cap > 0, got {cap}")
+
+    def fn(score, b, h, q_idx, kv_idx):
+        c = score.dtype.type(cap)
+        out = np.tanh(score / c)
+        out *= c
+        return out
+
+    def grad(score, b, h, q_idx, kv_idx):
+        t = np.tanh(score / score.dtype.type(cap))
+        return 1 - t * t
+
+    return ScoreMod(fn, grad, name=f"softcap {cap}")
+
+
+# ----------------------------------------------------------------------------- dense forms
+
+
+def create_mask(mask_mod: Callable, B: int, H: int, L: int, S: int) -> np.ndarray:
+    """The dense bool (B, H, L, S) mask a mask mod stands for (for the plain path)."""
+    if hasattr(mask_mod, "bind"):
+        mask_mod = mask_mod.bind(L, S)
+    q_idx, kv_idx = np.arange(L)[:, None], np.arange(S)[None, :]
+    out = np.empty((B, H, L, S), dtype=bool)
+    for b in range(B):
+        for h in range(H):
+            out[b, h] = mask_mod(b, h, q_idx, kv_idx)
+    return out
+
+
+def apply_score_mod(score_mod: Callable, scores: np.ndarray) -> np.ndarray:
+    """score_mod applied to dense scaled scores (B, H, L, S); returns a new array."""
+    scores = np.asarray(scores)
+    if scores.ndim != 4:
+        raise ValueError(f"expected scores shaped (B, H, L, S), got {scores.shape}")
+    B, H, L, S = scores.shape
+    if hasattr(score_mod, "bind"):
+        score_mod = score_mod.bind(L, S)
+    q_idx, kv_idx = np.arange(L)[:, None], np.arange(S)[None, :]
+    out = np.empty_like(scores)
+    for b in range(B):
+        for h in range(H):
+            out[b, h] = score_mod(scores[b, h].copy(), b, h, q_idx, kv_idx)
+    return out
+
+
+def score_bias(score_mod: Callable, B: int, H: int, L: int, S: int, dtype=np.float64) -> np.ndarray:
+    """The float (B, H, L, S) mask an additive score mod (such as ALiBi) equals:
+    score_mod applied to zero scores. Pass it as attn_mask to the plain path."""
+    return apply_score_mod(score_mod, np.zeros((B, H, L, S), dtype=dtype))

@@ -199,6 +199,22 @@ def test_activations_match_torch(dtype):
     assert np.max(np.abs(nn.gelu(x.astype(np.float64)) - nn.gelu_tanh(x.astype(np.float64)))) > 1e-4
 
 
+def test_gelu_float32_error_is_within_twice_torchs():
+    from scipy.special import erf
+
+    x = np.linspace(-10, 10, 200_001, dtype=np.float32)  # > one internal chunk, odd size
+    x64 = x.astype(np.float64)
+    exact = 0.5 * x64 * (1 + erf(x64 / math.sqrt(2)))
+    ours = np.abs(nn.gelu(x) - exact).max()
+    theirs = np.abs(F.gelu(t(x)).numpy() - exact).max()
+    assert ours <= 2 * theirs, f"float32 GELU error {ours:.2e} vs torch's {theirs:.2e}"
+    assert np.abs(nn.gelu(x64) - exact).max() <= 1e-15 * 10  # float64 is exact (scipy)
+    # shape, strides and float16 are handled
+    strided = np.linspace(-3, 3, 60, dtype=np.float32).reshape(3, 20)[:, ::2]
+    assert np.allclose(nn.gelu(strided), F.gelu(t(strided)).numpy(), atol=2e-6)
+    assert nn.gelu(strided.astype(np.float16)).dtype == np.float16
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 def test_feed_forward_matches_torch(activation):
     ffn = nn.FeedForward(16, 40, activation, seed=3).astype(np.float64)

@@ -28,12 +28,61 @@ def relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0)
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
-    """Exact GELU, x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2))), torch's default GELU."""
-    from scipy.special import erf  # imported here: scipy.special takes ~0.2 s to import
+# erf for float32: Eigen's rational minimax approximation on [-4, 4] (beyond
+# it erf is +-1 in float32): erf(x) ~= x * P(x^2) / Q(x^2). Max error 4.2e-7
+# against the float64 erf, the same size as torch's own float32 GELU's; about
+# 4x faster than scipy.special.erf, which computes float32 in double.
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # highest power first
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+_CHUNK = 65536  # elements per step: the scratch arrays stay in cache
 
+
+def _gelu_float32(x: np.ndarray) -> np.ndarray:
+    """Exact-formula GELU for a float32 array, in cache-sized chunks."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty_like(flat)
+    n = min(_CHUNK, flat.size)
+    x2, p, q = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
+    for start in range(0, flat.size, _CHUNK):
+        xs = flat[start : start + _CHUNK]
+        m = xs.size
+        t, x2m, pm, qm = out[start : start + m], x2[:m], p[:m], q[:m]
+        np.multiply(xs, _INV_SQRT2, out=t)  # t = x / sqrt(2)
+        np.clip(t, -4.0, 4.0, out=t)
+        np.multiply(t, t, out=x2m)
+        np.multiply(x2m, _ERF_P[0], out=pm)  # Horner in t^2
+        for c in _ERF_P[1:-1]:
+            pm += c
+            pm *= x2m
+        pm += _ERF_P[-1]
+        pm *= t
+        np.multiply(x2m, _ERF_Q[0], out=qm)
+        for c in _ERF_Q[1:-1]:
+            qm += c
+            qm *= x2m
+        qm += _ERF_Q[-1]
+        np.divide(pm, qm, out=t)  # t = erf(x / sqrt(2))
+        t += 1.0
+        t *= xs
+        t *= 0.5
+    return out.reshape(x.shape)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """Exact GELU, x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2))), torch's default GELU.
+
+    float64 uses scipy.special.erf (exact to rounding); float32 (and float16,
+    computed in float32) a rational erf approximation whose error matches
+    torch's float32 GELU (about 1e-6 absolute).
+    """
     x = check_float_input("x", x)
     xc = _as_compute(x)
+    if xc.dtype == np.float32:
+        return _gelu_float32(xc).astype(x.dtype, copy=False)
+    from scipy.special import erf  # imported here: scipy.special takes ~0.2 s to import
+
     t = xc * _INV_SQRT2
     erf(t, out=t)
     t += 1.0

@@ -1,0 +1,48 @@
+"""Views of attention: terminal heatmaps, PNG, a self-contained HTML file, a local web app.
+
+Every view draws an `AttentionMaps` (tokens + weights of shape
+(layers, heads, T, T)); providers (`get_provider("minilm")`) compute one from
+a text. matplotlib (PNG) and FastAPI (the web app) are imported only when
+their functions are first used: `import attnkit.viz` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from attnkit.viz.data import AttentionMaps, maps_from_random_model
+from attnkit.viz.summary import HeadSummary, pattern_difference, summarize_heads
+
+_LAZY = {
+    "heatmap": "terminal",
+    "maps_heatmap": "terminal",
+    "summary_table": "terminal",
+    "save_head_png": "png",
+    "save_grid_png": "png",
+    "render_html": "html",
+    "save_html": "html",
+    "create_app": "server",
+    "get_provider": "providers",
+    "ModelNotAvailableError": "providers",
+    "PROVIDERS": "providers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'attnkit.viz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"attnkit.viz.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "AttentionMaps",
+    "HeadSummary",
+    "maps_from_random_model",
+    "pattern_difference",
+    "summarize_heads",
+    *_LAZY,
+]

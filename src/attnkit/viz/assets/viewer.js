@@ -1,0 +1,429 @@
+// attnkit attention viewer: head view, matrix view, model view, differences.
+// All text from the data (tokens, sentences, model names) is inserted with
+// textContent, never as markup. Weights arrive as 8-bit codes (q = round(255 *
+// sqrt(w))), gzipped and base64-encoded; they stay 8-bit in memory and are
+// decoded through a 256-entry table when drawn.
+"use strict";
+(function () {
+  const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
+  const DECODE = new Float32Array(256);
+  for (let q = 0; q < 256; q++) DECODE[q] = (q / 255) * (q / 255);
+  const PATTERN_CODE = { previous: "P", first: "F", self: "S", broad: "B", mixed: "" };
+  const MAX_DEFAULT_LINES = 4000;
+
+  const $ = (id) => document.getElementById(id);
+  const el = (tag, cls, text) => {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined) e.textContent = text;
+    return e;
+  };
+  const state = { layer: 0, head: 0, docs: [], config: null, readyCount: 0 };
+  window.attnkit = state;
+
+  function viridis(x) {
+    const t = Math.min(1, Math.max(0, x)) * (VIRIDIS.length - 1);
+    const lo = Math.min(VIRIDIS.length - 2, Math.floor(t));
+    const f = t - lo;
+    const a = VIRIDIS[lo], b = VIRIDIS[lo + 1];
+    return [a[0] + (b[0] - a[0]) * f, a[1] + (b[1] - a[1]) * f, a[2] + (b[2] - a[2]) * f];
+  }
+
+  async function decodeWeights(b64) {
+    const raw = atob(b64);
+    const bytes = new Uint8Array(raw.length);
+    for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+    return new Uint8Array(await new Response(stream).arrayBuffer());
+  }
+
+  // One head as a Float32Array of T*T, or the mean of a layer's heads (head < 0).
+  function headMatrix(doc, layer, head) {
+    const T = doc.T, n = T * T, out = new Float32Array(n), codes = doc.codes;
+    const heads = head < 0 ? [...Array(doc.heads).keys()] : [head];
+    for (const h of heads) {
+      const base = (layer * doc.heads + h) * n;
+      for (let k = 0; k < n; k++) out[k] += DECODE[codes[base + k]];
+    }
+    if (heads.length > 1) for (let k = 0; k < n; k++) out[k] /= heads.length;
+    return out;
+  }
+
+  function paintMatrix(canvas, m, T) {
+    canvas.width = T; canvas.height = T;
+    const ctx = canvas.getContext("2d");
+    const img = ctx.createImageData(T, T);
+    let max = 0;
+    for (let k = 0; k < m.length; k++) if (m[k] > max) max = m[k];
+    const scale = max > 0 ? 1 / max : 1;
+    const lut = [];
+    for (let q = 0; q <= 255; q++) lut.push(viridis(q / 255));
+    for (let k = 0; k < m.length; k++) {
+      const c = lut[Math.round(m[k] * scale * 255)];
+      img.data[4 * k] = c[0]; img.data[4 * k + 1] = c[1]; img.data[4 * k + 2] = c[2]; img.data[4 * k + 3] = 255;
+    }
+    ctx.putImageData(img, 0, 0);
+    return max;
+  }
+
+  function fmt(w) { return w.toFixed(3); }
+  function quoted(s) { return "\u201c" + s + "\u201d"; }
+
+  // ---- one panel per document ------------------------------------------------
+  function buildDoc(doc, index) {
+    const panel = el("div", "doc");
+    panel.dataset.index = String(index);
+    panel.appendChild(el("h2", "doc-title", doc.text));
+    const meta = [doc.model, doc.T + " tokens", doc.layers + " layers x " + doc.heads + " heads",
+      doc.causal ? "causal" : "bidirectional"];
+    if (doc.truncated_from) meta.push("truncated from " + doc.truncated_from + " tokens");
+    panel.appendChild(el("div", "doc-meta", meta.join(" \u00b7 ")));
+    const views = el("div", "views");
+    const headView = el("div", "head-view");
+    const left = el("div", "col left"), right = el("div", "col right");
+    const lines = el("canvas", "lines");
+    const rowH = doc.T > 128 ? 12 : 18;
+    doc.rowH = rowH;
+    doc.leftEls = []; doc.rightEls = [];
+    doc.tokens.forEach((t, i) => {
+      const a = el("span", "tok", t), b = el("span", "tok", t);
+      a.style.height = b.style.height = a.style.lineHeight = b.style.lineHeight = rowH + "px";
+      if (rowH < 18) a.style.fontSize = b.style.fontSize = "10px";
+      a.dataset.i = b.dataset.i = String(i);
+      a.title = b.title = i + ": " + t;
+      a.addEventListener("mouseenter", () => hover(doc, "query", i));
+      b.addEventListener("mouseenter", () => hover(doc, "key", i));
+      left.appendChild(a); right.appendChild(b);
+      doc.leftEls.push(a); doc.rightEls.push(b);
+    });
+    headView.addEventListener("mouseleave", () => hover(doc, null, -1));
+    lines.width = 200; lines.height = doc.T * rowH;
+    lines.style.width = "200px"; lines.style.height = doc.T * rowH + "px";
+    headView.append(left, lines, right);
+    const matrixView = el("div", "matrix-view");
+    const matrix = el("canvas", "matrix");
+    const side = Math.max(240, Math.min(560, doc.T * 14));
+    matrix.style.width = matrix.style.height = side + "px";
+    matrix.addEventListener("mousemove", (ev) => matrixHover(doc, ev));
+    matrix.addEventListener("mouseleave", () => { doc.status.textContent = ""; });
+    matrixView.append(el("div", "muted", "rows: query (attending) \u00b7 columns: key (attended to)"), matrix);
+    views.append(headView, matrixView);
+    panel.appendChild(views);
+    doc.status = el("div", "status");
+    doc.status.setAttribute("role", "status");
+    panel.appendChild(doc.status);
+    Object.assign(doc, { panel, lines, matrix, headView });
+    return panel;
+  }
+
+  function drawDoc(doc) {
+    doc.current = headMatrix(doc, state.layer, state.head);
+    doc.max = paintMatrix(doc.matrix, doc.current, doc.T);
+    doc.panel.dataset.layer = String(state.layer);
+    doc.panel.dataset.head = String(state.head);
+    drawLines(doc, null, -1);
+  }
+
+  function lineColour(alpha) {
+    const hue = state.head < 0 ? 215 : (state.head * 47) % 360;
+    return "hsla(" + hue + ", 70%, 42%, " + alpha.toFixed(3) + ")";
+  }
+
+  // Lines between the two token columns: all (faint) strongest ones when nothing
+  // is hovered; one query's row or one key's column when a token is hovered.
+  function drawLines(doc, mode, index) {
+    const ctx = doc.lines.getContext("2d"), T = doc.T, m = doc.current, rowH = doc.rowH;
+    const W = doc.lines.width;
+    ctx.clearRect(0, 0, W, doc.lines.height);
+    const y = (i) => i * rowH + rowH / 2;
+    let drawn = 0;
+    ctx.lineWidth = 1.5;
+    if (mode === null) {
+      let threshold = 0.0;
+      if (T * T > MAX_DEFAULT_LINES) {  // keep the strongest lines only
+        const sorted = Float32Array.from(m).sort();
+        threshold = sorted[sorted.length - MAX_DEFAULT_LINES];
+      }
+      for (let i = 0; i < T; i++) for (let j = 0; j < T; j++) {
+        const w = m[i * T + j];
+        if (w <= 0.01 || w < threshold) continue;
+        ctx.strokeStyle = lineColour(Math.min(1, w) * 0.6);
+        ctx.beginPath(); ctx.moveTo(0, y(i)); ctx.lineTo(W, y(j)); ctx.stroke();
+        drawn++;
+      }
+    } else {
+      ctx.lineWidth = 2;
+      for (let k = 0; k < T; k++) {
+        const w = mode === "query" ? m[index * T + k] : m[k * T + index];
+        if (w <= 0.002) continue;
+        ctx.strokeStyle = lineColour(Math.min(1, w / Math.max(doc.max, 1e-9)));
+        ctx.beginPath();
+        if (mode === "query") { ctx.moveTo(0, y(index)); ctx.lineTo(W, y(k)); }
+        else { ctx.moveTo(0, y(k)); ctx.lineTo(W, y(index)); }
+        ctx.stroke();
+        drawn++;
+      }
+    }
+    doc.lines.dataset.lines = String(drawn);
+    doc.lines.dataset.mode = mode || "all";
+  }
+
+  function hover(doc, mode, index) {
+    for (const e of doc.leftEls) { e.style.background = ""; e.classList.remove("active"); }
+    for (const e of doc.rightEls) { e.style.background = ""; e.classList.remove("active"); }
+    drawLines(doc, mode, index);
+    if (mode === null) { doc.status.textContent = ""; return; }
+    const T = doc.T, m = doc.current;
+    const weights = [];
+    for (let k = 0; k < T; k++) weights.push([mode === "query" ? m[index * T + k] : m[k * T + index], k]);
+    const others = mode === "query" ? doc.rightEls : doc.leftEls;
+    (mode === "query" ? doc.leftEls : doc.rightEls)[index].classList.add("active");
+    for (const [w, k] of weights) {
+      if (w > 0.002) others[k].style.background = "rgba(59, 91, 219, " + Math.min(0.85, w / Math.max(doc.max, 1e-9)).toFixed(3) + ")";
+    }
+    weights.sort((a, b) => b[0] - a[0]);
+    const top = weights.slice(0, 5).map(([w, k]) => quoted(doc.tokens[k]) + " " + fmt(w)).join(", ");
+    doc.status.textContent = mode === "query"
+      ? quoted(doc.tokens[index]) + " (token " + index + ") attends most to: " + top
+      : quoted(doc.tokens[index]) + " (token " + index + ") is attended most by: " + top;
+  }
+
+  function matrixHover(doc, ev) {
+    const r = doc.matrix.getBoundingClientRect();
+    const j = Math.floor(((ev.clientX - r.left) / r.width) * doc.T);
+    const i = Math.floor(((ev.clientY - r.top) / r.height) * doc.T);
+    if (i < 0 || j < 0 || i >= doc.T || j >= doc.T) return;
+    doc.status.textContent = "query " + i + " " + quoted(doc.tokens[i]) + " \u2192 key " + j + " " +
+      quoted(doc.tokens[j]) + ": " + fmt(doc.current[i * doc.T + j]);
+  }
+
+  // ---- model view: every head as a thumbnail -----------------------------------
+  function thumbnail(doc, layer, head, size) {
+    const T = doc.T, n = T * T, base = (layer * doc.heads + head) * n, codes = doc.codes;
+    const out = new Float32Array(size * size), count = new Float32Array(size * size);
+    for (let i = 0; i < T; i++) {
+      const r = T >= size ? Math.floor((i * size) / T) : -1;
+      for (let j = 0; j < T; j++) {
+        if (T >= size) {
+          const c = Math.floor((j * size) / T);
+          out[r * size + c] += DECODE[codes[base + i * T + j]];
+          count[r * size + c] += 1;
+        }
+      }
+    }
+    if (T < size) {
+      for (let r = 0; r < size; r++) for (let c = 0; c < size; c++) {
+        out[r * size + c] = DECODE[codes[base + Math.floor((r * T) / size) * T + Math.floor((c * T) / size)]];
+        count[r * size + c] = 1;
+      }
+    }
+    for (let k = 0; k < out.length; k++) out[k] /= count[k] || 1;
+    return out;
+  }
+
+  function buildModelView(doc, index, container) {
+    const section = el("div", "model-view");
+    section.appendChild(el("h3", null, "Model view" + (state.docs.length > 1 ? " \u2014 sentence " + (index + 1) : "") +
+      ": all heads (layers down, heads across); click a head to enlarge it"));
+    const wrap = el("div", "grid-wrap");
+    const grid = el("div", "grid");
+    grid.style.gridTemplateColumns = "2.5em repeat(" + doc.heads + ", 68px)";
+    grid.appendChild(el("span", "lbl", ""));
+    for (let h = 0; h < doc.heads; h++) grid.appendChild(el("span", "lbl", "h" + h));
+    doc.thumbs = [];
+    const size = Math.min(64, doc.T);
+    const pending = [];
+    for (let l = 0; l < doc.layers; l++) {
+      grid.appendChild(el("span", "lbl", "L" + l));
+      for (let h = 0; h < doc.heads; h++) {
+        const cell = el("div", "cell");
+        const c = el("canvas");
+        c.width = c.height = size;
+        c.title = "layer " + l + ", head " + h;
+        c.dataset.layer = String(l); c.dataset.head = String(h);
+        c.addEventListener("click", () => { select(l, h); enlarge(doc); });
+        cell.appendChild(c);
+        const code = doc.summary ? PATTERN_CODE[doc.summary.pattern[l][h]] : "";
+        if (code) cell.appendChild(el("span", "code", code));
+        grid.appendChild(cell);
+        doc.thumbs.push(c);
+        pending.push([c, l, h]);
+      }
+    }
+    wrap.appendChild(grid);
+    section.appendChild(wrap);
+    section.appendChild(el("div", "muted", "Letters: P previous token, F first token, S itself, B broad. Each thumbnail is scaled to its own largest weight."));
+    container.appendChild(section);
+    // Paint a few thumbnails per frame so that long inputs never freeze the page.
+    return new Promise((resolve) => {
+      const step = () => {
+        const t0 = performance.now();
+        while (pending.length && performance.now() - t0 < 30) {
+          const [c, l, h] = pending.shift();
+          paintMatrix(c, thumbnail(doc, l, h, size), size);
+        }
+        if (pending.length) requestAnimationFrame(step); else resolve();
+      };
+      requestAnimationFrame(step);
+    });
+  }
+
+  function enlarge(doc) {
+    const overlay = $("overlay");
+    const canvas = overlay.querySelector("canvas");
+    paintMatrix(canvas, doc.current, doc.T);
+    overlay.querySelector(".caption").textContent = doc.model + ": layer " + state.layer +
+      (state.head < 0 ? ", mean of heads" : ", head " + state.head) + " \u2014 " + doc.text;
+    overlay.hidden = false;
+  }
+
+  // ---- differences between two sentences --------------------------------------
+  function buildDifference(diff) {
+    const section = $("difference");
+    section.replaceChildren();
+    if (!diff) { section.hidden = true; return; }
+    section.hidden = false;
+    section.appendChild(el("h3", null, "Where the patterns differ (layers x heads)"));
+    section.appendChild(el("div", "muted", diff.method === "rows"
+      ? "Mean total variation distance between matching rows (0 = same weights, 1 = disjoint). Click a cell to show that head."
+      : "The sentences have different lengths, so rows cannot be matched: the largest difference of the previous/first/self scores and normalised entropy. Click a cell to show that head."));
+    const table = el("table");
+    const head = el("tr");
+    head.appendChild(el("th", null, ""));
+    diff.values[0].forEach((_, h) => head.appendChild(el("th", null, "h" + h)));
+    table.appendChild(head);
+    let max = 0;
+    diff.values.forEach((row) => row.forEach((v) => { if (v > max) max = v; }));
+    diff.values.forEach((row, l) => {
+      const tr = el("tr");
+      tr.appendChild(el("th", null, "L" + l));
+      row.forEach((v, h) => {
+        const td = el("td", null, v.toFixed(2));
+        const c = viridis(max > 0 ? v / max : 0);
+        td.style.background = "rgb(" + c.map(Math.round).join(",") + ")";
+        td.style.color = v / (max || 1) > 0.6 ? "#000" : "#fff";
+        td.addEventListener("click", () => select(l, h));
+        tr.appendChild(td);
+      });
+      table.appendChild(tr);
+    });
+    section.appendChild(table);
+  }
+
+  // ---- controls --------------------------------------------------------------
+  function fillControls() {
+    const first = state.docs[0];
+    const layer = $("layer"), head = $("head");
+    layer.replaceChildren(); head.replaceChildren();
+    for (let l = 0; l < first.layers; l++) layer.appendChild(new Option(String(l), String(l)));
+    for (let h = 0; h < first.heads; h++) head.appendChild(new Option(String(h), String(h)));
+    head.appendChild(new Option("mean of heads", "-1"));
+    state.layer = Math.min(state.layer, first.layers - 1);
+    state.head = Math.min(state.head, first.heads - 1);
+    layer.value = String(state.layer); head.value = String(state.head);
+    $("controls").hidden = false;
+  }
+
+  function select(layer, head) {
+    state.layer = layer; state.head = head;
+    $("layer").value = String(layer); $("head").value = String(head);
+    redraw();
+  }
+
+  function redraw() {
+    for (const doc of state.docs) {
+      drawDoc(doc);
+      if (doc.thumbs) doc.thumbs.forEach((c) => c.classList.toggle("selected",
+        Number(c.dataset.layer) === state.layer && (state.head < 0 || Number(c.dataset.head) === state.head)));
+    }
+    $("picked").textContent = "layer " + state.layer + (state.head < 0 ? ", mean of heads" : ", head " + state.head);
+  }
+
+  async function show(payload) {
+    document.body.dataset.ready = "0";
+    $("docs").replaceChildren();
+    $("model-grids").replaceChildren();
+    const docs = [];
+    for (const d of payload.docs) {
+      const doc = Object.assign({}, d);
+      doc.T = d.tokens.length;
+      doc.codes = await decodeWeights(d.weights);
+      if (doc.codes.length !== doc.layers * doc.heads * doc.T * doc.T) throw new Error("weights have the wrong size");
+      docs.push(doc);
+    }
+    state.docs = docs;
+    if (payload.layer !== undefined) state.layer = payload.layer;
+    if (payload.head !== undefined) state.head = payload.head;
+    docs.forEach((doc, i) => $("docs").appendChild(buildDoc(doc, i)));
+    fillControls();
+    buildDifference(payload.difference || null);
+    redraw();
+    const grids = docs.map((doc, i) => buildModelView(doc, i, $("model-grids")));
+    redraw();
+    document.body.dataset.ready = "1";
+    await Promise.all(grids);
+    document.body.dataset.thumbnails = "1";
+  }
+
+  function message(text, kind) {
+    const box = el("div", kind || "", text);
+    $("messages").appendChild(box);
+  }
+
+  // ---- the served page: a form that asks the local server ------------------------
+  function setupForm(config) {
+    const form = $("input-form");
+    form.hidden = false;
+    const model = $("model");
+    for (const m of config.models) {
+      const o = new Option(m.name + (m.available ? "" : " (not installed)"), m.name);
+      o.disabled = !m.available;
+      o.title = m.description;
+      model.appendChild(o);
+    }
+    const firstAvailable = config.models.find((m) => m.available);
+    if (firstAvailable) model.value = firstAvailable.name;
+    $("text").maxLength = config.max_chars;
+    $("text").placeholder = "Type a sentence (at most " + config.max_chars + " characters)";
+    form.addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      $("messages").replaceChildren();
+      $("form-status").textContent = "computing\u2026";
+      try {
+        const response = await fetch("api/attention", {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ text: $("text").value, model: model.value }),
+        });
+        const body = await response.json();
+        if (!response.ok) { message(body.detail || ("error " + response.status), "error"); $("form-status").textContent = ""; return; }
+        for (const w of body.warnings || []) message(w);
+        await show(body);
+        $("form-status").textContent = "";
+      } catch (err) {
+        message(String(err), "error");
+        $("form-status").textContent = "";
+      }
+    });
+  }
+
+  function init() {
+    const config = JSON.parse($("attnkit-data").textContent);
+    state.config = config;
+    document.title = config.title;
+    $("title").textContent = config.title;
+    $("subtitle").textContent = config.subtitle || "";
+    $("layer").addEventListener("change", () => select(Number($("layer").value), state.head));
+    $("head").addEventListener("change", () => select(state.layer, Number($("head").value)));
+    $("overlay").addEventListener("click", () => { $("overlay").hidden = true; });
+    document.addEventListener("keydown", (ev) => { if (ev.key === "Escape") $("overlay").hidden = true; });
+    for (const w of config.warnings || []) message(w);
+    if (config.mode === "server") setupForm(config);
+    if (config.docs && config.docs.length) show(config).catch((err) => message(String(err), "error"));
+    else document.body.dataset.ready = "1";
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+  else init();
+})();

@@ -1,0 +1,173 @@
+"""The one data structure every view draws: `AttentionMaps`.
+
+A view never talks to a model. A provider (see `attnkit.viz.providers`) runs a
+model on a text and returns `AttentionMaps`; the terminal, PNG, HTML and web
+views only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AttentionMaps:
+    """Attention weights of every layer and head for one text.
+
+    Arguments:
+        tokens: the T token strings, in order (shown as text, never as markup).
+        weights: (layers, heads, T, T); row i holds where query token i attends,
+            so each row sums to 1 (or to 0 for a fully masked row).
+        model: a short name of the model that produced the weights.
+        text: the input text.
+        causal: True when the model could only attend to earlier tokens.
+        truncated_from: the token count before truncation, or None if the whole
+            text fitted the model.
+    """
+
+    tokens: tuple[str, ...]
+    weights: np.ndarray
+    model: str = ""
+    text: str = ""
+    causal: bool = False
+    truncated_from: int | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        tokens = tuple(str(t) for t in self.tokens)
+        object.__setattr__(self, "tokens", tokens)
+        weights = np.asarray(self.weights)
+        if weights.ndim != 4 or weights.shape[2] != weights.shape[3]:
+            raise ValueError(
+                f"expected weights of shape (layers, heads, T, T), got {weights.shape}"
+            )
+        if weights.shape[2] != len(tokens):
+            raise ValueError(
+                f"expected weights with T={len(tokens)} like tokens, got {weights.shape}"
+            )
+        if len(tokens) == 0:
+            raise ValueError("expected at least one token, got 0")
+        if not np.issubdtype(weights.dtype, np.floating):
+            raise TypeError(f"expected floating-point weights, got {weights.dtype}")
+        object.__setattr__(self, "weights", weights)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.weights.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.weights.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.weights.shape[2])
+
+    def check_layer(self, layer: int) -> int:
+        """Return `layer` as an index in 0..layers-1 (negatives count from the end)."""
+        return _check_index("layer", layer, self.num_layers, "layers")
+
+    def check_head(self, head: int) -> int:
+        """Return `head` as an index in 0..heads-1 (negatives count from the end)."""
+        return _check_index("head", head, self.num_heads, "heads")
+
+    def head(self, layer: int, head: int | None = None) -> np.ndarray:
+        """The (T, T) weights of one head, or the mean over heads when `head` is None."""
+        layer = self.check_layer(layer)
+        if head is None:
+            return self.weights[layer].mean(axis=0)
+        return self.weights[layer, self.check_head(head)]
+
+    def label(self, layer: int, head: int | None) -> str:
+        """A short title such as 'layer 2, head 5' or 'layer 2, mean of 12 heads'."""
+        layer = self.check_layer(layer)
+        if head is None:
+            return f"layer {layer}, mean of {self.num_heads} heads"
+        return f"layer {layer}, head {self.check_head(head)}"
+
+
+def _check_index(what: str, value: int, size: int, plural: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"expected {what} as an int, got {type(value).__name__}")
+    if not -size <= value < size:
+        raise ValueError(
+            f"{what} {value} is out of range: the model has {size} {plural}, "
+            f"valid {plural} are 0..{size - 1}"
+        )
+    return int(value) % size
+
+
+def maps_from_random_model(
+    tokens: list[str] | tuple[str, ...],
+    *,
+    layers: int = 2,
+    heads: int = 4,
+    d_model: int = 32,
+    causal: bool = False,
+    seed: int = 0,
+    model: str = "random",
+) -> AttentionMaps:
+    """Attention of a small random-weight transformer on `tokens`.
+
+    Used by tests and demos before (or without) a real checkpoint. Each token's
+    embedding is drawn from a hash of its text (so equal tokens get equal
+    embeddings), plus a sinusoidal position code; each layer is one
+    multi-head self-attention with random projections and a residual.
+
+    Returns:
+        AttentionMaps with weights of shape (layers, heads, T, T).
+    """
+    tokens = tuple(tokens)
+    if not tokens:
+        raise ValueError("expected at least one token, got 0")
+    T = len(tokens)
+    rng = np.random.default_rng(seed)
+    x = np.stack([_token_vector(t, d_model, seed) for t in tokens])  # (T, D)
+    x = x + _positions(T, d_model)
+    mask = np.tril(np.ones((T, T), dtype=bool)) if causal else None
+    head_dim = max(4, d_model // heads)
+    inner = heads * head_dim
+    all_weights = np.empty((layers, heads, T, T))
+    for layer in range(layers):
+        # Random projections, scaled so that scores stay in a useful range.
+        wq, wk, wv = (rng.normal(0, 1.5 / np.sqrt(d_model), (d_model, inner)) for _ in range(3))
+        wo = rng.normal(0, 1 / np.sqrt(inner), (inner, d_model))
+        q = (x @ wq).reshape(T, heads, head_dim).transpose(1, 0, 2)  # (H, T, E)
+        k = (x @ wk).reshape(T, heads, head_dim).transpose(1, 0, 2)  # (H, T, E)
+        v = (x @ wv).reshape(T, heads, head_dim).transpose(1, 0, 2)  # (H, T, E)
+        scores = q @ k.transpose(0, 2, 1) / np.sqrt(head_dim)  # (H, T, T)
+        if mask is not None:
+            scores = np.where(mask, scores, -np.inf)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        w = np.exp(scores)
+        w /= w.sum(axis=-1, keepdims=True)
+        all_weights[layer] = w
+        out = (w @ v).transpose(1, 0, 2).reshape(T, inner) @ wo  # (T, D)
+        x = x + out
+        x = (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + 1e-5)
+    return AttentionMaps(
+        tokens=tokens,
+        weights=all_weights.astype(np.float32),
+        model=model,
+        text=" ".join(tokens),
+        causal=causal,
+    )
+
+
+def _token_vector(token: str, d_model: int, seed: int) -> np.ndarray:
+    import zlib
+
+    h = zlib.crc32(token.encode("utf-8")) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+    return np.random.default_rng(h).normal(0, 1, d_model)
+
+
+def _positions(T: int, d_model: int) -> np.ndarray:
+    pos = np.arange(T)[:, None]  # (T, 1)
+    i = np.arange(d_model // 2)[None, :]  # (1, D/2)
+    angle = pos / 10000 ** (2 * i / d_model)
+    pe = np.zeros((T, d_model))
+    pe[:, 0::2] = np.sin(angle)
+    pe[:, 1::2] = np.cos(angle)
+    return pe

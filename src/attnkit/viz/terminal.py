@@ -1,0 +1,248 @@
+"""Terminal views: a heatmap of one head and a layers x heads summary.
+
+Everything here returns rich renderables (`Text`, `Table`); the CLI prints
+them. With colour, each cell is a truecolor block on a viridis scale (rich
+downgrades it on 256-colour terminals); without colour, the cells use the
+shades ' ░▒▓█'. When the matrix has more tokens than the width allows, tokens
+are pooled into blocks (rows: mean, columns: sum, so every row still sums to
+1) and a note says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from rich.cells import cell_len, set_cell_size
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from attnkit.viz.data import AttentionMaps
+from attnkit.viz.summary import HeadSummary
+
+SHADES = " ░▒▓█"
+
+# Viridis at 9 evenly spaced stops, as 0-255 RGB.
+_VIRIDIS = np.array(
+    [
+        [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+        [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37],
+    ],
+    dtype=np.float64,
+)
+_HEADER_ROWS = 8  # at most this many characters of a column label, written downwards
+_LABEL_WIDTH = 12  # at most this many cells for a row label
+
+
+def viridis(x: np.ndarray) -> np.ndarray:
+    """Map values in [0, 1] to (..., 3) uint8 RGB on the viridis scale."""
+    x = np.clip(np.asarray(x, dtype=np.float64), 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    lo = np.floor(x).astype(int).clip(0, len(_VIRIDIS) - 2)
+    frac = (x - lo)[..., None]
+    rgb = _VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac
+    return np.rint(rgb).astype(np.uint8)
+
+
+def pool(weights: np.ndarray, block: int) -> np.ndarray:
+    """Pool a (T, T) matrix into ceil(T/block) blocks: rows by mean, columns by sum."""
+    T = weights.shape[0]
+    n = math.ceil(T / block)
+    padded = np.zeros((n * block, n * block))
+    padded[:T, :T] = weights
+    summed = padded.reshape(n * block, n, block).sum(axis=-1)  # (n*block, n)
+    counts = np.full(n, block, dtype=np.float64)
+    counts[-1] = T - (n - 1) * block
+    return summed.reshape(n, block, n).sum(axis=1) / counts[:, None]
+
+
+def _fit(label: str, width: int) -> str:
+    """Right-align `label` in `width` cells, cutting it with '…' when too long."""
+    label = label.replace("\n", "⏎").replace("\t", "⇥")
+    if cell_len(label) > width:
+        label = set_cell_size(label, width - 1) + "…"
+    return " " * (width - cell_len(label)) + label
+
+
+def heatmap(
+    weights: np.ndarray,
+    tokens: list[str] | tuple[str, ...],
+    *,
+    color: bool = True,
+    values: bool = False,
+    width: int = 80,
+    title: str | None = None,
+) -> Text:
+    """A heatmap of one (T, T) attention matrix with token labels.
+
+    Arguments:
+        weights: (T, T); row i = where token i attends.
+        tokens: T labels.
+        color: truecolor cells if True, else the shades ' ░▒▓█'.
+        values: print each weight (two decimals) in its cell.
+        width: the number of terminal cells available.
+        title: a first line, for example 'layer 0, head 3'.
+
+    Returns:
+        A rich Text, at most `width` cells wide.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    T = len(tokens)
+    if weights.shape != (T, T):
+        raise ValueError(f"expected weights of shape ({T}, {T}) like tokens, got {weights.shape}")
+    cell = 5 if values else 2
+    label_width = min(_LABEL_WIDTH, max(cell_len(t) for t in tokens) + 1)
+    label_width = max(label_width, len(str(T - 1)) * 2 + 2)
+    columns = max(1, (width - label_width - 1) // cell)
+    block = max(1, math.ceil(T / columns))
+    if block > 1:
+        shown = pool(weights, block)
+        starts = list(range(0, T, block))
+        row_labels = [f"{s}-{min(s + block, T) - 1}" for s in starts]
+        col_labels = [str(s) for s in starts]
+    else:
+        shown = weights
+        row_labels = list(tokens)
+        col_labels = list(tokens)
+    vmax = float(shown.max()) if shown.size and shown.max() > 0 else 1.0
+    scaled = shown / vmax
+    out = Text(no_wrap=True, overflow="crop")
+    if title:
+        out.append(_fit(title, min(width, cell_len(title))).lstrip() + "\n", style="bold")
+
+    # Column labels, written downwards, one character per header line.
+    header_rows = min(_HEADER_ROWS, max(cell_len(c) for c in col_labels))
+    cut = [_cut_chars(c, header_rows) for c in col_labels]
+    for r in range(header_rows):
+        line = " " * (label_width + 1)
+        for chars in cut:
+            ch = chars[r] if r < len(chars) else " "
+            line += ch + " " * (cell - cell_len(ch))
+        out.append(line.rstrip() + "\n", style="dim")
+
+    rgb = viridis(scaled) if color else None
+    for i, label in enumerate(row_labels):
+        out.append(_fit(label, label_width) + " ")
+        for j in range(len(col_labels)):
+            w = shown[i, j]
+            if values:
+                text = f"{w:4.2f} "
+            else:
+                text = SHADES[int(round(scaled[i, j] * (len(SHADES) - 1)))] * cell if not color else " " * cell
+            if color:
+                r_, g_, b_ = (int(c) for c in rgb[i, j])
+                fg = "black" if scaled[i, j] > 0.6 else "white"
+                out.append(text, style=f"{fg} on #{r_:02x}{g_:02x}{b_:02x}")
+            else:
+                out.append(text)
+        out.append("\n")
+
+    # Legend: what the darkest and brightest cells mean, and any pooling.
+    if color:
+        out.append(" " * (label_width + 1) + "0 ")
+        for x in np.linspace(0, 1, 8):
+            r_, g_, b_ = (int(c) for c in viridis(x))
+            out.append("  ", style=f"on #{r_:02x}{g_:02x}{b_:02x}")
+        out.append(f" {vmax:.2f} (max)\n")
+    elif not values:
+        out.append(" " * (label_width + 1) + f"' '=0  ░ ▒ ▓  █={vmax:.2f} (max)\n")
+    if block > 1:
+        out.append(
+            f"{T} tokens pooled in blocks of {block} (rows: mean, columns: sum)\n",
+            style="italic",
+        )
+    out.rstrip()
+    return out
+
+
+def _cut_chars(label: str, rows: int) -> list[str]:
+    """The first `rows` characters of a label, with '…' as the last one if cut."""
+    chars = [c for c in label.replace("\n", "⏎").replace("\t", "⇥") if cell_len(c) > 0]
+    chars = [c if cell_len(c) <= 2 else "?" for c in chars]
+    if len(chars) > rows:
+        chars = chars[: rows - 1] + ["…"]
+    return chars
+
+
+_PATTERN_CODE = {"previous": "P", "first": "F", "self": "S", "broad": "B", "mixed": "·"}
+_PATTERN_STYLE = {
+    "previous": "bold cyan",
+    "first": "bold magenta",
+    "self": "bold green",
+    "broad": "yellow",
+    "mixed": "dim",
+}
+
+
+def summary_table(summary: HeadSummary, *, color: bool = True) -> Group:
+    """A layers x heads table: each head's dominant pattern, its score and its entropy."""
+    layers, heads = summary.previous.shape
+    table = Table(
+        title="What each head does (layers x heads)",
+        box=None,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+        show_edge=False,
+        header_style="bold" if color else "",
+        title_style="bold" if color else "",
+        title_justify="left",
+    )
+    table.add_column("L", justify="right")
+    for h in range(heads):
+        table.add_column(f"h{h}", justify="left")
+    by_name = {"previous": summary.previous, "first": summary.first, "self": summary.self}
+    for layer in range(layers):
+        cells = []
+        for h in range(heads):
+            pattern = summary.pattern[layer, h]
+            if pattern in by_name:  # the letter and the weight in percent
+                text = f"{_PATTERN_CODE[pattern]}{min(99, int(round(100 * by_name[pattern][layer, h]))):02d}"
+            else:  # the letter and the entropy in bits
+                text = f"{_PATTERN_CODE[pattern]}{min(9.9, summary.entropy[layer, h]):.1f}"
+            cells.append(Text(text, style=_PATTERN_STYLE[pattern] if color else ""))
+        table.add_row(str(layer), *cells)
+    uniform = float(summary.max_entropy.mean())
+    legend = Text(
+        "P previous token, F first token, S itself: % of weight there\n"
+        f"B broad, · mixed: entropy in bits (uniform = {uniform:.1f})",
+        style="dim" if color else "",
+    )
+    return Group(table, legend)
+
+
+def side_by_side(left: Text, right: Text, *, gap: int = 3) -> Text:
+    """Two multi-line Texts next to each other."""
+    left_lines = left.split("\n")
+    right_lines = right.split("\n")
+    left_width = max((line.cell_len for line in left_lines), default=0)
+    out = Text(no_wrap=True, overflow="crop")
+    for i in range(max(len(left_lines), len(right_lines))):
+        a = left_lines[i] if i < len(left_lines) else Text("")
+        b = right_lines[i] if i < len(right_lines) else Text("")
+        out.append_text(a)
+        out.append(" " * (left_width - a.cell_len + gap))
+        out.append_text(b)
+        out.append("\n")
+    out.rstrip()
+    return out
+
+
+def maps_heatmap(
+    maps: AttentionMaps,
+    layer: int,
+    head: int | None,
+    *,
+    color: bool = True,
+    values: bool = False,
+    width: int = 80,
+) -> Text:
+    """`heatmap` of one head (or the mean of a layer's heads when head is None)."""
+    return heatmap(
+        maps.head(layer, head),
+        maps.tokens,
+        color=color,
+        values=values,
+        width=width,
+        title=f"{maps.model}: {maps.label(layer, head)}",
+    )

@@ -1,0 +1,373 @@
+"""Flash attention against the float64 reference, the plain float32 path and torch SDPA.
+
+The tiled kernel's error against float64 must be at most twice the plain
+float32 path's (three times for gradients), FlashAttention's own rule; tiles are
+kept tiny here so every case crosses many tile edges.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit.functional import mods
+from conftest import assert_close, max_rel_err, reference_attention
+
+F32_FLOOR = 4 * np.finfo(np.float32).eps  # errors this small are rounding of the result itself
+# Gradients: FlashAttention's D = rowsum(dO * O) rounds differently from the plain
+# path's rowsum(P * dP); where the exact gradient is 0 (one key) that alone shows.
+GRAD_FLOOR = 16 * np.finfo(np.float32).eps
+
+
+def _err(actual, expected) -> float:
+    return max_rel_err(np.nan_to_num(actual), np.nan_to_num(expected))
+
+
+def _grad_err(actual, expected, natural_size: float) -> float:
+    """Max error of a gradient relative to the larger of its own size and its
+    natural size (a gradient can be ~0 where its inputs are not: plain relative
+    error would then measure rounding noise against nothing)."""
+    size = max(np.abs(expected).max(initial=0), natural_size, 1e-30)
+    return float(np.abs(np.asarray(actual, np.float64) - expected).max(initial=0) / size)
+
+
+def _ref_grads(q, k, v, d_out, mask, scale, group):
+    """float64 gradients through torch autograd on the explicit, GQA-repeated math."""
+    tq, tk, tv = (torch.tensor(np.asarray(x, dtype=np.float64), requires_grad=True) for x in (q, k, v))
+    kk, vv = tk.repeat_interleave(group, dim=-3), tv.repeat_interleave(group, dim=-3)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = tq @ kk.transpose(-1, -2) * scale
+    if mask is not None:
+        m = torch.tensor(np.asarray(mask))
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    dead = torch.isneginf(s).all(dim=-1, keepdim=True)  # fully masked rows: weights 0, no gradient
+    p = torch.softmax(torch.where(dead, 0.0, s), dim=-1) * ~dead
+    (p @ vv).backward(torch.tensor(np.asarray(d_out, dtype=np.float64)))
+    return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+
+@st.composite
+def flash_case(draw):
+    batch = tuple(draw(st.lists(st.integers(1, 2), min_size=0, max_size=2)))
+    kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 1, 2, 3]))
+    L = draw(st.sampled_from([1, 2, 5, 17, 33]))
+    S = draw(st.sampled_from([1, 3, 16, 29, 40]))
+    E = draw(st.sampled_from([4, 8, 59]))
+    Ev = draw(st.sampled_from([E, 7]))
+    kind = draw(st.sampled_from(["none", "causal", "causal_br", "window", "bool", "bool_bcast", "float"]))
+    scale = draw(st.sampled_from([None, 0.3, 1.7]))
+    block_q = draw(st.integers(1, 12))
+    block_k = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**16))
+    return batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, seed
+
+
+def _build(case, dtype=np.float32):
+    batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, seed = case
+    rng = np.random.default_rng(seed)
+    Hq = kv_heads * group
+    q = rng.standard_normal((*batch, Hq, L, E)).astype(dtype)
+    k = rng.standard_normal((*batch, kv_heads, S, E)).astype(dtype)
+    v = rng.standard_normal((*batch, kv_heads, S, Ev)).astype(dtype)
+    flash_kw, dense = {}, None  # flash's arguments, and the same mask for the plain path
+    if kind == "causal":
+        flash_kw, dense = dict(is_causal=True), masks.causal_mask(L, S)
+    elif kind == "causal_br":
+        flash_kw = dict(is_causal=True, causal_align="bottom_right")
+        dense = masks.causal_mask(L, S, align="bottom_right")
+    elif kind == "window":
+        left, right = int(rng.integers(0, 6)), int(rng.integers(0, 3))
+        flash_kw = dict(window=(left, right), causal_align="bottom_right")
+        dense = masks.sliding_window_mask(L, S, left=left, right=right, align="bottom_right")
+    elif kind == "bool":
+        dense = rng.random((*batch, Hq, L, S)) > 0.3
+        flash_kw = dict(attn_mask=dense)
+    elif kind == "bool_bcast":
+        dense = rng.random((L, S)) > 0.5  # some rows fully masked now and then
+        flash_kw = dict(attn_mask=dense)
+    elif kind == "float":
+        dense = (rng.standard_normal((1, L, S)) * 2).astype(dtype)
+        dense[..., 0, :] = -np.inf  # a fully masked row through the float path
+        flash_kw = dict(attn_mask=dense)
+    flash_kw.update(scale=scale, enable_gqa=group > 1, block_q=block_q, block_k=block_k)
+    return q, k, v, flash_kw, dense, scale, group
+
+
+@given(flash_case())
+def test_forward_matches_float64_torch_and_twice_the_plain_error(case):
+    q, k, v, kw, dense, scale, group = _build(case)
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    assert res.output.dtype == np.float32 and res.output.shape == (*q.shape[:-1], v.shape[-1])
+    assert res.lse.shape == q.shape[:-1]
+    ref_out, _, ref_lse = reference_attention(q, k, v, dense, scale, group)
+    plain = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=group > 1)
+    flash_err, plain_err = _err(res.output, ref_out), _err(plain, ref_out)
+    assert flash_err <= 2 * plain_err + F32_FLOOR, f"flash {flash_err:.2e} vs plain float32 {plain_err:.2e}"
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(res.lse), finite), "lse is -inf exactly on fully masked rows"
+    np.testing.assert_allclose(res.lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(res.output[~finite], np.zeros_like(res.output[~finite]))
+
+    tmask = None if dense is None else torch.tensor(dense)
+    expected = F.scaled_dot_product_attention(
+        *(torch.tensor(x) for x in (q, k, v)), attn_mask=tmask, scale=scale, enable_gqa=group > 1
+    ).numpy()
+    assert_close(res.output, np.nan_to_num(expected), 1e-5, "output vs torch SDPA")
+
+
+@given(flash_case())
+def test_float64_inputs_match_reference_to_1e_10(case):
+    q, k, v, kw, dense, scale, group = _build(case, np.float64)
+    out = attnkit.flash_attention(q, k, v, **kw)
+    assert out.dtype == np.float64
+    assert_close(out, reference_attention(q, k, v, dense, scale, group)[0], 1e-10, "float64 output")
+
+
+@given(flash_case())
+def test_backward_matches_torch_autograd_and_three_times_the_plain_error(case):
+    q, k, v, kw, dense, scale, group = _build(case)
+    d_out = np.random.default_rng(case[-1] + 1).standard_normal((*q.shape[:-1], v.shape[-1])).astype(np.float32)
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+    plain = attnkit.scaled_dot_product_attention_backward(
+        d_out, q, k, v, attn_mask=dense, scale=scale, enable_gqa=group > 1
+    )
+    expected = _ref_grads(q, k, v, d_out, dense, scale, group)
+    # each gradient's natural size: dQ ~ dO V K scale, dK ~ dO V Q scale, dV ~ dO
+    sc = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    d, big = np.abs(d_out).max(), (lambda x: float(np.abs(x).max()))
+    sizes = (d * big(v) * big(k) * sc, d * big(v) * big(q) * sc, d)
+    for name, ours, theirs, ref, size in zip(("query", "key", "value"), grads, plain, expected, sizes):
+        assert ours.dtype == np.float32 and ours.shape == ref.shape, name
+        assert np.isfinite(ours).all(), f"grad_{name} not finite"
+        flash_err, plain_err = _grad_err(ours, ref, size), _grad_err(theirs, ref, size)
+        assert flash_err <= 3 * plain_err + GRAD_FLOOR, f"grad_{name}: {flash_err:.2e} vs plain {plain_err:.2e}"
+
+    # float64 through the same tiles agrees with torch autograd to ~1e-10
+    q64, k64, v64, d64 = (x.astype(np.float64) for x in (q, k, v, d_out))
+    kw64 = {key: (val.astype(np.float64) if isinstance(val, np.ndarray) and val.dtype != bool else val)
+            for key, val in kw.items()}
+    res64 = attnkit.flash_attention(q64, k64, v64, return_lse=True, **kw64)
+    grads64 = attnkit.flash_attention_backward(d64, q64, k64, v64, res64.output, res64.lse, **kw64)
+    for name, ours, ref in zip(("query", "key", "value"), grads64, expected):
+        assert_close(ours, ref, 1e-10, f"float64 grad_{name}")
+
+
+def test_backward_matches_finite_differences_float64():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 7, 5))
+    k = rng.standard_normal((1, 9, 5))
+    v = rng.standard_normal((1, 9, 3))
+    d_out = rng.standard_normal((2, 7, 3))
+    kw = dict(enable_gqa=True, scale=0.7, window=(4, 1), causal_align="bottom_right",
+              score_mod=mods.softcap(2.0), block_q=3, block_k=4)
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+
+    def loss(q_, k_, v_):
+        return float(np.sum(attnkit.flash_attention(q_, k_, v_, **kw) * d_out))
+
+    h = 1e-6
+    for which, (x, g) in enumerate(zip((q, k, v), grads)):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            args = [q.copy(), k.copy(), v.copy()]
+            args[which][idx] += h
+            up = loss(*args)
+            args[which][idx] -= 2 * h
+            numeric[idx] = (up - loss(*args)) / (2 * h)
+        assert max_rel_err(g, numeric) < 1e-7, f"input {which}: {max_rel_err(g, numeric):.2e}"
+
+
+# ---------------------------------------------------------------- merging
+
+
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(0, 2**16), st.booleans())
+def test_merge_over_any_split_of_keys_equals_unsplit(S, n_parts, seed, masked):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 5, 8))
+    k = rng.standard_normal((2, S, 8))
+    v = rng.standard_normal((2, S, 3))
+    mask = rng.random((5, S)) > 0.6 if masked else np.ones((5, S), dtype=bool)
+    cuts = np.sort(rng.integers(0, S + 1, size=n_parts - 1))
+    edges = [0, *cuts.tolist(), S]
+    outs, lses = [], []
+    for a, b in zip(edges[:-1], edges[1:]):  # empty parts included: they must weigh nothing
+        part = attnkit.flash_attention(q, k[:, a:b], v[:, a:b], attn_mask=mask[:, a:b], return_lse=True, block_k=3)
+        outs.append(part.output)
+        lses.append(part.lse)
+    merged = attnkit.merge_attention_states(outs, lses)
+    whole = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert_close(merged.output, whole.output, 1e-12, "merged output")
+    finite = np.isfinite(whole.lse)
+    assert np.array_equal(np.isfinite(merged.lse), finite)
+    np.testing.assert_allclose(merged.lse[finite], whole.lse[finite], rtol=1e-12)
+    assert np.array_equal(merged.output[~finite], np.zeros_like(merged.output[~finite]))
+    stacked = attnkit.merge_attention_states(np.stack(outs), np.stack(lses))
+    np.testing.assert_array_equal(stacked.output, merged.output)
+
+
+def test_merge_rejects_mismatched_states():
+    o, l = np.zeros((2, 3, 4)), np.zeros((2, 3))
+    with pytest.raises(ValueError, match="at least one"):
+        attnkit.merge_attention_states([], [])
+    with pytest.raises(ValueError, match="as many lses"):
+        attnkit.merge_attention_states([o, o], [l])
+    with pytest.raises(ValueError, match=r"lses\[0\] of shape \(2, 3\)"):
+        attnkit.merge_attention_states([o], [np.zeros((2, 4))])
+
+
+# ---------------------------------------------------------------- special rows and paths
+
+
+def test_fully_masked_rows_give_zero_output_and_finite_zero_gradients():
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((2, 9, 4)).astype(np.float32) for _ in range(3))
+    mask = rng.random((9, 9)) > 0.4
+    mask[[0, 4, 8]] = False
+    res = attnkit.flash_attention(q, k, v, attn_mask=mask, return_lse=True, block_q=2, block_k=4)
+    assert np.array_equal(res.output[:, [0, 4, 8]], np.zeros((2, 3, 4)))
+    assert np.isneginf(res.lse[:, [0, 4, 8]]).all()
+    d_out = rng.standard_normal(res.output.shape).astype(np.float32)
+    g = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, attn_mask=mask, block_q=2, block_k=4)
+    assert all(np.isfinite(x).all() for x in g)
+    assert np.array_equal(g.grad_query[:, [0, 4, 8]], np.zeros((2, 3, 4)))
+    # a mask that excludes everything: all zeros, nothing computed
+    none = np.zeros((9, 9), dtype=bool)
+    out = attnkit.flash_attention(q, k, v, attn_mask=none)
+    assert np.array_equal(out, np.zeros_like(out))
+    g = attnkit.flash_attention_backward(d_out, q, k, v, out, np.full((2, 9), -np.inf, np.float32), attn_mask=none)
+    assert all(np.array_equal(x, np.zeros_like(x)) for x in g)
+
+
+def test_scores_that_jump_between_tiles_take_the_exact_path():
+    """Tile after tile the scores rise by ~60 (a row sum above 2^60: the reference
+    moves up) and then by ~100 (exp overflows from the old reference: the tile is
+    redone with its true max). Both must stay exact."""
+    S, E = 12, 4
+    q = np.ones((1, 3, E), dtype=np.float32)
+    k = np.zeros((1, S, E), dtype=np.float32)
+    k[0, :, 0] = np.repeat([0.0, 60.0, 160.0], 4)  # tiles of 4 keys
+    k[0, :, 1] = np.linspace(0, 1, S)
+    v = np.random.default_rng(0).standard_normal((1, S, 5)).astype(np.float32)
+    for block_k in (4, 2, 5):
+        res = attnkit.flash_attention(q, k, v, scale=1.0, block_k=block_k, return_lse=True)
+        ref_out, _, ref_lse = reference_attention(q, k, v, scale=1.0)
+        plain = attnkit.scaled_dot_product_attention(q, k, v, scale=1.0)
+        assert _err(res.output, ref_out) <= 2 * _err(plain, ref_out) + F32_FLOOR
+        np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-6)
+    # and the other way round: falling scores underflow harmlessly
+    k[0, :, 0] = k[0, ::-1, 0]
+    res = attnkit.flash_attention(q, k, v, scale=1.0, block_k=4)
+    ref_out = reference_attention(q, k, v, scale=1.0)[0]
+    plain = attnkit.scaled_dot_product_attention(q, k, v, scale=1.0)
+    assert _err(res, ref_out) <= 2 * _err(plain, ref_out) + F32_FLOOR
+
+
+def test_decode_splits_keys_across_threads_and_merges():
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)  # one query: one task, so keys are split
+    k = rng.standard_normal((1, 1, 1000, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 1000, 16)).astype(np.float32)
+    ref = reference_attention(q, k, v)[0]
+    for threads in (1, 2, 3):
+        out = attnkit.flash_attention(q, k, v, block_k=64, num_threads=threads)
+        assert _err(out, ref) <= 1e-5, threads
+    cached = attnkit.flash_attention(q, k, v, is_causal=True, causal_align="bottom_right", block_k=64, num_threads=2)
+    assert _err(cached, ref) <= 1e-5  # a decode step sees the whole cache
+
+
+def test_threads_do_not_change_results_and_default_tiles_work():
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 3, 1025, 32)).astype(np.float32) for _ in range(3))
+    one = attnkit.flash_attention(q, k, v, is_causal=True, num_threads=1)
+    two = attnkit.flash_attention(q, k, v, is_causal=True, num_threads=2)
+    np.testing.assert_array_equal(one, two)  # same tiles, same order per row: bitwise equal
+    plain = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = reference_attention(q, k, v, masks.causal_mask(1025))[0]
+    assert _err(two, ref) <= 2 * _err(plain, ref) + F32_FLOOR
+
+
+def test_float16_and_2d_inputs():
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((6, 8)).astype(np.float16) for _ in range(3))
+    res = attnkit.flash_attention(q, k, v, is_causal=True, return_lse=True, block_q=4, block_k=4)
+    assert res.output.dtype == np.float16 and res.output.shape == (6, 8)
+    assert res.lse.dtype == np.float32 and res.lse.shape == (6,)
+    plain = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(res.output.astype(np.float32), plain.astype(np.float32), atol=2e-3)
+    g = attnkit.flash_attention_backward(q, q, k, v, res.output, res.lse, is_causal=True)
+    assert all(x.dtype == np.float16 and x.shape == (6, 8) for x in g)
+
+
+def test_nan_propagates_like_torch():
+    q = np.ones((1, 2, 4), dtype=np.float32)
+    k = np.ones((1, 6, 4), dtype=np.float32)
+    k[0, 4, 0] = np.nan
+    out = attnkit.flash_attention(q, k, k, block_k=2)
+    assert np.isnan(out).all()
+
+
+def test_registered_as_a_backend_with_the_sdpa_signature():
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((2, 5, 4)) for _ in range(3))
+    flash = attnkit.get_attention("flash")
+    mask = masks.causal_mask(5)
+    np.testing.assert_allclose(flash(q, k, v, mask), attnkit.scaled_dot_product_attention(q, k, v, mask), rtol=1e-12)
+    res = flash(q, k, v, None, 0.0, True, return_lse=True)
+    assert isinstance(res, attnkit.AttentionOutput) and res.weights is None
+    with pytest.raises(ValueError, match="dropout"):
+        flash(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="weights"):
+        flash(q, k, v, return_weights=True)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _two_args(b, h):
+    return True
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(block_q=0), ValueError, "block_q >= 1"),
+        (dict(block_k=-3), ValueError, "block_k >= 1"),
+        (dict(block_k=2.5), TypeError, "block_k"),
+        (dict(num_threads=0), ValueError, "num_threads"),
+        (dict(mask_mod=_two_args), TypeError, r"mask_mod to take 4 positional arguments"),
+        (dict(score_mod=lambda s, b, h: s), TypeError, r"score_mod to take 5"),
+        (dict(score_mod=3), TypeError, "callable"),
+        (dict(attn_mask=np.ones((5, 4), dtype=bool)), ValueError, "broadcastable"),
+        (dict(attn_mask=np.ones((3, 4), dtype=bool), is_causal=True), ValueError, "is_causal"),
+        (dict(window=-1), ValueError, "window left >= 0"),
+        (dict(window=(1, 2, 3)), TypeError, "window"),
+        (dict(causal_align="middle"), ValueError, "causal_align"),
+        (dict(key=np.ones((2, 4, 5))), ValueError, "E=4"),
+        (dict(mask_mod=lambda b, h, q, kv: q - kv), TypeError, "booleans"),
+        (dict(score_mod=lambda s, b, h, q, kv: s[:1, :1].repeat(2, 0)), ValueError, "score_mod to return"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_clear_message(kwargs, error, match):
+    args = dict(query=np.ones((2, 3, 4)), key=np.ones((2, 4, 4)), value=np.ones((2, 4, 4)), block_q=2, block_k=2)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        attnkit.flash_attention(**args)
+
+
+def test_backward_rejects_bad_saved_state_and_underivable_mods():
+    q = np.ones((2, 3, 4))
+    res = attnkit.flash_attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match=r"lse of shape \(2, 3\)"):
+        attnkit.flash_attention_backward(q, q, q, q, res.output, res.lse[:, :2])
+    with pytest.raises(ValueError, match="grad_output"):
+        attnkit.flash_attention_backward(q[:, :2], q, q, q, res.output, res.lse)
+    with pytest.raises(TypeError, match="ScoreMod"):
+        attnkit.flash_attention_backward(q, q, q, q, res.output, res.lse, score_mod=lambda s, b, h, i, j: s * 2)

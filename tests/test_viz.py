@@ -482,3 +482,17 @@ def test_server_attention_and_errors(client):
     assert r.status_code == 422 and "non-empty" in r.json()["detail"]
     r = client.post("/api/attention", json={"text": "hi", "model": "smollm2"})
     assert r.status_code == 400 and "offers: random, minilm" in r.json()["detail"]
+
+
+@pytest.mark.slow
+def test_smollm2_provider_is_causal_and_truncates():
+    from attnkit.viz.providers import get_provider
+
+    text = "The quick brown fox jumps over the lazy dog, then runs far away into the woods."
+    maps = get_provider("smollm2", max_tokens=8).attention(text)
+    assert maps.causal and maps.num_tokens == 8 and maps.truncated_from > 8
+    assert maps.weights.shape == (30, 9, 8, 8)
+    w = maps.weights.astype(np.float64)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-4)
+    assert np.all(np.triu(w, k=1) == 0)
+    assert "".join(maps.tokens).startswith("The quick brown")

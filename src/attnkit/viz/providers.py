@@ -15,6 +15,7 @@ listing providers (or importing this module) loads no model code.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,7 @@ class Provider:
             raise TypeError(f"expected text as a str, got {type(text).__name__}")
         if not text.strip():
             raise ValueError("expected a non-empty text, got an empty one")
-        limit = self.max_tokens if max_tokens is None else min(max_tokens, self.max_tokens)
+        limit = self.max_tokens if max_tokens is None else max_tokens
         with self._lock:
             tokens, weights, full_count = self._run(text, limit)
         weights = np.asarray(weights, dtype=np.float32)
@@ -119,11 +120,15 @@ def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> Provider
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"expected a model name ({', '.join(PROVIDERS)}) or a path, got {name!r}")
-    key = f"{name}@{max_tokens}"
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"expected max_tokens to be a positive int, got {max_tokens!r}")
     with _cache_lock:
-        if key not in _cache:
-            _cache[key] = _load(name, max_tokens)
-        return _cache[key]
+        if name not in _cache:
+            _cache[name] = _load(name, DEFAULT_MAX_TOKENS)
+        loaded = _cache[name]
+    provider = copy.copy(loaded)  # shares the model and its lock; only the limit differs
+    provider.max_tokens = max_tokens
+    return provider
 
 
 def _load(name: str, max_tokens: int) -> Provider:

@@ -1,0 +1,218 @@
+"""The HTML file and the served page in headless Chromium (Debian's), driven by Playwright.
+
+Each test checks: no console errors, no page errors, no dialogs (an injected
+`alert` would open one), and no request outside the page's own origin.
+Screenshots go to test-artifacts/viz/.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from attnkit.viz.data import maps_from_random_model
+from attnkit.viz.html import save_html
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "viz"
+EVIL = ["<script>alert(1)</script>", "<img src=x onerror=alert(1)>"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+class Watched:
+    """A page that records console errors, page errors, dialogs and requests."""
+
+    def __init__(self, browser, width=1400, height=1000):
+        self.page = browser.new_page(viewport={"width": width, "height": height})
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.requests: list[str] = []
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+
+    def check_clean(self, origin: str) -> None:
+        assert self.errors == []
+        assert self.dialogs == []
+        outside = [u for u in self.requests if not (u.startswith(origin) or u.startswith(("data:", "blob:")))]
+        assert outside == []
+
+    def matrix(self, index=0) -> str:
+        return self.page.locator("canvas.matrix").nth(index).evaluate("c => c.toDataURL()")
+
+    def lines(self, index=0) -> str:
+        return self.page.locator("canvas.lines").nth(index).evaluate("c => c.toDataURL()")
+
+
+def wait_ready(page, timeout=30_000):
+    page.wait_for_selector('body[data-ready="1"] .doc', timeout=timeout)
+
+
+def check_views(w: Watched, shot: str, token_index: int = 2) -> None:
+    """Choosing another head changes the picture; hovering a token draws its lines."""
+    page = w.page
+    before, lines_before = w.matrix(), w.lines()
+    current = page.locator("#head").input_value()
+    page.select_option("#head", "1" if current != "1" else "0")
+    assert w.matrix() != before and w.lines() != lines_before
+    page.locator(".col.left .tok").nth(token_index).hover()
+    lines = page.locator("canvas.lines").first
+    assert lines.get_attribute("data-mode") == "query"
+    assert int(lines.get_attribute("data-lines")) > 0
+    assert "attends most to" in page.locator(".status").first.text_content()
+    page.screenshot(path=str(ARTIFACTS / f"{shot}-hover.png"))
+    page.locator(".col.right .tok").nth(token_index).hover()
+    assert lines.get_attribute("data-mode") == "key"
+
+
+def test_html_file_views_and_escaping(browser, tmp_path):
+    tokens = ["The", "cat", *EVIL, "sat", "on", "the", "mat"]
+    maps = maps_from_random_model(tokens, layers=3, heads=4, causal=True)
+    path = save_html(maps, tmp_path / "view.html", layer=1, head=2)
+    w = Watched(browser)
+    w.page.goto(path.as_uri())
+    wait_ready(w.page)
+    # Token text shows as text: no element was made from it, and nothing ran.
+    shown = w.page.locator(".col.left .tok").all_text_contents()
+    assert shown == tokens
+    assert w.page.locator(".head-view img, .head-view script, .doc-title img").count() == 0
+    assert w.page.locator(".doc-title").text_content() == " ".join(tokens)
+    assert w.page.locator("#layer").input_value() == "1" and w.page.locator("#head").input_value() == "2"
+    w.page.wait_for_selector('body[data-thumbnails="1"]')
+    w.page.screenshot(path=str(ARTIFACTS / "html-file.png"), full_page=True)
+    check_views(w, "html-file")
+    # Mean of heads, then the model view: a click enlarges one head and selects it.
+    w.page.select_option("#head", "-1")
+    assert w.page.locator("#picked").text_content() == "layer 1, mean of heads"
+    w.page.locator(".grid canvas[data-layer='2'][data-head='3']").click()
+    assert w.page.locator("#overlay").is_visible()
+    assert (w.page.locator("#layer").input_value(), w.page.locator("#head").input_value()) == ("2", "3")
+    w.page.screenshot(path=str(ARTIFACTS / "html-file-enlarged.png"))
+    w.page.keyboard.press("Escape")
+    assert not w.page.locator("#overlay").is_visible()
+    w.check_clean(path.as_uri())
+    w.page.close()
+
+
+def test_html_compare_file(browser, tmp_path):
+    a = maps_from_random_model("the cat sat on the mat".split(), layers=2, heads=3, seed=0)
+    b = maps_from_random_model("the dog sat on the rug".split(), layers=2, heads=3, seed=0)
+    path = save_html([a, b], tmp_path / "compare.html")
+    w = Watched(browser)
+    w.page.goto(path.as_uri())
+    wait_ready(w.page)
+    assert w.page.locator(".doc").count() == 2
+    cells = w.page.locator("#difference td")
+    assert cells.count() == 6
+    before = [w.matrix(0), w.matrix(1)]
+    cells.nth(4).click()  # layer 1, head 1
+    assert (w.page.locator("#layer").input_value(), w.page.locator("#head").input_value()) == ("1", "1")
+    assert [w.matrix(0), w.matrix(1)] != before
+    w.page.screenshot(path=str(ARTIFACTS / "html-compare.png"), full_page=True)
+    w.check_clean(path.as_uri())
+    w.page.close()
+
+
+def test_html_512_tokens_stays_responsive(browser, tmp_path):
+    maps = maps_from_random_model([f"t{i}" for i in range(512)], layers=4, heads=4)
+    path = save_html(maps, tmp_path / "long.html")
+    w = Watched(browser)
+    start = time.monotonic()
+    w.page.goto(path.as_uri())
+    wait_ready(w.page)
+    assert time.monotonic() - start < 20
+    # The page answers while thumbnails are painted, and a head change redraws fast.
+    took = w.page.evaluate(
+        """() => { const t = performance.now();
+                   const s = document.getElementById('head'); s.value = '3';
+                   s.dispatchEvent(new Event('change')); return performance.now() - t; }"""
+    )
+    assert took < 2000
+    w.page.wait_for_selector('body[data-thumbnails="1"]', timeout=30_000)
+    w.page.locator(".col.left .tok").nth(300).hover()
+    assert int(w.page.locator("canvas.lines").first.get_attribute("data-lines")) > 0
+    w.page.screenshot(path=str(ARTIFACTS / "html-512.png"))
+    w.check_clean(path.as_uri())
+    w.page.close()
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    import uvicorn
+
+    from attnkit.viz.server import create_app
+
+    app = create_app(models=["random", "minilm"], max_chars=400, max_tokens=64)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def test_served_page_typing_a_sentence(browser, server_url):
+    w = Watched(browser)
+    w.page.goto(server_url)
+    w.page.wait_for_selector("#input-form:not([hidden])")
+    assert w.page.locator(".doc").count() == 0
+    text = "the cat " + " ".join(EVIL) + " sat down"
+    w.page.fill("#text", text)
+    w.page.select_option("#model", "random")
+    w.page.click("#submit")
+    wait_ready(w.page)
+    assert w.page.locator(".col.left .tok").all_text_contents() == text.split()
+    assert w.page.locator(".head-view img").count() == 0
+    w.page.screenshot(path=str(ARTIFACTS / "served-page.png"), full_page=True)
+    check_views(w, "served-page")
+    # A long text is truncated with a warning shown on the page.
+    w.page.fill("#text", " ".join(["word"] * 80))
+    w.page.click("#submit")
+    w.page.wait_for_selector("#messages div")
+    assert "truncated to 64 tokens (it had 80)" in w.page.locator("#messages").text_content()
+    w.check_clean(server_url.rstrip("/"))
+    w.page.close()
+
+
+def test_served_page_with_minilm(browser, server_url):
+    w = Watched(browser)
+    w.page.goto(server_url)
+    w.page.wait_for_selector("#input-form:not([hidden])")
+    w.page.fill("#text", "The cat sat on the mat because it was tired.")
+    w.page.select_option("#model", "minilm")
+    w.page.click("#submit")
+    wait_ready(w.page)
+    tokens = w.page.locator(".col.left .tok").all_text_contents()
+    assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]"
+    assert w.page.locator(".grid canvas").count() == 6 * 12
+    check_views(w, "served-minilm", token_index=2)
+    w.page.wait_for_selector('body[data-thumbnails="1"]')
+    w.page.screenshot(path=str(ARTIFACTS / "served-minilm.png"), full_page=True)
+    w.check_clean(server_url.rstrip("/"))
+    w.page.close()

@@ -233,7 +233,8 @@ class MultiHeadAttention(Module):
         cached = self._fused.get((name, dtype))
         if cached is not None and len(cached[0]) == len(sources) and all(a is b for a, b in zip(cached[0], sources)):
             return cached[1], cached[2]
-        weight = np.concatenate([p.weight for p in projections], axis=0).astype(dtype, copy=False)
+        # (sum of outs, in), column-major like Linear.weight so x @ weight.T is a plain GEMM
+        weight = np.concatenate([p.weight.T for p in projections], axis=1).astype(dtype, copy=False).T
         bias = None
         if projections[0].bias is not None:
             bias = np.concatenate([p.bias for p in projections]).astype(dtype, copy=False)

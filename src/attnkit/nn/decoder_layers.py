@@ -33,7 +33,8 @@ class Embedding(Module):
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         rng = make_rng(seed)
-        self.register_parameter("weight", rng.standard_normal((self.num_embeddings, self.embedding_dim)))
+        weight = rng.standard_normal((self.num_embeddings, self.embedding_dim), dtype=np.float32)
+        self.register_parameter("weight", weight)
 
     def forward(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)

@@ -40,7 +40,8 @@ class Linear(Module):
     ``bias`` (out_features,). Initialization is torch-like: weight uniform in
     +-1/sqrt(in_features) (torch's kaiming_uniform with a=sqrt(5)), bias zero.
     Drawn in float64 and stored in float32, so the same seed gives the same
-    weights (up to rounding) in either dtype.
+    weights (up to rounding) in either dtype. The weight is kept in
+    column-major (Fortran) order; it is still an (out, in) array.
     """
 
     def __init__(
@@ -59,7 +60,10 @@ class Linear(Module):
         self.out_features = int(out_features)
         rng = make_rng(seed)
         bound = 1.0 / math.sqrt(self.in_features)
-        self.register_parameter("weight", rng.uniform(-bound, bound, (self.out_features, self.in_features)))
+        # Stored column-major: weight.T is then a row-major (in, out) array and
+        # x @ weight.T a plain GEMM, up to 2x faster in OpenBLAS for few rows.
+        weight = rng.uniform(-bound, bound, (self.out_features, self.in_features))
+        self.register_parameter("weight", weight, order="F")
         self.register_parameter("bias", np.zeros(self.out_features) if bias else None)
 
     def forward(self, x: np.ndarray) -> np.ndarray:

@@ -68,6 +68,12 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return view
 
 
+def _stored(value: Any, dtype: np.dtype, order: str, copy: bool = False) -> np.ndarray:
+    """A read-only parameter array in `dtype` and memory `order` ("C" or "F")."""
+    array = np.array(value, dtype=dtype, order=order, copy=True) if copy else np.asarray(value, dtype=dtype, order=order)
+    return _readonly(array)
+
+
 class LoadResult(NamedTuple):
     """What `load_state_dict(strict=False)` skipped."""
 
@@ -87,21 +93,32 @@ class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_parameter_order", {})
         object.__setattr__(self, "training", False)
 
     # ----- registration -----------------------------------------------------
 
-    def register_parameter(self, name: str, value: np.ndarray | None, dtype: Any = np.float32) -> None:
-        """Add a parameter (or None for an absent optional one, like a bias)."""
+    def register_parameter(
+        self, name: str, value: np.ndarray | None, dtype: Any = np.float32, *, order: str = "C"
+    ) -> None:
+        """Add a parameter (or None for an absent optional one, like a bias).
+
+        `order` is the memory layout kept through assignment, loading and
+        astype: "F" stores a (out, in) weight column-major, so that
+        ``x @ weight.T`` is a plain row-major GEMM.
+        """
         if "." in name or not name:
             raise ValueError(f"expected a parameter name without dots, got {name!r}")
+        if order not in ("C", "F"):
+            raise ValueError(f"expected order 'C' or 'F', got {order!r}")
+        self._parameter_order[name] = order
         if value is None:
             self._parameters[name] = None
             return
         array = np.asarray(value)
         if not np.issubdtype(array.dtype, np.floating):
             raise TypeError(f"expected parameter {name!r} to be floating point, got dtype {array.dtype}")
-        self._parameters[name] = _readonly(np.ascontiguousarray(array, dtype=parameter_dtype(dtype)))
+        self._parameters[name] = _stored(array, parameter_dtype(dtype), order)
 
     def __setattr__(self, name: str, value: Any) -> None:
         params = self.__dict__.get("_parameters")
@@ -141,7 +158,7 @@ class Module:
             raise TypeError(f"expected parameter {name!r} to be floating point, got dtype {array.dtype}")
         if array.shape != old.shape:
             raise ValueError(f"expected parameter {name!r} of shape {old.shape}, got {array.shape}")
-        self._parameters[name] = _readonly(np.ascontiguousarray(array, dtype=old.dtype))
+        self._parameters[name] = _stored(array, old.dtype, self._parameter_order[name])
         self._parameters_changed()
 
     def _parameters_changed(self) -> None:
@@ -220,7 +237,7 @@ class Module:
                 raise TypeError(f"state_dict[{key!r}]: expected a floating-point array, got dtype {array.dtype}")
             if array.shape != old.shape:
                 raise ValueError(f"state_dict[{key!r}]: expected shape {old.shape}, got {array.shape}")
-            staged.append((module, name, _readonly(np.array(array, dtype=old.dtype, order="C", copy=True))))
+            staged.append((module, name, _stored(array, old.dtype, module._parameter_order[name], copy=True)))
         for module, name, array in staged:
             module._parameters[name] = array
         for _, module in self.named_modules():
@@ -245,7 +262,7 @@ class Module:
         for _, module in self.named_modules():
             for name, array in module._parameters.items():
                 if array is not None and array.dtype != dt:
-                    module._parameters[name] = _readonly(array.astype(dt))
+                    module._parameters[name] = _stored(array, dt, module._parameter_order[name])
             module._parameters_changed()
         return self
 

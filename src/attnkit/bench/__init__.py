@@ -1,0 +1,88 @@
+"""Benchmark harness behind `attnkit bench [SUITE] [--quick] [--json FILE]`.
+
+A suite is a module listed in `SUITES` (name -> module path) that defines
+
+    def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport
+
+- `quick=True` must finish in well under a minute (small sizes, few repeats);
+  the full run is what docs/benchmarks.md records.
+- `progress` is how a suite reports headway without printing (the library
+  never prints): call `progress.total(n)` once with the number of steps, then
+  `progress.step("what is running")` as each step starts. `NullProgress` does nothing.
+- `threads` is the thread count every contender gets (None: all CPUs).
+- The suite returns a `BenchReport`: a title, column names, rows (one list of
+  plain values per row, same length as columns; None shows as "-"), notes
+  (short lines shown under the table, e.g. goals met or skipped sizes), and
+  `raw`, a JSON-serializable dict with everything measured.
+
+The CLI (`attnkit.cli.bench`) renders the table with rich, shows a progress bar,
+writes `{"suite", "report": {...}, "system": system_info()}` as JSON with --json,
+and prints which BLAS kernel ran (`blas_info`). Helpers shared by suites live in
+`attnkit.bench.measure` (timing, peak memory, system info).
+
+Suites import their heavy dependencies (torch, models) inside `run`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any, Protocol
+
+SUITES: dict[str, str] = {
+    "attention": "attnkit.bench.attention",
+}
+
+
+class Progress(Protocol):
+    def total(self, n: int) -> None: ...
+
+    def step(self, description: str) -> None: ...
+
+
+class NullProgress:
+    """A Progress that reports nowhere."""
+
+    def total(self, n: int) -> None:
+        pass
+
+    def step(self, description: str) -> None:
+        pass
+
+
+@dataclass
+class BenchReport:
+    """What a suite measured, ready to render as one table."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for i, row in enumerate(self.rows):
+            if len(row) != len(self.columns):
+                raise ValueError(f"row {i} has {len(row)} values for {len(self.columns)} columns")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def get_suite(name: str) -> ModuleType:
+    """The suite module registered under `name`."""
+    try:
+        path = SUITES[name]
+    except KeyError:
+        raise ValueError(f"unknown benchmark suite {name!r}; expected one of {sorted(SUITES)}") from None
+    return importlib.import_module(path)
+
+
+def run_suite(name: str, quick: bool = False, progress: Progress | None = None,
+              threads: int | None = None) -> BenchReport:
+    """Run one suite and return its report."""
+    return get_suite(name).run(quick=quick, progress=progress or NullProgress(), threads=threads)
+
+
+__all__ = ["SUITES", "BenchReport", "NullProgress", "Progress", "get_suite", "run_suite"]

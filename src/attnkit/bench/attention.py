@@ -1,0 +1,281 @@
+"""The attention suite: attnkit flash against NumPy naive, torch naive and torch SDPA.
+
+Side by side in one run, same inputs (float32, B=1, H=8, E=64, L=S), same thread
+count for everyone: NumPy naive is attnkit's plain `scaled_dot_product_attention`
+(it materializes the (L, S) scores; its backward is the plain backward), torch
+naive is softmax(q k^T * scale) v written out in torch, torch SDPA is
+`F.scaled_dot_product_attention` (its fwd+bwd goes through autograd).
+
+GFLOP/s use FlashAttention's convention: forward 4 B H L S E, halved when
+causal; forward + backward 3.5x that (the backward counts 2.5x the forward).
+"vs SDPA" is torch SDPA's time divided by the row's time (> 1 = faster).
+Peak memory is the extra memory held during one call: tracemalloc for NumPy,
+sampled resident size for torch.
+
+Then the goals of docs/benchmarks.md: thread scaling (1 vs all threads) and, in
+the full run, a single-head causal forward at L = S = 131072.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attnkit.bench import BenchReport, Progress
+from attnkit.bench.measure import (
+    available_memory_bytes,
+    best_time,
+    blas_summary,
+    cpu_count,
+    peak_numpy_bytes,
+    peak_rss_bytes,
+    system_info,
+)
+
+H, E = 8, 64
+FULL_LENGTHS = (512, 1024, 2048, 4096, 8192)
+QUICK_LENGTHS = (512, 1024)
+LONG_L = 131072
+IMPLS = ("numpy naive", "attnkit flash", "torch naive", "torch SDPA")
+COLUMNS = ["L=S", "causal", "pass", "impl", "ms", "GFLOP/s", "MiB", "vs SDPA"]  # MiB: peak extra memory
+
+
+def _flops(L: int, S: int, causal: bool, passes: str, heads: int | None = None) -> float:
+    fwd = 4.0 * (H if heads is None else heads) * L * S * E / (2 if causal else 1)
+    return fwd if passes == "fwd" else 3.5 * fwd
+
+
+def _naive_bytes(L: int, S: int, passes: str) -> int:
+    """About what the NumPy naive path allocates: scores (and their gradients)."""
+    scores = 4 * H * L * S
+    return scores * (2 if passes == "fwd" else 5)
+
+
+def _numpy_contenders(q, k, v, d_out, causal, threads):
+    import attnkit
+    from threadpoolctl import threadpool_limits
+
+    def naive_fwd():
+        with threadpool_limits(threads, user_api="blas"):
+            return attnkit.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def naive_fwd_bwd():
+        with threadpool_limits(threads, user_api="blas"):
+            out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return out, attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, is_causal=causal)
+
+    def flash_fwd():
+        return attnkit.flash_attention(q, k, v, is_causal=causal, num_threads=threads)
+
+    def flash_fwd_bwd():
+        res = attnkit.flash_attention(q, k, v, is_causal=causal, num_threads=threads, return_lse=True)
+        return attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, is_causal=causal,
+                                                num_threads=threads)
+
+    return {
+        ("numpy naive", "fwd"): naive_fwd,
+        ("numpy naive", "fwd+bwd"): naive_fwd_bwd,
+        ("attnkit flash", "fwd"): flash_fwd,
+        ("attnkit flash", "fwd+bwd"): flash_fwd_bwd,
+    }
+
+
+def _torch_contenders(q, k, v, d_out, causal):
+    import torch
+    import torch.nn.functional as F
+
+    tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, d_out))
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    blocked = torch.ones(L, S, dtype=torch.bool).triu(1) if causal else None
+
+    def naive(a, b, c):
+        s = (a @ b.transpose(-1, -2)) * scale
+        if blocked is not None:
+            s = s.masked_fill(blocked, float("-inf"))
+        return torch.softmax(s, dim=-1) @ c
+
+    def sdpa(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=causal)
+
+    def fwd(f):
+        def run():
+            with torch.no_grad():
+                return f(tq, tk, tv)
+        return run
+
+    def fwd_bwd(f):
+        def run():
+            a, b, c = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            f(a, b, c).backward(tdo)
+            return a.grad, b.grad, c.grad
+        return run
+
+    return {
+        ("torch naive", "fwd"): fwd(naive),
+        ("torch naive", "fwd+bwd"): fwd_bwd(naive),
+        ("torch SDPA", "fwd"): fwd(sdpa),
+        ("torch SDPA", "fwd+bwd"): fwd_bwd(sdpa),
+    }
+
+
+def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+    """Measure every contender on every configuration; see the module docstring."""
+    threads = threads or cpu_count()
+    try:
+        import torch
+    except ImportError:  # the suite still runs, without the torch columns
+        torch = None
+    lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
+    budget = 0.5 if quick else 2.0
+    impls = IMPLS if torch is not None else IMPLS[:2]
+    configs = [(L, causal, passes) for L in lengths for causal in (False, True) for passes in ("fwd", "fwd+bwd")]
+    scaling_L = 1024 if quick else 2048
+    progress.total(len(configs) * len(impls) + 2 + (0 if quick else 1))
+
+    old_torch_threads = None
+    if torch is not None:
+        old_torch_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    measurements, rows, notes = [], [], []
+    try:
+        rng = np.random.default_rng(0)
+        for L in lengths:
+            q, k, v, d_out = (rng.standard_normal((1, H, L, E), dtype=np.float32) for _ in range(4))
+            for causal in (False, True):
+                contenders = _numpy_contenders(q, k, v, d_out, causal, threads)
+                if torch is not None:
+                    contenders.update(_torch_contenders(q, k, v, d_out, causal))
+                for passes in ("fwd", "fwd+bwd"):
+                    results = {}
+                    for impl in impls:
+                        progress.step(f"{impl} {passes} L={L}{' causal' if causal else ''}")
+                        fn = contenders[(impl, passes)]
+                        avail = available_memory_bytes()
+                        if impl.endswith("naive") and avail is not None and _naive_bytes(L, L, passes) > 0.4 * avail:
+                            notes.append(f"skipped {impl} {passes} at L={L}{' causal' if causal else ''}: needs about "
+                                         f"{_naive_bytes(L, L, passes) / 2**30:.1f} GiB, "
+                                         f"{avail / 2**30:.1f} GiB available")
+                            continue
+                        seconds, times = best_time(fn, budget_s=budget, max_runs=3 if quick else 5)
+                        if impl.startswith("torch"):
+                            peak, method = peak_rss_bytes(fn), "rss"
+                        else:
+                            peak, method = peak_numpy_bytes(fn), "tracemalloc"
+                        results[impl] = seconds
+                        measurements.append(dict(
+                            impl=impl, L=L, S=L, H=H, E=E, causal=causal, passes=passes, threads=threads,
+                            seconds=seconds, times=times, gflops=_flops(L, L, causal, passes) / seconds / 1e9,
+                            peak_bytes=peak, memory_method=method,
+                        ))
+                    ref = results.get("torch SDPA")
+                    for m in measurements[len(measurements) - len(results):]:
+                        m["vs_sdpa"] = None if ref is None else ref / m["seconds"]
+                        rows.append([L, "yes" if causal else "no", passes, m["impl"], round(m["seconds"] * 1e3, 3),
+                                     round(m["gflops"], 1),
+                                     None if m["peak_bytes"] is None else round(m["peak_bytes"] / 2**20, 1),
+                                     None if m["vs_sdpa"] is None else f"{m['vs_sdpa']:.2f}x"])
+
+        extras = _scaling(scaling_L, threads, budget, progress, quick)
+        if not quick:
+            extras.update(_long_causal(progress))
+    finally:
+        if torch is not None and old_torch_threads is not None:
+            torch.set_num_threads(old_torch_threads)
+
+    goals = _goals(measurements, extras, threads)
+    notes = [f"BLAS: {blas_summary()}; threads: {threads}", *notes, *[g["line"] for g in goals]]
+    return BenchReport(
+        title=f"Attention kernels: float32, B=1, H={H}, E={E}, L=S, {threads} thread(s)",
+        columns=COLUMNS, rows=rows, notes=notes,
+        raw=dict(measurements=measurements, extras=extras, goals=goals, quick=quick, system=system_info()),
+    )
+
+
+def _scaling(L: int, threads: int, budget: float, progress: Progress, quick: bool) -> dict:
+    """Flash at 1 thread against `threads` threads (B x H = 8)."""
+    import attnkit
+
+    rng = np.random.default_rng(1)
+    q, k, v, d_out = (rng.standard_normal((1, H, L, E), dtype=np.float32) for _ in range(4))
+    out = {}
+    for passes in ("fwd", "fwd+bwd"):
+        progress.step(f"thread scaling {passes} L={L}")
+        if quick and passes == "fwd+bwd":
+            continue
+
+        def call(n, passes=passes):
+            res = attnkit.flash_attention(q, k, v, num_threads=n, return_lse=True)
+            if passes == "fwd+bwd":
+                attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, num_threads=n)
+
+        one, _ = best_time(lambda: call(1), budget_s=budget, max_runs=3)
+        many, _ = best_time(lambda: call(threads), budget_s=budget, max_runs=3)
+        out[f"scaling_{passes}"] = dict(L=L, one_thread_s=one, threads=threads, many_threads_s=many, speedup=one / many)
+    return out
+
+
+def _long_causal(progress: Progress) -> dict:
+    """One head, causal, L = S = 131072: naive would need 64 GiB for the scores."""
+    import attnkit
+
+    progress.step(f"single-head causal forward L=S={LONG_L}")
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 1, LONG_L, E), dtype=np.float32) for _ in range(3))
+    # One timed run (a second would double a long step); peak memory is measured at L=8192 instead.
+    seconds, _ = best_time(lambda: attnkit.flash_attention(q, k, v, is_causal=True), budget_s=0, max_runs=1,
+                           warmup=False)
+    return {"long_causal": dict(L=LONG_L, H=1, E=E, seconds=seconds,
+                                gflops=_flops(LONG_L, LONG_L, True, "fwd", heads=1) / seconds / 1e9,
+                                naive_scores_gib=4 * LONG_L * LONG_L / 2**30)}
+
+
+def _goals(measurements: list[dict], extras: dict, threads: int) -> list[dict]:
+    """The issue's goals, checked against this run's numbers."""
+    def find(impl, L, causal, passes):
+        for m in measurements:
+            if (m["impl"], m["L"], m["causal"], m["passes"]) == (impl, L, causal, passes):
+                return m
+        return None
+
+    goals = []
+
+    def goal(name, value, target, fmt="{:.2f}x", higher=True):
+        if value is None:
+            return
+        ok = value >= target if higher else value <= target
+        goals.append(dict(name=name, value=value, target=target, met=ok,
+                          line=f"{'PASS' if ok else 'MISS'} {name}: {fmt.format(value)} "
+                               f"(goal {'>=' if higher else '<='} {fmt.format(target)})"))
+
+    Ls = sorted({m["L"] for m in measurements})
+    big = max(Ls)
+    L4 = 4096 if 4096 in Ls else big
+    f, s = find("attnkit flash", L4, False, "fwd"), find("torch SDPA", L4, False, "fwd")
+    goal(f"forward vs torch SDPA at L={L4}", s and f and s["seconds"] / f["seconds"], 0.5)
+    for L in [x for x in Ls if x >= 2048] or [big]:
+        f, n = find("attnkit flash", L, False, "fwd"), find("numpy naive", L, False, "fwd")
+        goal(f"forward vs NumPy naive at L={L}", n and f and n["seconds"] / f["seconds"], 1.3)
+    f, s = find("attnkit flash", L4, False, "fwd+bwd"), find("torch SDPA", L4, False, "fwd+bwd")
+    goal(f"fwd+bwd vs torch SDPA autograd at L={L4}", s and f and s["seconds"] / f["seconds"], 0.4)
+    fc, fn = find("attnkit flash", big, True, "fwd"), find("attnkit flash", big, False, "fwd")
+    goal(f"causal / non-causal forward time at L={big}", fc and fn and fc["seconds"] / fn["seconds"], 0.6,
+         higher=False)
+    f, n = find("attnkit flash", big, False, "fwd"), find("numpy naive", big, False, "fwd")
+    if f and n and f["peak_bytes"] and n["peak_bytes"]:
+        goal(f"peak memory flash / naive at L={big}", f["peak_bytes"] / n["peak_bytes"], 1 / 20, fmt="{:.4f}",
+             higher=False)
+    sc = extras.get("scaling_fwd")
+    if sc and threads >= 2:
+        goal(f"forward {threads} threads vs 1 at L={sc['L']}", sc["speedup"], 1.6)
+    sc = extras.get("scaling_fwd+bwd")
+    if sc and threads >= 2:
+        goal(f"fwd+bwd {threads} threads vs 1 at L={sc['L']}", sc["speedup"], 1.6)
+    lc = extras.get("long_causal")
+    if lc:
+        goals.append(dict(name="single-head causal forward at L=S=131072", value=lc["seconds"], target=None,
+                          met=True, line=f"DONE single-head causal forward at L=S={lc['L']}: "
+                                         f"{lc['seconds']:.1f} s ({lc['gflops']:.0f} GFLOP/s); naive would need "
+                                         f"{lc['naive_scores_gib']:.0f} GiB for the scores"))
+    return goals

@@ -1,0 +1,155 @@
+"""Measuring helpers shared by benchmark suites: best-of timing, peak memory, system facts.
+
+Times are wall-clock best-of-n (the machine is shared; the minimum is the least
+disturbed run). Peak memory is the most extra memory a call held above what was
+allocated when it started: exact for NumPy through tracemalloc (NumPy reports
+its data buffers there), sampled from the process's resident size for
+libraries that allocate outside Python's view (torch).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+import tracemalloc
+from typing import Callable
+
+
+def cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5,
+              warmup: bool = True) -> tuple[float, list[float]]:
+    """Best wall time of fn() over up to `max_runs` runs that fit in about `budget_s`.
+
+    With warmup the first call (thread pools starting, pages faulting in) is not
+    counted unless it is the only one that fits the budget.
+    """
+    times = []
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if not warmup:
+        times.append(first)
+    runs = max(1, min(max_runs, int(budget_s / max(first, 1e-9))))
+    if warmup and first > budget_s:
+        return first, [first]
+    for _ in range(runs if warmup else runs - 1):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), times
+
+
+def peak_numpy_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated during fn() above the start (tracemalloc; NumPy buffers included)."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        result = fn()
+        _, peak = tracemalloc.get_traced_memory()
+        del result
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return max(0, peak - base)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes(fn: Callable[[], object], interval_s: float = 0.001) -> int | None:
+    """Peak resident-size growth during fn(), sampled every `interval_s` (Linux only; else None)."""
+    if not os.path.exists("/proc/self/statm"):
+        return None
+    base = _rss_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(interval_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = fn()
+        peak[0] = max(peak[0], _rss_bytes())
+        del result
+    finally:
+        done.set()
+        sampler.join()
+    return max(0, peak[0] - base)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def blas_info() -> list[dict]:
+    """The BLAS libraries loaded and the kernel each runs (threadpoolctl)."""
+    from threadpoolctl import threadpool_info
+
+    return [
+        {k: lib.get(k) for k in ("internal_api", "version", "architecture", "num_threads", "threading_layer")}
+        for lib in threadpool_info()
+        if lib.get("user_api") == "blas"
+    ]
+
+
+def blas_summary() -> str:
+    """One line: e.g. "openblas 0.3.31 (SkylakeX kernel)"."""
+    libs = blas_info()
+    if not libs:
+        return "no BLAS found by threadpoolctl"
+    return ", ".join(f"{b['internal_api']} {b['version']} ({b['architecture']} kernel)" for b in libs)
+
+
+def system_info() -> dict:
+    """Versions and machine facts to store next to results."""
+    import numpy as np
+
+    info = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpus": cpu_count(),
+        "blas": blas_info(),
+        "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS")},
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        info["torch"] = None
+    return info

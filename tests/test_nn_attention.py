@@ -386,3 +386,19 @@ def test_random_shapes_match_torch(B, L, S, H, E, self_attention, average):
     t_out, t_w = run_torch(theirs, q, kv, kv, key_padding_mask=t(~key_mask), average_attn_weights=average)
     assert_close(out, t_out, 1e-10, "output")
     assert_close(w, t_w, 1e-10, "weights")
+
+
+def test_attention_backend_is_chosen_by_name():
+    rng = np.random.default_rng(12)
+    block = nn.TransformerBlock(32, 4, 64, seed=0).astype(np.float64)
+    x = rng.standard_normal((2, 37, 32))
+    key_mask = masks.padding_mask(np.array([37, 20]), 37)
+    naive = block(x, key_mask=key_mask, is_causal=True)
+    assert block.set_attention_backend("flash") is block and block.attn.backend == "flash"
+    flash = block(x, key_mask=key_mask, is_causal=True)
+    assert_close(flash, naive, 1e-10, "flash backend")
+    with pytest.raises(ValueError, match="weights"):
+        block(x, need_weights=True)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        block.set_attention_backend("nope")
+    assert block.attn.backend == "flash"

@@ -17,12 +17,17 @@ from attnkit.nn.perhead import PerHeadMultiHeadAttention
 from attnkit.nn.positional import sinusoidal_positional_encoding
 
 # Decoder pieces (KV cache, RMSNorm, rotary) are imported here by their own module.
+from attnkit.nn.cache import KVCache
+from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, RotaryEmbedding, SwiGLU
 
 __all__ = [
     "ACTIVATIONS",
     "AttentionResult",
     "BlockOutput",
+    "CausalSelfAttention",
+    "Embedding",
     "FeedForward",
+    "KVCache",
     "LayerNorm",
     "Linear",
     "LoadResult",
@@ -30,6 +35,9 @@ __all__ = [
     "ModuleList",
     "MultiHeadAttention",
     "PerHeadMultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
     "SingleHeadSelfAttention",
     "TransformerBlock",
     "dropout",

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnkit.functional import scaled_dot_product_attention
+from attnkit.functional import get_attention, scaled_dot_product_attention
 from attnkit.nn.layers import check_dropout
 from attnkit.nn.linear import Linear, linear
 from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
@@ -185,6 +185,10 @@ class MultiHeadAttention(Module):
     Self-attention (key and value omitted or the very same array as query)
     runs one fused QKV matrix product; the concatenated weight is built once
     and rebuilt whenever a projection's parameters are replaced.
+
+    The attention itself is ``ATTENTION_BACKENDS[self.backend]`` ("naive" by
+    default; set ``mha.backend = "flash"``, or ``set_attention_backend`` on a
+    parent module, for the tiled kernel, which returns no weights).
     """
 
     def __init__(
@@ -219,6 +223,7 @@ class MultiHeadAttention(Module):
         self.v_proj = Linear(self.vdim, kv_width, bias, seed=rng)
         self.out_proj = Linear(self.d_model, self.d_model, bias, seed=rng)
         self.rng = rng
+        self.backend = "naive"  # a key of attnkit.functional.ATTENTION_BACKENDS
         self._fused: dict[tuple[str, np.dtype], tuple[tuple, np.ndarray, np.ndarray | None]] = {}
 
     # ----- fused projections ---------------------------------------------------------
@@ -325,7 +330,8 @@ class MultiHeadAttention(Module):
         q = q.reshape(B, L, H, E).transpose(0, 2, 1, 3)  # (B, H, L, E)
         k = k.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
         v = v.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
-        result = scaled_dot_product_attention(
+        attend = get_attention(self.backend)
+        result = attend(
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=Hkv != H, rng=self.rng, return_weights=need_weights,

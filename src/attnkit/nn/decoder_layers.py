@@ -6,20 +6,25 @@
   (x_i, x_{i+E/2}) of a query or key is rotated by the angle position * theta_i,
   theta_i = base^(-2i/E), so the score q_m . k_n depends on m - n only.
 - `SwiGLU`: the gated feed-forward, down(silu(gate(x)) * up(x)).
+- `CausalSelfAttention`: multi-head (or grouped-query) self-attention that
+  appends to a `KVCache` and attends through it, with optional rotary embeddings.
 
 Weights are in torch layout ((out_features, in_features)). `SwiGLU` also keeps
-a fused, pre-transposed copy of gate and up, (d_model, 2 * d_ff), so a decode
-step makes one matrix-vector product instead of two.
+a fused, pre-transposed copy of gate and up, (d_model, 2 * d_ff), and
+`CausalSelfAttention` one of query, key and value, (d_model, (Hq + 2 Hkv) E), so
+a decode step makes one matrix-vector product where it would make two or three.
+The copies are rebuilt whenever a weight array is replaced.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from attnkit.nn.cache import KVCache
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, make_rng
 
-__all__ = ["Embedding", "RMSNorm", "RotaryEmbedding", "SwiGLU", "silu"]
+__all__ = ["CausalSelfAttention", "Embedding", "RMSNorm", "RotaryEmbedding", "SwiGLU", "silu"]
 
 
 class Embedding(Module):
@@ -103,8 +108,9 @@ class RotaryEmbedding:
         length = max(length, 2 * len(self._cos), 64)
         positions = np.arange(length, dtype=np.float32)
         angles = positions[:, None] * self.inv_freq[None, :]  # (T, E/2), float32 like transformers
-        angles = np.concatenate([angles, angles], axis=-1)  # (T, E)
-        self._cos, self._sin = np.cos(angles), np.sin(angles)
+        angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)  # (T, E)
+        # cos and sin correctly rounded to float32 (NumPy's float32 kernels may be 1 ulp off)
+        self._cos, self._sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin for integer `positions` (any shape P): each (*P, E), float32."""
@@ -183,3 +189,107 @@ class SwiGLU(Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}"
+
+
+class CausalSelfAttention(Module):
+    """Self-attention of a decoder, through a `KVCache`.
+
+    Projects x to queries (Hq heads), keys and values (Hkv heads, Hq a multiple of Hkv:
+    grouped-query attention when fewer), optionally rotates queries and keys (RoPE), appends
+    keys and values to the cache and attends over everything cached with bottom-right
+    causal alignment (`KVCache.attend`).
+
+    Arguments:
+        d_model: model width.
+        num_heads: Hq.
+        num_kv_heads: Hkv (default Hq).
+        head_dim: E (default d_model // Hq).
+        bias: biases on the four projections.
+        scale: score scale (default 1/sqrt(E)).
+
+    Parameters: ``q_proj.weight`` (Hq*E, d), ``k_proj.weight``/``v_proj.weight`` (Hkv*E, d),
+    ``out_proj.weight`` (d, Hq*E), and their biases when `bias`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        bias: bool = False,
+        scale: float | None = None,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        rng = make_rng(seed)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_dim = d_model // num_heads if head_dim is None else head_dim
+        if num_heads % num_kv_heads:
+            raise ValueError(f"expected num_heads ({num_heads}) to be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
+        self.scale = scale
+        self.q_proj = Linear(d_model, num_heads * head_dim, bias=bias, seed=rng)
+        self.k_proj = Linear(d_model, num_kv_heads * head_dim, bias=bias, seed=rng)
+        self.v_proj = Linear(d_model, num_kv_heads * head_dim, bias=bias, seed=rng)
+        self.out_proj = Linear(num_heads * head_dim, d_model, bias=bias, seed=rng)
+        self._fused_from: tuple = ()
+
+    def _fused(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+        """(qkv_t (d, (Hq+2Hkv)E), qkv_bias, out_t (Hq*E, d), out_bias)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
+        sources = tuple(p.weight for p in projections) + tuple(p.bias for p in projections)
+        if len(self._fused_from) != len(sources) or any(a is not b for a, b in zip(sources, self._fused_from)):
+            q, k, v, o = projections
+            self._qkv_t = np.ascontiguousarray(np.concatenate([q.weight, k.weight, v.weight], axis=0).T)
+            self._qkv_bias = None if q.bias is None else np.concatenate([q.bias, k.bias, v.bias])
+            self._out_t = np.ascontiguousarray(o.weight.T)
+            self._out_bias = o.bias
+            self._fused_from = sources
+        return self._qkv_t, self._qkv_bias, self._out_t, self._out_bias
+
+    def forward(
+        self,
+        x: np.ndarray,
+        cache: KVCache,
+        layer: int,
+        *,
+        cos: np.ndarray | None = None,
+        sin: np.ndarray | None = None,
+        backend: str = "naive",
+        weights: list | None = None,
+    ) -> np.ndarray:
+        """x (B, T, d) -> (B, T, d).
+
+        Arguments:
+            cache, layer: where this layer's keys and values are appended.
+            cos, sin: (B, T, E) rotary tables for the T positions, or None for no rotation.
+            backend: attention implementation (`attnkit.functional.ATTENTION_BACKENDS`).
+            weights: a list to append this layer's (B, Hq, T, S) attention weights to.
+        """
+        B, T, _ = x.shape
+        Hq, Hkv, E = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv_t, qkv_bias, out_t, out_bias = self._fused()
+        qkv = x @ qkv_t  # (B, T, (Hq + 2 Hkv) E)
+        if qkv_bias is not None:
+            qkv += qkv_bias
+        q = qkv[..., : Hq * E].reshape(B, T, Hq, E).transpose(0, 2, 1, 3)  # (B, Hq, T, E)
+        k = qkv[..., Hq * E : (Hq + Hkv) * E].reshape(B, T, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
+        v = qkv[..., (Hq + Hkv) * E :].reshape(B, T, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
+        if cos is not None:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, E)
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
+        result = cache.attend(layer, q, k, v, scale=self.scale, backend=backend, return_weights=weights is not None)
+        if weights is not None:
+            weights.append(result.weights)
+            result = result.output
+        out = result.transpose(0, 2, 1, 3).reshape(B, T, Hq * E)  # (B, T, Hq*E)
+        out = out @ out_t  # (B, T, d)
+        if out_bias is not None:
+            out += out_bias
+        return out
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -129,7 +129,9 @@ class Module:
             self.__dict__.pop(name, None)
         elif name in params:
             self._set_parameter(name, value)
-        elif name in self._modules and value is None:
+        elif name in self._modules:
+            if value is not None:
+                raise TypeError(f"expected {name!r} to be a Module (or None to remove it), got {type(value).__name__}")
             del self._modules[name]
             object.__setattr__(self, name, None)
         else:
@@ -284,6 +286,17 @@ class Module:
         for _, module in self.named_modules():
             if "rng" in module.__dict__:
                 object.__setattr__(module, "rng", rng)
+        return self
+
+    def set_attention_backend(self, name: str) -> Module:
+        """Use attention backend `name` (a key of attnkit.functional.ATTENTION_BACKENDS,
+        e.g. "naive" or "flash") in every attention module inside this one; returns self."""
+        from attnkit.functional import get_attention
+
+        get_attention(name)  # raises ValueError naming the known backends
+        for _, module in self.named_modules():
+            if "backend" in module.__dict__:
+                object.__setattr__(module, "backend", name)
         return self
 
     # ----- calling ----------------------------------------------------------------

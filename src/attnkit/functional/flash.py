@@ -37,7 +37,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -194,6 +194,7 @@ class _Plan:
     block_q: int
     block_k: int
     num_threads: int
+    _band_cache: dict = field(default_factory=dict)
 
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys any query in [q0, q1) may see: the band's reach, clipped to [0, S)."""
@@ -210,28 +211,36 @@ class _Plan:
     def batch_index(self, b: int) -> tuple[int, ...]:
         return tuple(int(i) for i in np.unravel_index(b, self.shapes.batch)) if self.shapes.batch else ()
 
-    def tile_masks(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int):
-        """(skip, keep, add) for one tile: skip when no pair is allowed; keep a
-        bool (rows, cols) array of allowed pairs or None when all are; add the
-        float mask tile or None."""
-        keep = None
-        partial_band = (self.lo is not None and k0 - (q1 - 1) < self.lo) or (
-            self.hi is not None and (k1 - 1) - q0 > self.hi
-        )
-        if partial_band:
+    def band_blocked(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray | None:
+        """bool (rows, cols), True where the band excludes the pair; None if it excludes none.
+        It depends only on k0 - q0 and the tile's shape, so it is cached (the
+        diagonal tiles of a causal mask repeat for every head)."""
+        if not ((self.lo is not None and k0 - (q1 - 1) < self.lo) or (self.hi is not None and (k1 - 1) - q0 > self.hi)):
+            return None
+        key = (k0 - q0, q1 - q0, k1 - k0)
+        blocked = self._band_cache.get(key)
+        if blocked is None:
             rel = np.arange(k0, k1)[None, :] - np.arange(q0, q1)[:, None]  # kv - q
-            if self.lo is not None and self.hi is not None:
-                keep = (rel >= self.lo) & (rel <= self.hi)
-            elif self.lo is not None:
-                keep = rel >= self.lo
-            else:
-                keep = rel <= self.hi
+            blocked = np.zeros(rel.shape, dtype=bool)
+            if self.lo is not None:
+                blocked |= rel < self.lo
+            if self.hi is not None:
+                blocked |= rel > self.hi
+            if len(self._band_cache) < 4096:
+                self._band_cache[key] = blocked
+        return blocked
+
+    def tile_masks(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int):
+        """(skip, blocked, add) for one tile: skip when no pair is allowed;
+        blocked a bool (rows, cols) array, True where a pair is excluded, or None
+        when none is; add the float mask tile or None."""
+        blocked = self.band_blocked(q0, q1, k0, k1)
         add = None
         if self.mask is not None:
             tile = self.mask[self.batch_index(b) + (h, slice(q0, q1), slice(k0, k1))]
             if tile.dtype == np.bool_:
                 if not tile.all():
-                    keep = tile if keep is None else keep & tile
+                    blocked = ~tile if blocked is None else blocked | ~tile
             else:
                 add = tile
         if self.mask_mod is not None:
@@ -242,10 +251,10 @@ class _Plan:
                 raise TypeError(f"expected mask_mod to return booleans, got dtype {allowed.dtype}")
             allowed = np.broadcast_to(allowed, (q1 - q0, k1 - k0))
             if not allowed.all():
-                keep = allowed if keep is None else keep & allowed
-        if keep is not None and not keep.any():
+                blocked = ~allowed if blocked is None else blocked | ~allowed
+        if blocked is not None and blocked.all():
             return True, None, None
-        return False, keep, add
+        return False, blocked, add
 
     def modded(self, s: np.ndarray, b: int, h: int, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
         """score_mod applied to a tile of scaled scores (same shape, compute dtype)."""
@@ -351,7 +360,7 @@ def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out
     established = False  # every row has a finite reference
     for k0 in range(k_start, k_end, plan.block_k):
         k1 = min(k0 + plan.block_k, k_end)
-        skip, keep, add = plan.tile_masks(b, h, q0, q1, k0, k1)
+        skip, blocked, add = plan.tile_masks(b, h, q0, q1, k0, k1)
         if skip:
             continue
         s = _tile("s", r, k1 - k0, cd)
@@ -361,8 +370,8 @@ def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out
             np.matmul(qa, ka[k0:k1].T, out=s)
             if add is not None:
                 s += add
-            if keep is not None:
-                np.copyto(s, cd.type(-np.inf), where=~keep)
+            if blocked is not None:
+                np.copyto(s, cd.type(-np.inf), where=blocked)
             np.exp(s, out=s)
             np.matmul(s, va[k0:k1], out=part)
             if np.isfinite(part).all():
@@ -379,8 +388,8 @@ def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out
             plan.modded(s, b, h, q0, q1, k0, k1)
         if add is not None:
             s += add
-        if keep is not None:
-            np.copyto(s, cd.type(-np.inf), where=~keep)
+        if blocked is not None:
+            np.copyto(s, cd.type(-np.inf), where=blocked)
         new_m = np.maximum(m, s.max(axis=1))
         shift = np.where(np.isneginf(new_m), cd.type(0), new_m)  # an all -inf row stays at 0
         alpha = np.exp(m - shift)
@@ -536,7 +545,7 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, 
         for q0 in range(q_start, q_end, plan.block_q):
             q1 = min(q0 + plan.block_q, q_end)
             r = q1 - q0
-            skip, keep, add = plan.tile_masks(b, h, q0, q1, k0, k1)
+            skip, blocked, add = plan.tile_masks(b, h, q0, q1, k0, k1)
             if skip:
                 continue
             p = _tile("p", r, c, cd)
@@ -559,8 +568,8 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, 
                 if add is not None:
                     p += add
                 p -= lse_use[b, h, q0:q1, None]
-            if keep is not None:
-                np.copyto(p, cd.type(-np.inf), where=~keep)
+            if blocked is not None:
+                np.copyto(p, cd.type(-np.inf), where=blocked)
             np.exp(p, out=p)
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
             np.matmul(p.T, do_a[b, h, q0:q1, :Ev], out=dv_part)

@@ -1,0 +1,47 @@
+"""Real pretrained checkpoints running on attnkit's attention.
+
+Names load lazily (PEP 562), so `import attnkit.models` stays light: the
+tokenizer and safetensors libraries load only when a model does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> submodule that defines it
+_LAZY = {
+    "BertConfig": "bert",
+    "BertModel": "bert",
+    "BertOutput": "bert",
+    "BertTokenizer": "bert",
+    "SentenceEncoder": "bert",
+    "CheckpointError": "checkpoint",
+    "ModelPackageNotFoundError": "embedded",
+    "minilm_path": "embedded",
+    "smollm2_gguf_path": "embedded",
+    "AttentionMap": "generation",
+    "CausalLM": "generation",
+    "DecoderTokenizer": "chat",
+    "GGUFFile": "gguf",
+    "GPT2Config": "gpt2",
+    "GPT2LMHeadModel": "gpt2",
+    "LlamaConfig": "llama",
+    "LlamaForCausalLM": "llama",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'attnkit.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"attnkit.models.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = sorted(_LAZY)

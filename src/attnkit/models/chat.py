@@ -1,0 +1,219 @@
+"""A decoder's tokenizer and its chat template.
+
+`DecoderTokenizer` wraps a Hugging Face `tokenizers.Tokenizer` with what a
+decoder needs beside the vocabulary: which token starts and ends a sequence,
+whether BOS is added, and the chat template, a Jinja program that turns a list
+of `{"role": ..., "content": ...}` messages into the exact text the model was
+trained on (for SmolLM2: `<|im_start|>user\\nHi<|im_end|>\\n`...).
+
+Templates render in Jinja's sandbox with the same settings transformers uses
+(`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that keeps non-ASCII,
+`raise_exception`, `strftime_now`), so the text is byte-for-byte what
+`tokenizer.apply_chat_template` produces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = ["DecoderTokenizer", "render_chat_template", "load_prompt"]
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    return environment.from_string(template)
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    **variables: Any,
+) -> str:
+    """Render a chat template as transformers' `apply_chat_template(..., tokenize=False)` does.
+
+    Arguments:
+        template: the Jinja source (GGUF `tokenizer.chat_template`, or `chat_template` in
+            `tokenizer_config.json`).
+        messages: `[{"role": "system"|"user"|"assistant", "content": str}, ...]`.
+        add_generation_prompt: end with the header that starts the assistant's reply.
+        variables: more template variables (`bos_token`, `eos_token`, ...).
+    """
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"expected messages[{index}] to be a dict with 'role' and 'content', got {message!r}")
+    return _compile(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+    )
+
+
+class DecoderTokenizer:
+    """Text <-> token ids for a decoder, plus its special tokens and chat template.
+
+    Arguments:
+        tokenizer: a `tokenizers.Tokenizer`.
+        bos_token, eos_token, pad_token: the special tokens' text, or None.
+        add_bos_token: whether `encode` puts BOS first (SmolLM2: no; Llama 2: yes).
+        chat_template: Jinja source, or None for a model without one.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+
+    # -- ids of special tokens -------------------------------------------------------------
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.token_to_id(self.pad_token)
+        return self.eos_token_id if pad is None else pad
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    # -- encoding and decoding -------------------------------------------------------------
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS first when `add_bos_token` and `add_special_tokens`.
+
+        Special tokens written in the text (`<|im_start|>`) become their single id.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"expected text as str, got {type(text).__name__}")
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return list(ids)
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        """Each id as readable text (byte-level pieces decoded, so `Ġcat` reads ` cat`)."""
+        return [self.tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+    def stream_decoder(self, *, skip_special_tokens: bool = True):
+        """A `tokenizers.decoders.DecodeStream`: `.step(tokenizer.tokenizer, id)` gives the new text
+        (or None while a multi-byte character is incomplete)."""
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    # -- chat ------------------------------------------------------------------------------
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the text the model was trained on (see `render_chat_template`)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; expected one for chat, got None")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation (the template writes its own special tokens)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
+                           add_special_tokens=False)
+
+    # -- Hugging Face folders --------------------------------------------------------------
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike[str]) -> "DecoderTokenizer":
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `special_tokens_map.json`) from a folder.
+
+        Raises:
+            ValueError: the folder has no `tokenizer.json`.
+        """
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"expected {str(path)!r} (a Hugging Face fast tokenizer), found no such file")
+        tokenizer = Tokenizer.from_file(str(path))
+        config: dict[str, Any] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            extra = folder / name
+            if extra.is_file():
+                config.update(json.loads(extra.read_text(encoding="utf-8")))
+
+        def text_of(value: Any) -> str | None:
+            if isinstance(value, dict):
+                return value.get("content")
+            return value
+
+        template = config.get("chat_template")
+        chat_file = folder / "chat_template.jinja"
+        if template is None and chat_file.is_file():
+            template = chat_file.read_text(encoding="utf-8")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(
+            tokenizer,
+            bos_token=text_of(config.get("bos_token")),
+            eos_token=text_of(config.get("eos_token")),
+            pad_token=text_of(config.get("pad_token")),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=template,
+        )
+
+
+def load_prompt(name: str = "attention-explainer") -> str:
+    """A prompt shipped with attnkit (`attnkit/prompts/<name>.md`), e.g. the attention explainer."""
+    from importlib.resources import files
+
+    resource = files("attnkit").joinpath("prompts", f"{name}.md")
+    if not resource.is_file():
+        raise ValueError(f"expected a prompt shipped in attnkit/prompts, got unknown name {name!r}")
+    return resource.read_text(encoding="utf-8")

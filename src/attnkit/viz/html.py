@@ -28,11 +28,14 @@ from attnkit.viz.data import AttentionMaps
 from attnkit.viz.summary import pattern_difference, summarize_heads
 
 
-def encode_weights(weights: np.ndarray) -> str:
-    """(layers, heads, T, T) weights as base64 of gzipped codes round(255 * sqrt(w))."""
+def encode_weights(weights: np.ndarray, level: int = 6) -> str:
+    """(layers, heads, T, T) weights as base64 of gzipped codes round(255 * sqrt(w)).
+
+    `level` is gzip's compression level (1 fastest, 9 smallest).
+    """
     w = np.clip(np.nan_to_num(np.asarray(weights, dtype=np.float32), nan=0.0), 0.0, 1.0)
     codes = np.rint(np.sqrt(w) * 255).astype(np.uint8)
-    return base64.b64encode(gzip.compress(codes.tobytes(), compresslevel=6, mtime=0)).decode("ascii")
+    return base64.b64encode(gzip.compress(codes.tobytes(), compresslevel=level, mtime=0)).decode("ascii")
 
 
 def decode_weights(data: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -41,7 +44,7 @@ def decode_weights(data: str, shape: tuple[int, ...]) -> np.ndarray:
     return ((codes.astype(np.float32) / 255) ** 2).reshape(shape)
 
 
-def doc_payload(maps: AttentionMaps) -> dict[str, Any]:
+def doc_payload(maps: AttentionMaps, level: int = 6) -> dict[str, Any]:
     """The JSON-ready description of one `AttentionMaps` that the page reads."""
     summary = summarize_heads(maps)
     return {
@@ -52,7 +55,7 @@ def doc_payload(maps: AttentionMaps) -> dict[str, Any]:
         "heads": maps.num_heads,
         "causal": maps.causal,
         "truncated_from": maps.truncated_from,
-        "weights": encode_weights(maps.weights),
+        "weights": encode_weights(maps.weights, level),
         "summary": {
             "pattern": summary.pattern.tolist(),
             "previous": np.round(summary.previous, 4).tolist(),
@@ -64,7 +67,7 @@ def doc_payload(maps: AttentionMaps) -> dict[str, Any]:
 
 
 def payload(
-    maps: AttentionMaps | Sequence[AttentionMaps], *, layer: int = 0, head: int | None = 0
+    maps: AttentionMaps | Sequence[AttentionMaps], *, layer: int = 0, head: int | None = 0, level: int = 6
 ) -> dict[str, Any]:
     """Documents, the first selection, and (for two texts) where their heads differ."""
     docs = [maps] if isinstance(maps, AttentionMaps) else list(maps)
@@ -72,7 +75,7 @@ def payload(
         raise ValueError("expected at least one AttentionMaps, got none")
     layer = docs[0].check_layer(layer)
     head = -1 if head is None else docs[0].check_head(head)
-    out: dict[str, Any] = {"docs": [doc_payload(d) for d in docs], "layer": layer, "head": head}
+    out: dict[str, Any] = {"docs": [doc_payload(d, level) for d in docs], "layer": layer, "head": head}
     if len(docs) == 2:
         diff = pattern_difference(docs[0], docs[1])
         out["difference"] = {

@@ -105,7 +105,12 @@ def create_app(
         try:
             provider = get_provider(request.model, max_tokens=max_tokens)
             maps = provider.attention(request.text)
-            answer = payload(maps, layer=min(request.layer, maps.num_layers - 1), head=min(request.head, maps.num_heads - 1))
+            answer = payload(
+                maps,
+                layer=min(max(request.layer, 0), maps.num_layers - 1),
+                head=min(max(request.head, 0), maps.num_heads - 1),
+                level=1,  # fast rather than small: the answer only crosses this machine
+            )
         except ModelNotAvailableError as error:
             raise HTTPException(503, str(error)) from error
         except (ValueError, TypeError) as error:

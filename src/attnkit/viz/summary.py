@@ -41,24 +41,24 @@ class HeadSummary(NamedTuple):
 
 def summarize_heads(maps: AttentionMaps, threshold: float = 0.5) -> HeadSummary:
     """Score every head of `maps` (see `HeadSummary`)."""
-    w = np.asarray(maps.weights, dtype=np.float64)  # (Ly, H, T, T)
     T = maps.num_tokens
+    Ly, H = maps.num_layers, maps.num_heads
     rows = np.arange(1, T) if T > 1 else np.arange(1)
-    if T > 1:
-        previous = w[:, :, rows, rows - 1].mean(axis=-1)
-    else:
-        previous = np.zeros(w.shape[:2])
-    first = w[:, :, rows, 0].mean(axis=-1)
-    self_ = w[:, :, rows, rows].mean(axis=-1)
-
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(w > 0, w * np.log2(np.where(w > 0, w, 1.0)), 0.0)
-    entropy = -plogp.sum(axis=-1).mean(axis=-1)  # (Ly, H)
+    previous, first, self_, entropy = (np.zeros((Ly, H)) for _ in range(4))
+    for layer in range(Ly):  # one layer at a time: 512 tokens x 30 layers stay small
+        w = np.asarray(maps.weights[layer], dtype=np.float64)  # (H, T, T)
+        if T > 1:
+            previous[layer] = w[:, rows, rows - 1].mean(axis=-1)
+        first[layer] = w[:, rows, 0].mean(axis=-1)
+        self_[layer] = w[:, rows, rows].mean(axis=-1)
+        positive = w > 0
+        log_w = np.log2(w, out=np.zeros_like(w), where=positive)  # 0 log 0 = 0
+        entropy[layer] = -np.einsum("hij,hij->h", w, log_w) / T
     if maps.causal:
-        allowed = np.broadcast_to(np.arange(1, T + 1), w.shape[:3])
+        allowed = np.arange(1, T + 1)  # query i may attend to i + 1 keys
     else:
-        allowed = np.full(w.shape[:3], T)
-    max_entropy = np.log2(allowed).mean(axis=-1)
+        allowed = np.full(T, T)
+    max_entropy = np.full((Ly, H), np.log2(allowed).mean())
 
     scores = np.stack([previous, first, self_])  # (3, Ly, H)
     best = scores.argmax(axis=0)

@@ -103,7 +103,7 @@
     headView.append(left, lines, right);
     const matrixView = el("div", "matrix-view");
     const matrix = el("canvas", "matrix");
-    const side = Math.max(240, Math.min(560, doc.T * 14));
+    const side = Math.max(240, Math.min(state.docs.length > 1 ? 480 : 720, doc.T * 14));
     matrix.style.width = matrix.style.height = side + "px";
     matrix.addEventListener("mousemove", (ev) => matrixHover(doc, ev));
     matrix.addEventListener("mouseleave", () => { doc.status.textContent = ""; });

@@ -161,7 +161,7 @@ def server_url():
 
     from attnkit.viz.server import create_app
 
-    app = create_app(models=["random", "minilm"], max_chars=400, max_tokens=64)
+    app = create_app(models=["random", "minilm"], max_chars=6000, max_tokens=512)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -192,11 +192,22 @@ def test_served_page_typing_a_sentence(browser, server_url):
     assert w.page.locator(".head-view img").count() == 0
     w.page.screenshot(path=str(ARTIFACTS / "served-page.png"), full_page=True)
     check_views(w, "served-page")
-    # A long text is truncated with a warning shown on the page.
-    w.page.fill("#text", " ".join(["word"] * 80))
+    # A long text is truncated to 512 tokens with a warning, and still renders and responds.
+    w.page.fill("#text", " ".join(f"w{i}" for i in range(600)))
     w.page.click("#submit")
     w.page.wait_for_selector("#messages div")
-    assert "truncated to 64 tokens (it had 80)" in w.page.locator("#messages").text_content()
+    assert "truncated to 512 tokens (it had 600)" in w.page.locator("#messages").text_content()
+    wait_ready(w.page)
+    assert w.page.locator(".col.left .tok").count() == 512
+    took = w.page.evaluate(
+        """() => { const t = performance.now();
+                   const s = document.getElementById('layer'); s.value = '1';
+                   s.dispatchEvent(new Event('change')); return performance.now() - t; }"""
+    )
+    assert took < 2000
+    w.page.locator(".col.left .tok").nth(500).hover()
+    assert int(w.page.locator("canvas.lines").first.get_attribute("data-lines")) > 0
+    w.page.screenshot(path=str(ARTIFACTS / "served-page-512.png"))
     w.check_clean(server_url.rstrip("/"))
     w.page.close()
 

@@ -144,10 +144,11 @@ def _load(name: str, max_tokens: int) -> Provider:
             f"unknown model {name!r}: expected one of {', '.join(PROVIDERS)} "
             "or the path of a model folder or .gguf file"
         )
+    label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
     if path.is_dir():
-        return _encoder_provider(path, path.name, max_tokens)
+        return _encoder_provider(path, label, max_tokens)
     if path.suffix == ".gguf":
-        return _decoder_provider(path, path.stem, max_tokens)
+        return _decoder_provider(path, label, max_tokens)
     raise ModelNotAvailableError(
         f"cannot read a model from {str(path)!r}: expected a folder holding config.json and "
         "model.safetensors (a BERT encoder) or a .gguf file (a decoder)"

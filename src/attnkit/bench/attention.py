@@ -26,6 +26,7 @@ from attnkit.bench import BenchReport, Progress
 from attnkit.bench.measure import (
     available_memory_bytes,
     best_time,
+    best_times_interleaved,
     blas_summary,
     cpu_count,
     peak_numpy_bytes,
@@ -132,7 +133,7 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
     impls = IMPLS if torch is not None else IMPLS[:2]
     configs = [(L, causal, passes) for L in lengths for causal in (False, True) for passes in ("fwd", "fwd+bwd")]
     scaling_L = 1024 if quick else 2048
-    progress.total(len(configs) * len(impls) + 2 + (0 if quick else 1))
+    progress.total(len(configs) * (len(impls) + 1) + 2 + (0 if quick else 1))
 
     old_torch_threads = None
     if torch is not None:
@@ -148,17 +149,23 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
                 if torch is not None:
                     contenders.update(_torch_contenders(q, k, v, d_out, causal))
                 for passes in ("fwd", "fwd+bwd"):
-                    results = {}
+                    tag = f"{passes} L={L}{' causal' if causal else ''}"
+                    chosen = {}
                     for impl in impls:
-                        progress.step(f"{impl} {passes} L={L}{' causal' if causal else ''}")
-                        fn = contenders[(impl, passes)]
                         avail = available_memory_bytes()
                         if impl.endswith("naive") and avail is not None and _naive_bytes(L, L, passes) > 0.4 * avail:
-                            notes.append(f"skipped {impl} {passes} at L={L}{' causal' if causal else ''}: needs about "
+                            notes.append(f"skipped {impl} {tag}: needs about "
                                          f"{_naive_bytes(L, L, passes) / 2**30:.1f} GiB, "
                                          f"{avail / 2**30:.1f} GiB available")
+                            progress.step(f"skip {impl} {tag}")
                             continue
-                        seconds, times = best_time(fn, budget_s=budget, max_runs=3 if quick else 5)
+                        chosen[impl] = contenders[(impl, passes)]
+                    progress.step(f"timing {', '.join(chosen)} {tag}")
+                    timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 5)
+                    results = {}
+                    for impl, fn in chosen.items():
+                        progress.step(f"memory of {impl} {tag}")
+                        seconds, times = timed[impl]
                         if impl.startswith("torch"):
                             peak, method = peak_rss_bytes(fn), "rss"
                         else:
@@ -210,8 +217,9 @@ def _scaling(L: int, threads: int, budget: float, progress: Progress, quick: boo
             if passes == "fwd+bwd":
                 attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, num_threads=n)
 
-        one, _ = best_time(lambda: call(1), budget_s=budget, max_runs=3)
-        many, _ = best_time(lambda: call(threads), budget_s=budget, max_runs=3)
+        timed = best_times_interleaved({"one": lambda: call(1), "many": lambda: call(threads)},
+                                       budget_s=budget, max_rounds=3)
+        one, many = timed["one"][0], timed["many"][0]
         out[f"scaling_{passes}"] = dict(L=L, one_thread_s=one, threads=threads, many_threads_s=many, speedup=one / many)
     return out
 

@@ -47,6 +47,34 @@ def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5
     return min(times), times
 
 
+def best_times_interleaved(fns: dict[str, Callable[[], object]], budget_s: float = 2.0,
+                           max_rounds: int = 5) -> dict[str, tuple[float, list[float]]]:
+    """Best wall time of each function, measured round-robin so that every
+    contender sees the same machine load (this machine is shared).
+
+    One untimed warmup round first, unless a call is slower than `budget_s`
+    (then its first run counts, and it is not repeated more than needed).
+    Returns {name: (best seconds, all timed runs)}.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    first: dict[str, float] = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        first[name] = time.perf_counter() - t0
+        if first[name] > budget_s:
+            times[name].append(first[name])
+    rounds = max(1, min(max_rounds, int(budget_s / max(sum(first.values()), 1e-9))))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if times[name] and first[name] > budget_s and len(times[name]) >= 2:
+                continue
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (min(ts), ts) for name, ts in times.items()}
+
+
 def peak_numpy_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated during fn() above the start (tracemalloc; NumPy buffers included)."""
     was_tracing = tracemalloc.is_tracing()

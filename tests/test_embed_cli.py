@@ -1,0 +1,79 @@
+"""`attnkit embed` and `attnkit similarity` on the embedded all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from attnkit.cli import app
+from attnkit.models import SentenceEncoder
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return SentenceEncoder.from_pretrained()
+
+
+def _json(result):
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_embed_json_matches_library(encoder):
+    texts = ["Hello world", "Café naïve ☃ 42"]
+    payload = _json(runner.invoke(app, ["embed", *texts, "--json"]))
+    assert payload["dim"] == 384
+    assert [e["text"] for e in payload["embeddings"]] == texts
+    got = np.array([e["embedding"] for e in payload["embeddings"]])
+    assert np.abs(got - encoder.encode(texts)).max() <= 1e-6
+
+
+def test_embed_table_output():
+    result = runner.invoke(app, ["embed", "A cat sat on the mat."])
+    assert result.exit_code == 0, result.output
+    assert "1 embedding(s) of dimension 384" in result.stdout and "1.0000" in result.stdout
+
+
+def test_embed_from_file_and_stdin(tmp_path, encoder):
+    lines = [f"sentence number {i} about attention" for i in range(40)]
+    path = tmp_path / "sentences.txt"
+    path.write_text("\n".join(lines[:20]) + "\n\n" + "\n".join(lines[20:]) + "\n")
+    from_file = _json(runner.invoke(app, ["embed", "--file", str(path), "--json", "--batch-size", "8"]))
+    assert [e["text"] for e in from_file["embeddings"]] == lines  # blank line skipped, order kept
+    from_stdin = _json(runner.invoke(app, ["embed", "-", "--json"], input="\n".join(lines[:3])))
+    assert [e["text"] for e in from_stdin["embeddings"]] == lines[:3]
+    got = np.array([e["embedding"] for e in from_file["embeddings"]])
+    assert np.abs(got - encoder.encode(lines)).max() <= 1e-6
+
+
+def test_similarity(encoder):
+    texts = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."]
+    payload = _json(runner.invoke(app, ["similarity", *texts, "--json"]))
+    matrix = np.array(payload["similarity"])
+    e = encoder.encode(texts)
+    assert np.abs(matrix - e @ e.T).max() <= 1e-5
+    table = runner.invoke(app, ["similarity", *texts])
+    assert table.exit_code == 0 and f"{matrix[0, 1]:.3f}" in table.stdout
+    pair = runner.invoke(app, ["similarity", *texts[:2]])
+    assert pair.exit_code == 0 and f"cosine similarity: {matrix[0, 1]:.4f}" in pair.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["embed"], "expected at least one sentence"),
+        (["similarity", "only one"], "expected at least two sentences to compare, got 1"),
+        (["embed", "x", "--model", "/no/such/folder"], "does not exist"),
+        (["embed", "--file", "/no/such/file.txt"], "cannot read --file"),
+        (["embed", "x", "--batch-size", "0"], "--batch-size"),
+    ],
+)
+def test_cli_errors(args, words):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert words in " ".join(result.output.split())

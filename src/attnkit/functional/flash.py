@@ -63,8 +63,9 @@ class AttentionState(NamedTuple):
 
     output: (..., H, L, Ev) the attention output over those keys.
     lse:    (..., H, L) natural-log logsumexp of each query row's masked,
-            scaled scores (-inf for a row with no key allowed), in the compute
-            dtype (float32 for float16 inputs).
+            scaled scores (-inf for a row with no key allowed), in float64:
+            rounding lse to float32 would scale a whole row of the weights the
+            backward rebuilds from it by up to |lse| * 6e-8.
     """
 
     output: np.ndarray
@@ -333,11 +334,12 @@ def _flat(x: np.ndarray, shapes: AttentionShapes, heads: int, dtype) -> np.ndarr
     return np.ascontiguousarray(x, dtype=dtype).reshape(B, heads, x.shape[-2], x.shape[-1])
 
 
-def _with_ones(x: np.ndarray) -> np.ndarray:
-    """(B, H, N, D) -> (B, H, N, D + 1) with a last column of ones."""
-    out = np.empty((*x.shape[:-1], x.shape[-1] + 1), dtype=x.dtype)
-    out[..., :-1] = x
-    out[..., -1] = 1
+def _with_ones(x: np.ndarray, n: int = 1) -> np.ndarray:
+    """(B, H, N, D) -> (B, H, N, D + n) with n last columns of ones."""
+    D = x.shape[-1]
+    out = np.empty((*x.shape[:-1], D + n), dtype=x.dtype)
+    out[..., :D] = x
+    out[..., D:] = 1
     return out
 
 
@@ -403,8 +405,8 @@ def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out
     total = acc[:, Ev]
     empty = total == 0  # no key allowed: output 0, lse -inf
     np.divide(acc[:, :Ev], np.where(empty, cd.type(1), total)[:, None], out=out_rows)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse_rows[:] = np.where(empty, cd.type(-np.inf), m + np.log(total))
+    with np.errstate(divide="ignore", invalid="ignore"):  # lse in float64: see AttentionState
+        lse_rows[:] = np.where(empty, -np.inf, m.astype(np.float64) + np.log(total.astype(np.float64)))
 
 
 def flash_attention(
@@ -456,7 +458,7 @@ def flash_attention(
 
     Returns:
         The output (..., Hq, L, Ev) in query's dtype, or with return_lse
-        AttentionState(output, lse) with lse (..., Hq, L) in the compute dtype.
+        AttentionState(output, lse) with lse (..., Hq, L) in float64.
         A query row with no key allowed gets output 0 and lse -inf.
     """
     squeeze = np.ndim(query) == 2
@@ -468,7 +470,7 @@ def flash_attention(
     ka = _with_ones(_flat(k, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, E+1)
     va = _with_ones(_flat(v, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, Ev+1)
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
-    lse = np.full((B, Hq, L), -np.inf, dtype=cd)
+    lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
 
     # Tasks: (b, h, query block), the longest first so the pool ends evenly. When
     # there are fewer query blocks than threads (decoding), split the keys too and
@@ -504,7 +506,7 @@ def flash_attention(
             for b in range(B):
                 for h in range(Hq):
                     o_parts = np.zeros((splits, q1 - q0, shapes.Ev), dtype=cd)
-                    l_parts = np.full((splits, q1 - q0), -np.inf, dtype=cd)
+                    l_parts = np.full((splits, q1 - q0), -np.inf, dtype=np.float64)
                     parts.append((b, h, q0, q1, o_parts, l_parts))
                     for i in range(splits):
                         if edges[i + 1] > edges[i]:
@@ -524,13 +526,14 @@ def flash_attention(
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, k1, dk_out, dv_out):
+def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_hi, lse_lo, ka, va, b, h_kv, k0, k1, dk_out, dv_out):
     """Keys [k0, k1) of kv head (b, h_kv): accumulate their dK, dV over every query
     head of the group and every query block that can see them, and add the dQ
     contributions into this thread's dq_acc (B, Hq, L, E) (dQ / scale).
 
     qs: (B, Hq, L, E) query * scale; do_a: (B, Hq, L, Ev+1) [dO, -D];
-    lse_use: (B, Hq, L) lse with -inf rows at 0; ka (S, E+1), va (S, Ev+1)."""
+    lse_hi + lse_lo: (B, Hq, L) lse as two compute-dtype parts (-inf rows at 0);
+    ka (S, E+2) keys with two ones columns, va (S, Ev+1)."""
     cd = qs.dtype
     E, Ev = qs.shape[-1], do_a.shape[-1] - 1
     g = plan.shapes.group
@@ -541,7 +544,7 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, 
     dv_part = _tile("dv_part", c, Ev, cd)
     q_start, q_end = plan.q_range(k0, k1)
     for h in range(h_kv * g, (h_kv + 1) * g):
-        qa = _tile("qa_b", plan.block_q, E + 1, cd)
+        qa = _tile("qa_b", plan.block_q, E + 2, cd)  # [q * scale, -lse_hi, -lse_lo]
         for q0 in range(q_start, q_end, plan.block_q):
             q1 = min(q0 + plan.block_q, q_end)
             r = q1 - q0
@@ -554,7 +557,8 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, 
             mod_grad = None
             if plan.score_mod is None:
                 # forward: s = q k^T * scale; P = exp(s - lse) straight out of BLAS
-                qa_r[:, E] = -lse_use[b, h, q0:q1]
+                qa_r[:, E] = -lse_hi[b, h, q0:q1]
+                qa_r[:, E + 1] = -lse_lo[b, h, q0:q1]
                 np.matmul(qa_r, ka[k0:k1].T, out=p)
                 if add is not None:
                     p += add
@@ -567,7 +571,8 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_use, ka, va, b, h_kv, k0, 
                 plan.modded(p, b, h, q0, q1, k0, k1)
                 if add is not None:
                     p += add
-                p -= lse_use[b, h, q0:q1, None]
+                p -= lse_hi[b, h, q0:q1, None]
+                p -= lse_lo[b, h, q0:q1, None]
             if blocked is not None:
                 np.copyto(p, cd.type(-np.inf), where=blocked)
             np.exp(p, out=p)
@@ -655,15 +660,19 @@ def flash_attention_backward(
             "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
         )
     qs = _flat(q, shapes, Hq, cd) * cd.type(plan.scale)  # (B, Hq, L, E)
-    ka = _with_ones(_flat(k, shapes, Hkv, cd))  # (B, Hkv, S, E+1)
+    ka = _with_ones(_flat(k, shapes, Hkv, cd), 2)  # (B, Hkv, S, E+2)
     va = _with_ones(_flat(v, shapes, Hkv, cd))  # (B, Hkv, S, Ev+1)
     d_out = np.asarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
     o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)
     do_a = np.empty((B, Hq, L, Ev + 1), dtype=cd)  # [dO, -D]
     do_a[..., :Ev] = d_out
     do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o)  # D = rowsum(dO * O)
-    lse_use = np.asarray(lse, dtype=cd).reshape(B, Hq, L).copy()
-    lse_use[np.isneginf(lse_use)] = 0  # rows with no key: their tiles are all masked anyway
+    # lse split into two compute-dtype parts so that the matmul subtracts it
+    # to float64 accuracy (a float32 lse of 40 is off by up to 2e-6).
+    lse64 = np.asarray(lse, dtype=np.float64).reshape(B, Hq, L).copy()
+    lse64[np.isneginf(lse64)] = 0  # rows with no key: their tiles are all masked anyway
+    lse_hi = lse64.astype(cd)
+    lse_lo = (lse64 - lse_hi).astype(cd)
 
     grad_k = np.zeros((B, Hkv, S, E), dtype=cd)
     grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)
@@ -676,7 +685,7 @@ def flash_attention_backward(
             if ident not in dq_buffers:
                 dq_buffers[ident] = np.zeros((B, Hq, L, E), dtype=cd)
             dq_acc = dq_buffers[ident]
-        _backward_cols(plan, qs, dq_acc, do_a, lse_use, ka[b, h_kv], va[b, h_kv], b, h_kv, k0, k1,
+        _backward_cols(plan, qs, dq_acc, do_a, lse_hi, lse_lo, ka[b, h_kv], va[b, h_kv], b, h_kv, k0, k1,
                        grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
     blocks = []

@@ -269,3 +269,12 @@ def test_gelu_inplace_is_exact_gelu():
     assert not np.isnan(got).any()
     torch_gelu = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
     assert np.abs(got - torch_gelu).max() <= 4e-6
+
+
+def test_flash_backend_gives_the_same_embeddings(encoder):
+    flash = SentenceEncoder(encoder.model, encoder.tokenizer, attention="flash")
+    texts = SENTENCES[:6] + [LONG_TEXT]
+    assert np.abs(flash.encode(texts) - encoder.encode(texts)).max() <= 1e-6
+    encoder.model.set_attention_backend("naive")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        SentenceEncoder(encoder.model, encoder.tokenizer, attention="nope")

@@ -474,6 +474,7 @@ class _PackedBert:
         self.config = config
         self.eps = np.float32(config.layer_norm_eps)
         self.attend = get_attention(attention)
+        self.attend_with_weights = get_attention("naive")  # weights need the plain path
         emb = model.embeddings
         self.word = np.asarray(emb.word.weight, np.float32)
         self.position = np.asarray(emb.position.weight, np.float32)
@@ -514,7 +515,8 @@ class _PackedBert:
                 padded = np.zeros((G, L, 3 * D), np.float32)
                 padded[real] = qkv[rows]
             heads = padded.reshape(G, L, 3, H, E).transpose(2, 0, 3, 1, 4)  # (3, G, H, L, E)
-            result = self.attend(
+            attend = self.attend_with_weights if need_weights else self.attend
+            result = attend(
                 heads[0], heads[1], heads[2],
                 attn_mask=None if G == 1 else real[:, None, None, :],  # (G, 1, 1, L)
                 return_weights=need_weights,
@@ -656,7 +658,7 @@ class SentenceEncoder:
             raise ValueError(f"expected pooling 'mean' or 'cls', got {pooling!r}")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"expected num_threads to be a positive int or None, got {num_threads!r}")
-        self.model = model
+        self.model = model.set_attention_backend(attention)
         self.tokenizer = tokenizer
         self.pooling = pooling
         self.normalize = bool(normalize)

@@ -1,0 +1,48 @@
+"""attnkit's PyTorch side (optional extra `attnkit[torch]`).
+
+- `MultiHeadAttention`, `TransformerBlock`, `FeedForward` (plus `Linear`,
+  `LayerNorm`): torch modules with attnkit.nn's class names, arguments and
+  state-dict keys, running on F.scaled_dot_product_attention;
+- `from_numpy` / `to_numpy` / `numpy_state_dict`: move weights between the two sides;
+- `flash_attention` / `FlashAttentionFunction`: attnkit's tiled algorithm as a
+  torch autograd Function (forward keeps lse, backward recomputes);
+- `attnkit.torch.induction`: the induction-head task behind `attnkit train`.
+
+Importing this module imports torch; `import attnkit` never does.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (this subpackage is the torch side; fail here if it is missing)
+
+from attnkit.torch.convert import from_numpy, numpy_state_dict, to_numpy
+from attnkit.torch.flash import FlashAttentionFunction, FlashOutput, flash_attention
+from attnkit.torch.modules import (
+    ACTIVATIONS,
+    AttentionResult,
+    BlockOutput,
+    FeedForward,
+    KVCache,
+    LayerNorm,
+    Linear,
+    MultiHeadAttention,
+    TransformerBlock,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "AttentionResult",
+    "BlockOutput",
+    "FeedForward",
+    "FlashAttentionFunction",
+    "FlashOutput",
+    "KVCache",
+    "LayerNorm",
+    "Linear",
+    "MultiHeadAttention",
+    "TransformerBlock",
+    "flash_attention",
+    "from_numpy",
+    "numpy_state_dict",
+    "to_numpy",
+]

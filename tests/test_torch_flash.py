@@ -1,0 +1,210 @@
+"""attnkit.torch.flash_attention: the tiled algorithm as a torch autograd Function.
+
+Oracles: torch.autograd.gradcheck in float64 (finite differences), torch's
+F.scaled_dot_product_attention and its autograd, the float64 reference of
+conftest, and attnkit's NumPy flash kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit.functional.masks import causal_mask
+from attnkit.torch import FlashAttentionFunction, flash_attention
+from conftest import reference_attention
+
+
+def _qkv(B, Hq, Hkv, L, S, E, Ev=None, dtype=torch.float64, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    Ev = E if Ev is None else Ev
+    q = torch.randn(B, Hq, L, E, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=torch.float64).to(dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+# ----- gradcheck in float64 ------------------------------------------------------------
+
+
+GRADCHECK_CASES = [
+    # (Hq, Hkv, L, S, E, Ev, mask kind, causal, align, block_q, block_k)
+    (2, 2, 7, 9, 4, 3, None, False, "top_left", 3, 4),
+    (2, 2, 9, 9, 4, 4, None, True, "top_left", 4, 3),
+    (4, 2, 6, 11, 3, 5, "bool", False, "top_left", 4, 4),  # GQA, a fully masked row
+    (4, 1, 8, 5, 3, 3, "bool", True, "top_left", 3, 2),  # MQA, L > S
+    (2, 2, 5, 10, 4, 4, "float", True, "bottom_right", 2, 3),
+    (2, 2, 10, 6, 4, 4, None, True, "bottom_right", 4, 4),  # first rows see no key
+]
+
+
+def _mask(kind, Hq, L, S, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        m = torch.rand(Hq, L, S, generator=g) > 0.4
+        m[0, 2] = False  # one query of head 0 may attend to nothing
+        return m
+    if kind == "float":
+        m = torch.randn(1, L, S, generator=g, dtype=torch.float64)
+        m[0, 1, ::2] = -torch.inf
+        return m
+    return None
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=lambda c: f"H{c[0]}-{c[1]}_L{c[2]}_S{c[3]}_{c[6]}_causal{c[7]}_{c[8]}")
+def test_gradcheck_float64(case):
+    Hq, Hkv, L, S, E, Ev, kind, causal, align, bq, bk = case
+    q, k, v = _qkv(1, Hq, Hkv, L, S, E, Ev)
+    mask = _mask(kind, Hq, L, S)
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, mask, is_causal=causal, enable_gqa=Hq != Hkv,
+                               causal_align=align, block_q=bq, block_k=bk)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8)
+
+
+def test_gradcheck_through_a_float_mask():
+    """A float mask (e.g. a learned position bias) gets its gradient, summed over broadcast dims."""
+    q, k, v = _qkv(1, 2, 2, 6, 7, 3)
+    bias = torch.randn(1, 2, 6, 7, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, v, b: flash_attention(q, k, v, b, is_causal=True, block_q=4, block_k=3)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-8)
+
+
+# ----- against torch SDPA and the float64 reference --------------------------------------
+
+
+def _torch_mask(kind, Hq, L, S, causal, align):
+    """The same masking as one bool/float mask for SDPA (None when plain)."""
+    mask = _mask(kind, Hq, L, S)
+    if causal:
+        c = torch.from_numpy(causal_mask(L, S, align=align))
+        if mask is None:
+            mask = c
+        elif mask.dtype == torch.bool:
+            mask = mask & c
+        else:
+            mask = mask.masked_fill(~c, -torch.inf)
+    return mask
+
+
+@pytest.mark.parametrize("Hq,Hkv,L,S,E,kind,causal,align", [
+    (8, 8, 97, 130, 59, None, False, "top_left"),
+    (8, 2, 130, 97, 16, "bool", True, "top_left"),
+    (4, 4, 64, 200, 32, "float", True, "bottom_right"),
+    (2, 2, 1, 1025, 8, None, True, "bottom_right"),  # one decoding query over a long cache
+])
+def test_forward_and_backward_match_sdpa(Hq, Hkv, L, S, E, kind, causal, align):
+    """float32: error against the float64 reference at most 2x torch SDPA's own float32 error
+    (forward) and 3x for gradients, FlashAttention's rule; float64 agrees to ~1e-10."""
+    q64, k64, v64 = _qkv(2, Hq, Hkv, L, S, E, seed=3)
+    mask = _torch_mask(kind, Hq, L, S, causal, align)
+    gqa = Hq != Hkv
+    d_out = torch.randn(2, Hq, L, E, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+    def run(fn, dtype):
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q64, k64, v64))
+        out = fn(q, k, v)
+        out.backward(d_out.to(dtype))
+        return [t.detach().double() for t in (out, q.grad, k.grad, v.grad)]
+
+    def ours(q, k, v):
+        m = None if kind is None else _mask(kind, Hq, L, S)
+        if m is not None and m.is_floating_point():
+            m = m.to(q.dtype)
+        return flash_attention(q, k, v, m, is_causal=causal, causal_align=align, enable_gqa=gqa,
+                               block_q=32, block_k=48)
+
+    def sdpa(q, k, v):
+        m = mask if mask is None or mask.dtype == torch.bool else mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
+
+    exact = run(sdpa, torch.float64)
+    ours64 = run(ours, torch.float64)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), ours64, exact):
+        assert (a - b).abs().max().item() < 1e-10, name
+    ours32 = run(ours, torch.float32)
+    sdpa32 = run(sdpa, torch.float32)
+    for i, name in enumerate(("output", "dq", "dk", "dv")):
+        err_ours = (ours32[i] - exact[i]).abs().max().item()
+        err_sdpa = (sdpa32[i] - exact[i]).abs().max().item()
+        factor = 2 if name == "output" else 3
+        assert err_ours <= factor * err_sdpa + 1e-6, f"{name}: {err_ours:.2e} vs SDPA {err_sdpa:.2e}"
+
+
+def test_lse_matches_reference_and_numpy_flash():
+    q, k, v = _qkv(1, 4, 2, 33, 50, 8, grad=False)
+    mask = _mask("bool", 4, 33, 50).numpy()
+    res = flash_attention(q, k, v, torch.from_numpy(mask), enable_gqa=True, return_lse=True, block_q=16, block_k=16)
+    out_ref, _, lse_ref = reference_attention(q.numpy(), k.numpy(), v.numpy(), mask, gqa_group=2)
+    np.testing.assert_allclose(res.output.numpy(), out_ref, atol=1e-12)
+    finite = np.isfinite(lse_ref)
+    assert not finite.all()  # the fully masked row is there
+    np.testing.assert_allclose(res.lse.numpy()[finite], lse_ref[finite], atol=1e-12)
+    assert np.all(res.lse.numpy()[~finite] == -np.inf)
+    numpy_flash = attnkit.flash_attention(q.numpy(), k.numpy(), v.numpy(), mask, enable_gqa=True, return_lse=True)
+    np.testing.assert_allclose(res.output.numpy(), numpy_flash.output, atol=1e-12)
+    np.testing.assert_allclose(res.lse.numpy()[finite], numpy_flash.lse[finite], atol=1e-12)
+
+
+def test_fully_masked_rows_give_zero_output_and_zero_gradients():
+    q, k, v = _qkv(1, 2, 2, 5, 6, 4, dtype=torch.float32)
+    mask = torch.ones(5, 6, dtype=torch.bool)
+    mask[3] = False
+    out = flash_attention(q, k, v, mask, block_q=2, block_k=4)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
+    assert (q.grad[:, :, 3] == 0).all()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_half_precision_accumulates_in_float32():
+    q, k, v = _qkv(1, 2, 2, 40, 40, 16, dtype=torch.bfloat16)
+    out = flash_attention(q, k, v, is_causal=True, block_q=16, block_k=16)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    ref = F.scaled_dot_product_attention(*(t.detach().double() for t in (q, k, v)), is_causal=True)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_block_sizes_do_not_change_the_result():
+    q, k, v = _qkv(2, 2, 2, 37, 41, 8, grad=False)
+    results = [flash_attention(q, k, v, is_causal=True, block_q=bq, block_k=bk) for bq, bk in ((1, 1), (5, 7), (64, 64))]
+    for r in results[1:]:
+        assert (r - results[0]).abs().max().item() < 1e-13
+
+
+def test_function_is_a_torch_autograd_function():
+    assert issubclass(FlashAttentionFunction, torch.autograd.Function)
+    q, k, v = _qkv(1, 1, 1, 4, 4, 2)
+    out = flash_attention(q, k, v)
+    node, names = out.grad_fn, []
+    while node is not None:  # walk back through the reshapes to the Function's node
+        names.append(type(node).__name__)
+        node = node.next_functions[0][0] if node.next_functions else None
+    assert any(n.startswith("FlashAttentionFunction") for n in names), names
+
+
+# ----- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"key": torch.zeros(1, 2, 5, 3)}, ValueError, r"E=4 like query"),
+    ({"value": torch.zeros(1, 2, 6, 4)}, ValueError, r"like key"),
+    ({"key": torch.zeros(1, 1, 5, 4), "value": torch.zeros(1, 1, 5, 4)}, ValueError, "enable_gqa"),
+    ({"attn_mask": torch.ones(3, 5, dtype=torch.bool)}, ValueError, r"broadcastable to .* got \(3, 5\)"),
+    ({"attn_mask": torch.ones(4, 5, dtype=torch.int64)}, TypeError, "bool or floating"),
+    ({"query": torch.zeros(2, 2, 4, 4)}, ValueError, "leading dims"),
+    ({"block_q": 0}, ValueError, "block_q"),
+    ({"causal_align": "middle"}, ValueError, "causal_align"),
+    ({"query": np.zeros((1, 2, 4, 4))}, TypeError, "torch.Tensor"),
+])
+def test_bad_input_is_rejected(kwargs, error, match):
+    args = {"query": torch.zeros(1, 2, 4, 4), "key": torch.zeros(1, 2, 5, 4), "value": torch.zeros(1, 2, 5, 4)}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        flash_attention(**args)

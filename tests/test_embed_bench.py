@@ -39,4 +39,4 @@ def test_encoder_suite_quick_run():
     assert result["sentences"] == 64 and result["threads"] == 2
     assert result["max_abs_diff"] <= 1e-6
     assert result["attnkit_seconds"] > 0 and result["reference_seconds"] > 0
-    assert report.rows[0][0] == "varied" and "goal" in report.notes[0]
+    assert report.rows[0][0] == "64 varied" and "goal" in report.notes[0]

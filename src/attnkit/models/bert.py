@@ -19,6 +19,7 @@ Normalize modules), with inputs truncated to the model's max_seq_length.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -573,6 +574,14 @@ def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
 # ----------------------------------------------------------------------------- sentence encoder
 
 
+@functools.lru_cache(maxsize=1)
+def _blas_controller() -> Any:
+    """threadpoolctl's view of the loaded BLAS libraries, found once (it scans them)."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
 def _default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -752,11 +761,10 @@ class SentenceEncoder:
         ids = [np.asarray(e.ids, dtype=np.intp) for e in encodings]
         types = [np.asarray(e.type_ids, dtype=np.intp) for e in encodings]
         order = np.argsort([len(i) for i in ids], kind="stable")
-        from threadpoolctl import threadpool_limits
-
         threads = self.num_threads
         # Our threads each run one BLAS thread, instead of BLAS threads fighting ours.
-        with threadpool_limits(limits=1 if threads > 1 else None, user_api="blas"):
+        # (The limit is process-wide while encode runs, as BLAS settings are.)
+        with _blas_controller().limit(limits=1 if threads > 1 else None, user_api="blas"):
             for start in range(0, len(texts), batch_size):
                 batch = order[start : start + batch_size]
                 lengths = np.array([len(ids[i]) for i in batch])

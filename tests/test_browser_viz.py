@@ -85,7 +85,7 @@ def check_views(w: Watched, shot: str, token_index: int = 2) -> None:
 
 
 def test_html_file_views_and_escaping(browser, tmp_path):
-    tokens = ["The", "cat", *EVIL, "sat", "on", "the", "mat"]
+    tokens = ["The", "cat", *EVIL, "sat", "on", "the", "mat", "line\nbreak"]
     maps = maps_from_random_model(tokens, layers=3, heads=4, causal=True)
     path = save_html(maps, tmp_path / "view.html", layer=1, head=2)
     w = Watched(browser)
@@ -93,7 +93,7 @@ def test_html_file_views_and_escaping(browser, tmp_path):
     wait_ready(w.page)
     # Token text shows as text: no element was made from it, and nothing ran.
     shown = w.page.locator(".col.left .tok").all_text_contents()
-    assert shown == tokens
+    assert shown == [t.replace("\n", "\u23ce") for t in tokens]  # newlines made visible
     assert w.page.locator(".head-view img, .head-view script, .doc-title img").count() == 0
     assert w.page.locator(".doc-title").text_content() == " ".join(tokens)
     assert w.page.locator("#layer").input_value() == "1" and w.page.locator("#head").input_value() == "2"

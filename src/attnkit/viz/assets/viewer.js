@@ -68,7 +68,12 @@
   }
 
   function fmt(w) { return w.toFixed(3); }
-  function quoted(s) { return "\u201c" + s + "\u201d"; }
+  // How a token is displayed: control whitespace made visible, never interpreted.
+  function shown(t) {
+    if (t === "") return "\u2205";
+    return t.replace(/\n/g, "\u23ce").replace(/\r/g, "\u240d").replace(/\t/g, "\u21e5");
+  }
+  function quoted(s) { return "\u201c" + shown(s) + "\u201d"; }
 
   // ---- one panel per document ------------------------------------------------
   function buildDoc(doc, index) {
@@ -87,7 +92,7 @@
     doc.rowH = rowH;
     doc.leftEls = []; doc.rightEls = [];
     doc.tokens.forEach((t, i) => {
-      const a = el("span", "tok", t), b = el("span", "tok", t);
+      const a = el("span", "tok", shown(t)), b = el("span", "tok", shown(t));
       a.style.height = b.style.height = a.style.lineHeight = b.style.lineHeight = rowH + "px";
       if (rowH < 18) a.style.fontSize = b.style.fontSize = "10px";
       a.dataset.i = b.dataset.i = String(i);

@@ -126,20 +126,28 @@ def compare(
     same_length = maps_a.num_tokens == maps_b.num_tokens
     sa, sb = summarize_heads(maps_a), summarize_heads(maps_b)
     table = Table(title="Where the patterns differ most", box=None, padding=(0, 1))
-    for name in ("layer", "head", "difference", "pattern in A", "pattern in B"):
+    for name in ("layer", "head", "difference", "A", "B"):
         table.add_column(name, justify="right" if name in ("layer", "head", "difference") else "left")
     order = sorted(((float(diff[index]), index) for index in np.ndindex(diff.shape)), reverse=True)
+    def describe(summary, ly: int, h: int) -> str:
+        """'first P03 F91 S02 1.2b': the pattern, the three scores in %, the entropy in bits."""
+        scores = " ".join(
+            f"{code}{min(99, int(round(100 * float(values[ly, h])))):02d}"
+            for code, values in (("P", summary.previous), ("F", summary.first), ("S", summary.self))
+        )
+        return f"{summary.pattern[ly, h]:<8} {scores} {summary.entropy[ly, h]:.1f}b"
+
     for value, (ly, h) in order[: max(0, top)]:
-        table.add_row(str(ly), str(h), f"{value:.3f}", sa.pattern[ly, h], sb.pattern[ly, h])
+        table.add_row(str(ly), str(h), f"{value:.3f}", describe(sa, ly, h), describe(sb, ly, h))
     console.print()
     console.print(table)
     how = (
         "difference: mean total variation distance of matching rows (0 same, 1 disjoint)"
         if same_length
-        else "lengths differ, so difference: the largest change of the previous, first, self "
-        "or normalised entropy scores"
+        else "lengths differ: difference = the largest change of P, F, S or entropy/uniform"
     )
     console.print(how, style="dim")
+    console.print("P, F, S: % of weight on the previous token, first token, itself; b: bits", style="dim")
     console.print(f"mean difference over all heads: {float(diff.mean()):.3f}", style="dim")
     if html is not None:
         from attnkit.viz.html import save_html

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from attnkit.viz.data import maps_from_random_model
@@ -97,12 +98,18 @@ def test_html_file_views_and_escaping(browser, tmp_path):
     assert w.page.locator(".head-view img, .head-view script, .doc-title img").count() == 0
     assert w.page.locator(".doc-title").text_content() == " ".join(tokens)
     assert w.page.locator("#layer").input_value() == "1" and w.page.locator("#head").input_value() == "2"
+    # The page decodes the same weights Python has (8-bit codes of sqrt(w)).
+    shown_weights = np.array(w.page.evaluate("() => Array.from(window.attnkit.docs[0].current)"))
+    want = maps.head(1, 2).ravel()
+    assert np.all(np.abs(np.sqrt(shown_weights) - np.sqrt(want)) <= 1 / 510 + 1e-6)
     w.page.wait_for_selector('body[data-thumbnails="1"]')
     w.page.screenshot(path=str(ARTIFACTS / "html-file.png"), full_page=True)
     check_views(w, "html-file")
     # Mean of heads, then the model view: a click enlarges one head and selects it.
     w.page.select_option("#head", "-1")
     assert w.page.locator("#picked").text_content() == "layer 1, mean of heads"
+    mean = np.array(w.page.evaluate("() => Array.from(window.attnkit.docs[0].current)"))
+    np.testing.assert_allclose(mean, maps.head(1, None).ravel(), atol=2 / 510)
     w.page.locator(".grid canvas[data-layer='2'][data-head='3']").click()
     assert w.page.locator("#overlay").is_visible()
     assert (w.page.locator("#layer").input_value(), w.page.locator("#head").input_value()) == ("2", "3")

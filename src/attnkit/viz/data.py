@@ -109,51 +109,39 @@ def maps_from_random_model(
     seed: int = 0,
     model: str = "random",
 ) -> AttentionMaps:
-    """Attention of a small random-weight transformer on `tokens`.
+    """Attention of a small random-weight transformer (`attnkit.nn.TransformerBlock`s) on `tokens`.
 
     Used by tests and demos before (or without) a real checkpoint. Each token's
     embedding is drawn from a hash of its text (so equal tokens get equal
-    embeddings), plus a sinusoidal position code; each layer is one
-    multi-head self-attention with random projections and a residual.
+    embeddings), plus a sinusoidal position code; query and key projections
+    are scaled up so that the untrained heads attend less uniformly.
 
     Returns:
-        AttentionMaps with weights of shape (layers, heads, T, T).
+        AttentionMaps with float32 weights of shape (layers, heads, T, T).
     """
+    from attnkit.nn import TransformerBlock, sinusoidal_positional_encoding
+
     tokens = tuple(tokens)
     if not tokens:
         raise ValueError("expected at least one token, got 0")
     T = len(tokens)
+    d_model = heads * max(4, -(-d_model // heads))  # a multiple of heads
     rng = np.random.default_rng(seed)
     x = np.stack([_token_vector(t, d_model, seed) for t in tokens])  # (T, D)
-    x = x + _positions(T, d_model)
-    mask = np.tril(np.ones((T, T), dtype=bool)) if causal else None
-    head_dim = max(4, d_model // heads)
-    inner = heads * head_dim
-    all_weights = np.empty((layers, heads, T, T))
+    x = (x + sinusoidal_positional_encoding(T, d_model, dtype=np.float64))[None]  # (1, T, D)
+    x = x.astype(np.float32)
+    weights = np.empty((layers, heads, T, T), dtype=np.float32)
     for layer in range(layers):
-        # Random projections, scaled so that scores stay in a useful range.
-        wq, wk, wv = (rng.normal(0, 1.5 / np.sqrt(d_model), (d_model, inner)) for _ in range(3))
-        wo = rng.normal(0, 1 / np.sqrt(inner), (inner, d_model))
-        q = (x @ wq).reshape(T, heads, head_dim).transpose(1, 0, 2)  # (H, T, E)
-        k = (x @ wk).reshape(T, heads, head_dim).transpose(1, 0, 2)  # (H, T, E)
-        v = (x @ wv).reshape(T, heads, head_dim).transpose(1, 0, 2)  # (H, T, E)
-        scores = q @ k.transpose(0, 2, 1) / np.sqrt(head_dim)  # (H, T, T)
-        if mask is not None:
-            scores = np.where(mask, scores, -np.inf)
-        scores = scores - scores.max(axis=-1, keepdims=True)
-        w = np.exp(scores)
-        w /= w.sum(axis=-1, keepdims=True)
-        all_weights[layer] = w
-        out = (w @ v).transpose(1, 0, 2).reshape(T, inner) @ wo  # (T, D)
-        x = x + out
-        x = (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + 1e-5)
-    return AttentionMaps(
-        tokens=tokens,
-        weights=all_weights.astype(np.float32),
-        model=model,
-        text=" ".join(tokens),
-        causal=causal,
-    )
+        block = TransformerBlock(d_model, heads, 2 * d_model, norm_first=True, seed=rng)
+        # Untrained heads attend almost uniformly; sharper queries and keys give
+        # them distinct patterns worth looking at.
+        state = block.state_dict()
+        for name in ("attn.q_proj.weight", "attn.k_proj.weight"):
+            state[name] = state[name] * np.float32(3.0)
+        block.load_state_dict(state)
+        x, w = block(x, is_causal=causal, need_weights=True, average_attn_weights=False)
+        weights[layer] = w[0]  # (H, T, T)
+    return AttentionMaps(tokens=tokens, weights=weights, model=model, text=" ".join(tokens), causal=causal)
 
 
 def _token_vector(token: str, d_model: int, seed: int) -> np.ndarray:
@@ -161,13 +149,3 @@ def _token_vector(token: str, d_model: int, seed: int) -> np.ndarray:
 
     h = zlib.crc32(token.encode("utf-8")) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
     return np.random.default_rng(h).normal(0, 1, d_model)
-
-
-def _positions(T: int, d_model: int) -> np.ndarray:
-    pos = np.arange(T)[:, None]  # (T, 1)
-    i = np.arange(d_model // 2)[None, :]  # (1, D/2)
-    angle = pos / 10000 ** (2 * i / d_model)
-    pe = np.zeros((T, d_model))
-    pe[:, 0::2] = np.sin(angle)
-    pe[:, 1::2] = np.cos(angle)
-    return pe

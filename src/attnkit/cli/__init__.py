@@ -14,6 +14,7 @@ from attnkit.cli import bench  # noqa: F401,E402
 from attnkit.cli import embed  # noqa: F401,E402
 from attnkit.cli import viz  # noqa: F401,E402
 from attnkit.cli import train  # noqa: F401,E402
+from attnkit.cli import generate  # noqa: F401,E402
 
 
 def main() -> None:

@@ -125,8 +125,11 @@ def test_tokenizer_matches_transformers(encoder, hf_tokenizer):
         assert mine.type_ids == types, text
 
 
-def test_hidden_states_and_attentions_match_transformers(encoder, hf_model, hf_tokenizer):
-    texts = SENTENCES[:12] + [LONG_TEXT]  # a padded batch, lengths 2 .. 256
+@pytest.mark.parametrize(
+    "texts", [SENTENCES[:12], [LONG_TEXT, "A short one."]], ids=["short-batch", "truncated-256"]
+)
+def test_hidden_states_and_attentions_match_transformers(encoder, hf_model, hf_tokenizer, texts):
+    # padded batches: lengths 2 .. 30, and 256 (truncated) next to 5
     batch = hf_tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="np")
     real = batch["attention_mask"].astype(bool)  # (B, T)
     with torch.no_grad():

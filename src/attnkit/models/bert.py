@@ -84,8 +84,18 @@ class BertConfig:
             raise CheckpointError(
                 f"unsupported hidden_act {activation!r} in {source}; expected 'gelu' (exact, erf)"
             )
-        names = {f.name for f in fields(cls)}
-        values = {key: value for key, value in config.items() if key in names and value is not None}
+        values = {}
+        for field in fields(cls):
+            value = config.get(field.name)
+            if value is None:
+                continue
+            if field.name == "layer_norm_eps":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            if not ok:
+                raise CheckpointError(f"unexpected {field.name}={value!r} in {source}")
+            values[field.name] = value
         self = cls(**values)
         if self.hidden_size % self.num_attention_heads:
             raise CheckpointError(
@@ -698,6 +708,11 @@ class SentenceEncoder:
         model = load_bert(folder)
         pooling, normalize, max_length = _read_sentence_transformers(folder, model.config)
         tokenizer = BertTokenizer.from_folder(folder, max_length)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise CheckpointError(
+                f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model's "
+                f"vocab_size is {model.config.vocab_size}"
+            )
         return cls(
             model, tokenizer, pooling=pooling, normalize=normalize,
             num_threads=num_threads, attention=attention, path=folder,

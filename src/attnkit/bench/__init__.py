@@ -33,6 +33,8 @@ from typing import Any, Protocol
 SUITES: dict[str, str] = {
     "attention": "attnkit.bench.attention",
     "encoder": "attnkit.bench.encoder",
+    "torch_modules": "attnkit.bench.torch_modules",
+    "decoder": "attnkit.bench.decoder",
 }
 
 

@@ -244,7 +244,7 @@ class CausalLM(Module):
         """Position of each new token: how many real tokens precede it (padding does not count)."""
         past = cache.length
         B, T = mask.shape
-        if mask.all() and not cache._padded:
+        if mask.all() and not cache.has_padding:
             return np.broadcast_to(np.arange(past, past + T), (B, T))
         cache.add_padding(mask)
         before = cache.key_padding[:, :past].sum(axis=1)  # (B,)

@@ -98,6 +98,11 @@ class KVCache:
     def __len__(self) -> int:
         return self.length
 
+    @property
+    def has_padding(self) -> bool:
+        """Whether any stored position is padding (then attention needs a per-sequence mask)."""
+        return self._padded
+
     def reset(self) -> None:
         """Forget everything (the buffers are reused)."""
         self._lengths = [0] * self.num_layers

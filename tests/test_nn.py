@@ -122,6 +122,19 @@ def test_parameters_are_read_only_and_assignment_checks_shape():
     assert user.flags.writeable
 
 
+def test_copy_and_pickle_keep_read_only_parameters():
+    import copy
+    import pickle
+
+    block = nn.TransformerBlock(8, 2, 16, seed=0)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    for clone in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
+        assert np.array_equal(clone(x), block(x))
+        assert not clone.attn.q_proj.weight.flags.writeable
+        clone.attn.v_proj.weight = np.zeros((8, 8))  # independent of the original
+        assert not np.array_equal(clone(x), block(x))
+
+
 def test_astype_dtype_and_modes():
     block = nn.TransformerBlock(8, 2, 16, dropout=0.1, seed=0)
     assert block.dtype == np.float32 and not block.training and not block.attn.training

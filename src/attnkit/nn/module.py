@@ -163,6 +163,13 @@ class Module:
         self._parameters[name] = _stored(array, old.dtype, self._parameter_order[name])
         self._parameters_changed()
 
+    def __setstate__(self, state: dict) -> None:
+        # pickle and deepcopy restore arrays as writable; parameters stay read-only.
+        self.__dict__.update(state)
+        for array in self._parameters.values():
+            if array is not None:
+                array.flags.writeable = False
+
     def _parameters_changed(self) -> None:
         """Hook for modules that cache arrays derived from their parameters."""
 

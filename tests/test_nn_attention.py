@@ -402,3 +402,26 @@ def test_attention_backend_is_chosen_by_name():
     with pytest.raises(ValueError, match="unknown attention backend"):
         block.set_attention_backend("nope")
     assert block.attn.backend == "flash"
+
+
+@given(
+    B=st.integers(1, 2),
+    L=st.integers(1, 6),
+    S=st.integers(1, 6),
+    H=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 4]),
+    E=st.sampled_from([1, 3, 8]),
+    causal=st.booleans(),
+)
+def test_random_shapes_per_head_equals_split_head(B, L, S, H, group, E, causal):
+    Hkv = max(1, H // group)
+    rng = np.random.default_rng(B + 10 * L + 100 * S + 1000 * H + 10000 * E)
+    split = nn.MultiHeadAttention(H * E, H, num_kv_heads=Hkv, seed=int(rng.integers(1 << 30))).astype(np.float64)
+    per_head = nn.PerHeadMultiHeadAttention.from_split(split)
+    x = rng.standard_normal((B, L, H * E))
+    mem = rng.standard_normal((B, S, H * E))
+    key_mask = rng.random((B, S)) < 0.8  # fully masked rows allowed: both give zeros
+    a = split(x, mem, key_mask=key_mask, is_causal=causal, need_weights=True, average_attn_weights=False)
+    b = per_head(x, mem, key_mask=key_mask, is_causal=causal, need_weights=True, average_attn_weights=False)
+    assert_close(b.output, a.output, 1e-12, "output")
+    assert_close(b.weights, a.weights, 1e-12, "weights")

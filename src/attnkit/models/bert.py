@@ -774,9 +774,10 @@ class SentenceEncoder:
         types = [np.asarray(e.type_ids, dtype=np.intp) for e in encodings]
         order = np.argsort([len(i) for i in ids], kind="stable")
         threads = self.num_threads
-        # Our threads each run one BLAS thread, instead of BLAS threads fighting ours.
-        # (The limit is process-wide while encode runs, as BLAS settings are.)
-        with _blas_controller().limit(limits=1 if threads > 1 else None, user_api="blas"):
+        # Our threads each run one BLAS thread (so num_threads is the whole budget),
+        # instead of BLAS threads fighting ours. The limit is process-wide while
+        # encode runs, as BLAS settings are.
+        with _blas_controller().limit(limits=1, user_api="blas"):
             for start in range(0, len(texts), batch_size):
                 batch = order[start : start + batch_size]
                 lengths = np.array([len(ids[i]) for i in batch])

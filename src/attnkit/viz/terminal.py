@@ -127,8 +127,10 @@ def heatmap(
             w = shown[i, j]
             if values:
                 text = f"{w:4.2f} "
+            elif color:
+                text = " " * cell
             else:
-                text = SHADES[int(round(scaled[i, j] * (len(SHADES) - 1)))] * cell if not color else " " * cell
+                text = SHADES[int(round(scaled[i, j] * (len(SHADES) - 1)))] * cell
             if color:
                 r_, g_, b_ = (int(c) for c in rgb[i, j])
                 fg = "black" if scaled[i, j] > 0.6 else "white"

@@ -274,10 +274,35 @@
     });
   }
 
+  // The enlarged head: the matrix with token labels on both axes (up to 120 tokens).
   function enlarge(doc) {
     const overlay = $("overlay");
     const canvas = overlay.querySelector("canvas");
-    paintMatrix(canvas, doc.current, doc.T);
+    const T = doc.T, size = 1000, labels = T <= 120;
+    const margin = labels ? 150 : 0, cellPx = (size - margin) / T;
+    const small = document.createElement("canvas");
+    paintMatrix(small, doc.current, T);
+    canvas.width = canvas.height = size;
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, size, size);
+    ctx.imageSmoothingEnabled = false;
+    ctx.drawImage(small, margin, margin, T * cellPx, T * cellPx);
+    if (labels) {
+      const font = Math.max(7, Math.min(16, cellPx * 0.75));
+      ctx.font = font + "px ui-monospace, monospace";
+      ctx.fillStyle = "#222"; ctx.textBaseline = "middle";
+      const cut = (t) => { const s = shown(t); return s.length > 16 ? s.slice(0, 15) + "\u2026" : s; };
+      ctx.textAlign = "right";
+      doc.tokens.forEach((t, i) => ctx.fillText(cut(t), margin - 6, margin + (i + 0.5) * cellPx));
+      doc.tokens.forEach((t, j) => {
+        ctx.save();
+        ctx.translate(margin + (j + 0.5) * cellPx, margin - 6);
+        ctx.rotate(-Math.PI / 2);
+        ctx.textAlign = "left";
+        ctx.fillText(cut(t), 0, 0);
+        ctx.restore();
+      });
+    }
     overlay.querySelector(".caption").textContent = doc.model + ": layer " + state.layer +
       (state.head < 0 ? ", mean of heads" : ", head " + state.head) + " \u2014 " + doc.text;
     overlay.hidden = false;

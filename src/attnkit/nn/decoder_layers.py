@@ -137,13 +137,16 @@ class RotaryEmbedding:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2 so nothing overflows."""
-    half = x.dtype.type(0.5) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else 0.5
-    out = np.tanh(x * half)
-    out *= half
-    out += half
-    out *= x
-    return out
+    """x * sigmoid(x) = x / (1 + exp(-x)), as torch computes it.
+
+    exp's argument is capped at 80 so nothing overflows (float32 exp(89) would); below
+    x = -80 the result is within 1e-32 of the true value, which is 0 to float32.
+    """
+    denominator = np.negative(x)
+    np.minimum(denominator, 80, out=denominator)
+    np.exp(denominator, out=denominator)
+    denominator += 1
+    return x / denominator
 
 
 class SwiGLU(Module):

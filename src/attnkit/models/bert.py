@@ -415,8 +415,9 @@ _INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
 _GELU_ROWS = 32  # rows per chunk: the chunk's temporaries stay in the L2 cache
 
 
-def gelu_inplace(x: np.ndarray) -> np.ndarray:
-    """Exact (erf) GELU of a float32 (N, F) array, in place, chunk by chunk; returns x."""
+def gelu_inplace(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x = GELU(x + bias), exact (erf), for a float32 (N, F) array, in place, chunk
+    by chunk (the bias is added while the chunk is in cache); returns x."""
     rows = min(_GELU_ROWS, x.shape[0])
     z = np.empty((rows, x.shape[1]), np.float32)
     t = np.empty_like(z)
@@ -425,6 +426,8 @@ def gelu_inplace(x: np.ndarray) -> np.ndarray:
         xs = x[start : start + rows]
         n = xs.shape[0]
         zs, ts, es = z[:n], t[:n], e[:n]
+        if bias is not None:
+            xs += bias
         np.abs(xs, out=zs)
         zs *= _INV_SQRT2  # z = |x| / sqrt(2)
         np.multiply(zs, np.float32(0.5), out=ts)
@@ -561,8 +564,7 @@ class _PackedBert:
             y += x
             x = _layer_norm_inplace(y, *layer.norm1, self.eps)
             h = x @ layer.fc1_weight.T  # (N, F)
-            h += layer.fc1_bias
-            gelu_inplace(h)
+            gelu_inplace(h, layer.fc1_bias)
             y = h @ layer.fc2_weight.T  # (N, D)
             y += layer.fc2_bias
             y += x

@@ -659,6 +659,10 @@ class SentenceEncoder:
         tokenizer: the `BertTokenizer` (truncates at `max_seq_length`).
         pooling: "mean" (over real tokens) or "cls"; normalize: L2-normalize.
         num_threads: worker threads `encode` splits each batch over.
+
+    `encode` and `attention` run a packed copy of the model's weights taken
+    when the encoder is built: after changing `model`'s weights, build a new
+    `SentenceEncoder(model, tokenizer)`.
     """
 
     def __init__(

@@ -374,8 +374,9 @@ def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out
                 s += add
             if blocked is not None:
                 np.copyto(s, cd.type(-np.inf), where=blocked)
-            np.exp(s, out=s)
-            np.matmul(s, va[k0:k1], out=part)
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught just below
+                np.exp(s, out=s)
+                np.matmul(s, va[k0:k1], out=part)
             if np.isfinite(part).all():
                 acc += part
                 big = acc[:, Ev] > _REBASE_ABOVE

@@ -214,6 +214,27 @@ def test_fused_qkv_buffer_is_shared_and_kept_through_training_and_conversion():
         assert (mha(x.double()).output - mha(x.double(), x.double().clone()).output).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_gradients_equal_the_unfused_ones(bias):
+    """The fused projection's backward hands each of q/k/v_proj exactly its gradient."""
+    mha = at.MultiHeadAttention(24, 6, num_kv_heads=3, bias=bias).double()
+    x = _x(2, 7, 24, dtype=torch.float64).requires_grad_()
+
+    def grads(fused: bool):
+        for p in (*mha.parameters(), x):
+            p.grad = None
+        out = mha(x, is_causal=True) if fused else mha(x, x.clone(), x.clone(), is_causal=True)
+        out.output.square().sum().backward()
+        return {**{n: p.grad.clone() for n, p in mha.named_parameters()}, "x": x.grad.clone()}
+
+    fused, unfused = grads(True), grads(False)
+    assert set(fused) == set(unfused)
+    for name in fused:
+        torch.testing.assert_close(fused[name], unfused[name], rtol=1e-12, atol=1e-12, msg=name)
+    small = x[:1, :3].detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: mha(x, is_causal=True).output, (small,), fast_mode=True)
+
+
 # ----- KV cache ------------------------------------------------------------------------------
 
 

@@ -341,6 +341,32 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+class _FusedQKVLinear(torch.autograd.Function):
+    """y = x @ W^T + b with W, b the fused q|k|v buffers, whose row blocks are the
+    q/k/v projection parameters. The forward multiplies by the buffer (no copy);
+    the backward computes the fused weight gradient with one GEMM, as for an
+    ordinary linear layer, and hands each parameter its block of rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, *params):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.sizes = [p.shape[0] for p in params[:3]]
+        return F.linear(x, weight, bias)  # (..., d_model + 2 kv_width)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None  # (..., d_model)
+        rows = grad_out.reshape(-1, grad_out.shape[-1])  # (N, d_model + 2 kv_width)
+        grad_w = rows.T @ x.reshape(-1, x.shape[-1])  # (d_model + 2 kv_width, d_model)
+        grads = list(grad_w.split(ctx.sizes))
+        if ctx.has_bias:
+            grads += list(rows.sum(dim=0).split(ctx.sizes))
+        return (grad_x, None, None, *grads)
+
+
 class MultiHeadAttention(_NumpyStateDict, nn.Module):
     """Multi-head attention on F.scaled_dot_product_attention: attnkit.nn.MultiHeadAttention in torch.
 
@@ -362,8 +388,9 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
     Fused QKV: when kdim == vdim == d_model the three projection weights (and
     biases) live in one contiguous (d_model + 2*Hkv*E, d_model) buffer that
     q_proj/k_proj/v_proj's parameters are views of. Self-attention then projects
-    with one matrix product and no copy; under autograd the three parameters are
-    concatenated instead, so each gets its own gradient.
+    with one matrix product and no copy; under autograd a small Function computes
+    the fused weight gradient with one GEMM and gives each parameter its rows
+    (first-order gradients only: double backward through it raises).
     """
 
     def __init__(
@@ -438,14 +465,13 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         return result
 
     def _fused(self, what: str) -> torch.Tensor | None:
-        """The q|k|v weight (d_model + 2 kv_width, d_model) or bias: the shared buffer
-        itself when no gradient is needed, else a concatenation autograd can split."""
+        """The q|k|v weight (d_model + 2 kv_width, d_model) or bias as one tensor: the
+        shared buffer when the parameters are still its views, else a concatenation."""
         parts = self._qkv_parts(what)
         if parts is None:
             return None
         base = getattr(self, f"_qkv_{what}")
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in parts)
-        if not needs_grad and base is not None and _aliases(base, parts):
+        if base is not None and _aliases(base, parts):
             return base
         return torch.cat(parts)
 
@@ -453,7 +479,14 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         """q (B, L, d_model), k and v (B, S, kv_width), with one GEMM for self-attention."""
         kv_width = self.num_kv_heads * self.head_dim
         if key is query and value is query and self._fusable:
-            qkv = F.linear(query, self._fused("weight"), self._fused("bias"))  # (B, L, d_model + 2 kv_width)
+            weight, bias = self._fused("weight"), self._fused("bias")
+            params = [*self._qkv_parts("weight"), *(self._qkv_parts("bias") or [])]
+            shared = weight is self._qkv_weight and (bias is None or bias is self._qkv_bias)
+            if shared and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+                # the buffers are no leaves of the graph: route the gradients to the parameters
+                qkv = _FusedQKVLinear.apply(query, weight, bias, *params)
+            else:
+                qkv = F.linear(query, weight, bias)  # (B, L, d_model + 2 kv_width)
             return qkv.split([self.d_model, kv_width, kv_width], dim=-1)
         return self.q_proj(query), self.k_proj(key), self.v_proj(value)
 

@@ -35,6 +35,7 @@ SUITES: dict[str, str] = {
     "encoder": "attnkit.bench.encoder",
     "torch_modules": "attnkit.bench.torch_modules",
     "decoder": "attnkit.bench.decoder",
+    "nn": "attnkit.bench.nn",
 }
 
 

@@ -510,3 +510,14 @@ def test_smollm2_provider_is_causal_and_truncates():
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-4)
     assert np.all(np.triu(w, k=1) == 0)
     assert "".join(maps.tokens).startswith("The quick brown")
+
+
+def test_server_answers_only_its_own_host_names():
+    from fastapi.testclient import TestClient
+
+    from attnkit.viz.server import create_app
+
+    local = TestClient(create_app(models=["random"], allowed_hosts=["127.0.0.1", "localhost"]),
+                       base_url="http://127.0.0.1:8000")
+    assert local.get("/").status_code == 200
+    assert local.get("/", headers={"host": "evil.example:8000"}).status_code == 400

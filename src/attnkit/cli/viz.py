@@ -175,11 +175,18 @@ def serve(
 
     from attnkit.viz.server import create_app
 
+    loopback = host in ("127.0.0.1", "localhost", "::1")
     try:
-        application = create_app(models=model, max_chars=max_chars, max_tokens=max_tokens)
+        application = create_app(
+            models=model,
+            max_chars=max_chars,
+            max_tokens=max_tokens,
+            # On this machine only, answer only requests addressed to it (no DNS rebinding).
+            allowed_hosts=["127.0.0.1", "localhost", "::1", "[::1]"] if loopback else None,
+        )
     except ValueError as error:
         fail(str(error))
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if not loopback:
         err_console.print(f"[yellow]warning:[/] binding {escape(host)}: other machines can reach this page")
     shown = f"[{host}]" if ":" in host else host
     console.print(f"attnkit: open http://{shown}:{port}/ (Ctrl+C to stop)", markup=False)

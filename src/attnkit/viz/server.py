@@ -26,6 +26,7 @@ def create_app(
     models: Sequence[str] = ("minilm", "smollm2", "random"),
     max_chars: int = DEFAULT_MAX_CHARS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Any:
     """The FastAPI application behind `attnkit serve`.
 
@@ -33,6 +34,8 @@ def create_app(
         models: the provider names the page offers (minilm, smollm2, random, or paths).
         max_chars: longer texts are refused (HTTP 413).
         max_tokens: longer tokenizations are truncated, with a warning in the answer.
+        allowed_hosts: Host headers to answer (others get 400), which stops DNS-rebinding
+            pages from reading a local server; None answers any host.
     """
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import HTMLResponse, Response
@@ -51,6 +54,10 @@ def create_app(
         head: int = 0
 
     app = FastAPI(title="attnkit", docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
     headers = {
         "Content-Security-Policy": content_security_policy(server=True),
         "X-Content-Type-Options": "nosniff",

@@ -427,7 +427,12 @@
           body: JSON.stringify({ text: $("text").value, model: model.value }),
         });
         const body = await response.json();
-        if (!response.ok) { message(body.detail || ("error " + response.status), "error"); $("form-status").textContent = ""; return; }
+        if (!response.ok) {
+          const detail = Array.isArray(body.detail) ? body.detail.map((d) => d.msg).join("; ") : body.detail;
+          message(detail || ("error " + response.status), "error");
+          $("form-status").textContent = "";
+          return;
+        }
         for (const w of body.warnings || []) message(w);
         await show(body);
         $("form-status").textContent = "";

@@ -521,3 +521,21 @@ def test_server_answers_only_its_own_host_names():
                        base_url="http://127.0.0.1:8000")
     assert local.get("/").status_code == 200
     assert local.get("/", headers={"host": "evil.example:8000"}).status_code == 400
+
+
+def test_html_file_carries_the_truncation_warning():
+    from attnkit.viz.html import render_html
+    from attnkit.viz.providers import get_provider
+
+    maps = get_provider("random", max_tokens=3).attention("a b c d e")
+    page = render_html(maps)
+    data = json.loads(re.search(r'id="attnkit-data">(.*?)</script>', page, re.S).group(1))
+    assert data["warnings"] == ["The text was truncated to 3 tokens (it had 5)."]
+    assert data["docs"][0]["truncated_from"] == 5
+
+
+def test_viz_package_exports_resolve():
+    import attnkit.viz as viz
+
+    for name in viz.__all__:
+        assert getattr(viz, name) is not None

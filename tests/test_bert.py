@@ -221,6 +221,8 @@ def test_batching_and_threads_do_not_change_results(encoder):
 def test_encode_shapes_and_progress(encoder):
     assert encoder.encode("one string").shape == (1, 384)
     assert encoder.encode([]).shape == (0, 384)
+    texts = ["a tuple", "of sentences"]
+    assert np.array_equal(encoder.encode(tuple(texts)), encoder.encode(np.array(texts)))
     seen = []
     encoder.encode(["a", "b", "c", "d", "e"], batch_size=2, progress=seen.append)
     assert seen == [2, 2, 1]

@@ -116,6 +116,8 @@ def check_texts(texts: Any) -> list[str]:
     """A list of strings from a string or a sequence of strings; TypeError otherwise."""
     if isinstance(texts, str):
         return [texts]
+    if isinstance(texts, np.ndarray) and texts.ndim == 1:
+        texts = texts.tolist()  # numpy str_ elements become str
     if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
         raise TypeError(
             f"expected a str or a sequence of str, got {type(texts).__name__}"

@@ -56,9 +56,15 @@ def pool(weights: np.ndarray, block: int) -> np.ndarray:
     return summed.reshape(n, block, n).sum(axis=1) / counts[:, None]
 
 
+def _visible(token: str) -> str:
+    """A token as a label: control whitespace shown, the leading space of BPE pieces dropped."""
+    token = token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥")
+    return token.strip(" ") or ("␣" if token else "∅")
+
+
 def _fit(label: str, width: int) -> str:
     """Right-align `label` in `width` cells, cutting it with '…' when too long."""
-    label = label.replace("\n", "⏎").replace("\t", "⇥")
+    label = _visible(label)
     if cell_len(label) > width:
         label = set_cell_size(label, width - 1) + "…"
     return " " * (width - cell_len(label)) + label
@@ -111,8 +117,8 @@ def heatmap(
         out.append(_fit(title, min(width, cell_len(title))) + "\n", style="bold")
 
     # Column labels, written downwards, one character per header line.
-    header_rows = min(_HEADER_ROWS, max(cell_len(c) for c in col_labels))
-    cut = [_cut_chars(c, header_rows) for c in col_labels]
+    cut = [_cut_chars(c, _HEADER_ROWS) for c in col_labels]
+    header_rows = max(len(chars) for chars in cut)
     for r in range(header_rows):
         line = " " * (label_width + 1)
         for chars in cut:
@@ -159,7 +165,7 @@ def heatmap(
 
 def _cut_chars(label: str, rows: int) -> list[str]:
     """The first `rows` characters of a label, with '…' as the last one if cut."""
-    chars = [c for c in label.replace("\n", "⏎").replace("\t", "⇥") if cell_len(c) > 0]
+    chars = [c for c in _visible(label) if cell_len(c) > 0]
     chars = [c if cell_len(c) <= 2 else "?" for c in chars]
     if len(chars) > rows:
         chars = chars[: rows - 1] + ["…"]

@@ -222,6 +222,9 @@ def test_gelu_float32_error_is_within_twice_torchs():
     theirs = np.abs(F.gelu(t(x)).numpy() - exact).max()
     assert ours <= 2 * theirs, f"float32 GELU error {ours:.2e} vs torch's {theirs:.2e}"
     assert np.abs(nn.gelu(x64) - exact).max() <= 1e-15 * 10  # float64 is exact (scipy)
+    # far tails are exact: 0 on the left, x on the right, never a huge residue
+    tails = np.array([-1e30, -1e4, -20.0, 20.0, 1e4, 1e30], np.float32)
+    assert np.array_equal(nn.gelu(tails), np.array([0, 0, 0, 20, 1e4, 1e30], np.float32))
     # shape, strides and float16 are handled
     strided = np.linspace(-3, 3, 60, dtype=np.float32).reshape(3, 20)[:, ::2]
     assert np.allclose(nn.gelu(strided), F.gelu(t(strided)).numpy(), atol=2e-6)

@@ -162,7 +162,7 @@ def test_prompt_longer_than_context(model):
     long = np.full(65, 5)  # context is 64
     with pytest.raises(ValueError, match="longer than this model's context of 64"):
         model.generate(long, 1)
-    with pytest.raises(ValueError, match="beyond this model's context of 64"):
+    with pytest.raises(ValueError, match=r"0 cached \+ 65 new tokens go beyond this model's context of 64"):
         model(long)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

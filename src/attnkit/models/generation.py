@@ -219,13 +219,14 @@ class CausalLM(Module):
             cache = self.new_cache(B, T)
         elif cache.batch_size != B:
             raise ValueError(f"expected input_ids with batch size {cache.batch_size} like the cache, got {B}")
-        positions = self._positions(cache, mask)
-        if positions.max() >= self.context_length:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond this model's context of {self.context_length} tokens"
-            )
         if ids.max() >= self.config.vocab_size or ids.min() < 0:
             raise ValueError(f"expected token ids in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+        if cache.length + T > self.context_length:
+            raise ValueError(
+                f"{cache.length} cached + {T} new tokens go beyond this model's context of "
+                f"{self.context_length} tokens"
+            )
+        positions = self._positions(cache, mask)
         weights: list | None = [] if return_weights else None
         hidden = self._hidden_states(ids, positions, cache, weights)  # (B, T, d)
         logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)

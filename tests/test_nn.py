@@ -332,3 +332,20 @@ def test_linear_random_shapes_match_torch(lead, d_in, d_out, bias):
     assert out.shape == (*lead, d_out)
     expected = F.linear(t(x), t(lin.weight), t(lin.bias) if bias else None).numpy()
     assert_close(out, expected, 1e-12)
+
+
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    d=st.integers(1, 70),
+    shift=st.floats(-100, 100),
+    spread=st.floats(1e-3, 1e3),
+    eps=st.sampled_from([1e-5, 1e-6, 1e-12]),
+)
+def test_layer_norm_random_shapes_match_torch(lead, d, shift, spread, eps):
+    rng = np.random.default_rng(d)
+    ln = nn.LayerNorm(d, eps=eps).astype(np.float64)
+    ln.weight = rng.standard_normal(d)
+    ln.bias = rng.standard_normal(d)
+    x = rng.standard_normal((*lead, d)) * spread + shift
+    expected = F.layer_norm(t(x), (d,), t(ln.weight), t(ln.bias), eps).numpy()
+    assert_close(ln(x), expected, 1e-8, "layer_norm")  # shift/spread up to 1e5 costs digits

@@ -41,7 +41,8 @@ def head_figure_size(tokens: tuple[str, ...] | list[str]) -> tuple[float, float,
 
 
 def _short(token: str) -> str:
-    token = token.replace("\n", "⏎")
+    """A tick label: control characters shown, BPE's leading space dropped, at most 16 characters."""
+    token = token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥").strip(" ") or "␣"
     return token if len(token) <= 16 else token[:15] + "…"
 
 

@@ -409,7 +409,7 @@
     for (const m of config.models) {
       const o = new Option(m.name + (m.available ? "" : " (not installed)"), m.name);
       o.disabled = !m.available;
-      o.title = m.description;
+      o.title = m.available ? m.description : m.description + " \u2014 " + m.reason;
       model.appendChild(o);
     }
     const firstAvailable = config.models.find((m) => m.available);

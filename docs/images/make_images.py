@@ -87,6 +87,15 @@ def main() -> None:
         page.select_option("#layer", "2")
         page.locator(".col.left .tok").nth(11).hover()
         page.screenshot(path=str(HERE / "served-page.png"))
+        page.set_viewport_size({"width": 1300, "height": 1100})
+        page.fill("#text", "Alice gave Bob the book because he asked for it.")
+        page.select_option("#model", "smollm2")
+        page.click("#submit")
+        page.wait_for_selector('body[data-ready="1"] .doc', timeout=180_000)
+        page.wait_for_selector('body[data-thumbnails="1"]')
+        page.select_option("#layer", "5")
+        page.locator(".col.left .tok").nth(8).hover()
+        page.screenshot(path=str(HERE / "served-smollm2.png"))
         browser.close()
     server.should_exit = True
 

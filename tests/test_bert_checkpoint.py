@@ -269,3 +269,29 @@ def test_tokenizer_larger_than_vocab(tiny_folder, tmp_path):
     (folder / "vocab.txt").write_text("\n".join(VOCAB + ["extra1", "extra2"]) + "\n")
     with pytest.raises(CheckpointError, match=f"has {len(VOCAB) + 2} tokens but the model's vocab_size is {len(VOCAB)}"):
         SentenceEncoder.from_pretrained(folder)
+
+
+def test_sentence_transformers_files_choose_pooling(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}
+    ))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8}))
+    encoder = SentenceEncoder.from_pretrained(folder)
+    assert (encoder.pooling, encoder.normalize, encoder.max_seq_length) == ("cls", False, 8)
+    text = "the big red dog ran on the mat . the cat sat"
+    ids = encoder.tokenizer.encode([text])[0].ids
+    assert len(ids) == 8 and ids[-1] == VOCAB.index("[SEP]")
+    expected = encoder.model(np.array([ids])).last_hidden_state[0, 0]
+    assert np.abs(encoder.encode([text])[0] - expected).max() <= 1e-5
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(CheckpointError, match="unsupported pooling .*pooling_mode_max_tokens"):
+        SentenceEncoder.from_pretrained(folder)
+    (folder / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(CheckpointError, match=r"unsupported sentence-transformers module\(s\) \['Dense'\]"):
+        SentenceEncoder.from_pretrained(folder)

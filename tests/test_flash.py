@@ -246,10 +246,9 @@ def test_fully_masked_rows_give_zero_output_and_finite_zero_gradients():
     assert all(np.array_equal(x, np.zeros_like(x)) for x in g)
 
 
-def test_scores_that_jump_between_tiles_take_the_exact_path():
-    """Tile after tile the scores rise by ~60 (a row sum above 2^60: the reference
-    moves up) and then by ~100 (exp overflows from the old reference: the tile is
-    redone with its true max). Both must stay exact."""
+def test_scores_that_jump_between_tiles_stay_exact():
+    """Tile after tile the scores rise by ~60 and then by ~100: the rescaling by
+    exp(m_old - m_new) underflows what came before, and nothing overflows."""
     S, E = 12, 4
     q = np.ones((1, 3, E), dtype=np.float32)
     k = np.zeros((1, S, E), dtype=np.float32)
@@ -281,6 +280,28 @@ def test_decode_splits_keys_across_threads_and_merges():
         assert _err(out, ref) <= 1e-5, threads
     cached = attnkit.flash_attention(q, k, v, is_causal=True, causal_align="bottom_right", block_k=64, num_threads=2)
     assert _err(cached, ref) <= 1e-5  # a decode step sees the whole cache
+
+
+def test_peaked_rows_keep_gradients_as_exact_as_the_plain_path():
+    """Large scores make near-one-hot rows; the backward's exp(s - lse) must then
+    give the top weight 1 to rounding, which needs bitwise the forward's scores
+    (a version that shifted by a stale max got grad_value 3.2x the plain error here)."""
+    rng = np.random.default_rng(12)
+    q = (rng.standard_normal((4, 24, 59)) * 1.7).astype(np.float32)
+    k, v = (rng.standard_normal((4, 70, 59)).astype(np.float32) for _ in range(2))
+    d_out = rng.standard_normal((4, 24, 59)).astype(np.float32)
+    for causal in (False, True):
+        mask = masks.causal_mask(24, 70, align="bottom_right") if causal else None
+        expected = _ref_grads(q, k, v, d_out, mask, 1.7, 1)
+        plain = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, attn_mask=mask, scale=1.7)
+        for bq, bk in [(1, 3), (4, 8), (8, 16), (None, None)]:
+            kw = dict(scale=1.7, block_q=bq, block_k=bk, is_causal=causal, causal_align="bottom_right")
+            res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+            grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+            for name, ours, base, ref in zip(("query", "key", "value"), grads, plain, expected):
+                size = np.abs(ref).max()
+                flash_err, plain_err = _grad_err(ours, ref, size), _grad_err(base, ref, size)
+                assert flash_err <= 3 * plain_err, f"grad_{name} {bq}x{bk}: {flash_err:.2e} vs {plain_err:.2e}"
 
 
 def test_threads_do_not_change_results_and_default_tiles_work():

@@ -17,15 +17,15 @@ SIMD ufuncs that release the GIL: tiles are large (they fit the L2 cache),
 everything stays in the compute dtype, buffers are reused (out=), blocks the
 masks exclude entirely are skipped, and (batch, head, query block) tasks run on
 a pool of threads while BLAS itself is held to one thread (threadpoolctl).
+Value rows carry an extra column of ones, so P @ [V, 1] yields the row sums l
+with the output; the backward folds -D into its dP matmul the same way.
 
-Two tricks cut elementwise passes, exactly:
-- The row shift is folded into the score matmul: query rows carry an extra
-  column -m and key rows an extra column 1, so Q K^T - m comes out of BLAS.
-  The reference m is the row max of the blocks seen so far, which is exact
-  for the softmax as long as exp does not overflow; a block whose scores
-  jump too far above it (detected from a non-finite row sum) is redone with
-  its true max. The same trick folds -lse and -D into the backward matmuls.
-- Value rows carry an extra column 1, so the row sums l come out of P @ V.
+Exactness between the two passes: tiles sit on one (block_q, block_k) grid in
+the forward and the backward and their scores come from one function
+(`_tile_scores`), so the backward rebuilds bitwise the scores whose lse the
+forward saved; lse is kept in float64 and subtracted as a float32 part plus a
+per-row factor. A near-one-hot row then gets weights exp(s - lse) that sum to
+1 to rounding, as the plain path's normalized softmax does.
 
 See docs/flash.md for the algorithm and the mods.
 """
@@ -53,9 +53,8 @@ from attnkit.functional._checks import (
 from attnkit.functional.attention import AttentionGrads, AttentionOutput
 from attnkit.functional.masks import ALIGNMENTS
 
-DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
-_REBASE_ABOVE = 2.0**60  # a row sum above this moves the row's reference up
 
 
 class AttentionState(NamedTuple):
@@ -203,6 +202,22 @@ class _Plan:
         end = self.shapes.S if self.hi is None else min(self.shapes.S, q1 - 1 + self.hi + 1)
         return start, max(start, end)
 
+    def grid_kv_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """kv_range widened to whole tiles of the block_k grid."""
+        start, end = self.kv_range(q0, q1)
+        if end <= start:
+            return start, start
+        bk = self.block_k
+        return start // bk * bk, min(self.shapes.S, -(-end // bk) * bk)
+
+    def grid_q_range(self, k0: int, k1: int) -> tuple[int, int]:
+        """q_range widened to whole tiles of the block_q grid."""
+        start, end = self.q_range(k0, k1)
+        if end <= start:
+            return start, start
+        bq = self.block_q
+        return start // bq * bq, min(self.shapes.L, -(-end // bq) * bq)
+
     def q_range(self, k0: int, k1: int) -> tuple[int, int]:
         """Queries that may see any key in [k0, k1)."""
         start = 0 if self.hi is None else max(0, k0 - self.hi)
@@ -346,63 +361,53 @@ def _with_ones(x: np.ndarray, n: int = 1) -> np.ndarray:
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_rows(plan: _Plan, qa_src, ka, va, b, h, q0, q1, k_start, k_end, out_rows, lse_rows):
+def _tile_scores(plan: _Plan, qs, k, s, b, h, q0, q1, k0, k1, add) -> None:
+    """s <- score_mod(qs[rows] k[k0:k1]^T) + add, in place: the one way both the
+    forward and the backward compute a tile's scores. Tiles sit on the same
+    (block_q, block_k) grid in both and BLAS runs single-threaded, so the
+    backward rebuilds bitwise the scores whose lse the forward saved: a
+    near-one-hot row then gets exp(s - lse) = 1 to rounding, as the plain
+    path's normalized softmax does."""
+    np.matmul(qs, k[k0:k1].T, out=s)
+    if plan.score_mod is not None:
+        plan.modded(s, b, h, q0, q1, k0, k1)
+    if add is not None:
+        s += add
+
+
+def _forward_rows(plan: _Plan, q_src, k, va, b, h, q0, q1, k_start, k_end, out_rows, lse_rows):
     """Queries [q0, q1) of head (b, h) over keys [k_start, k_end): writes
-    out_rows (r, Ev) and lse_rows (r,). qa_src (L, E) query rows, ka (S, E+1)
-    keys with a ones column, va (S, Ev+1) values with a ones column."""
-    cd = ka.dtype
-    E, Ev = ka.shape[1] - 1, va.shape[1] - 1
+    out_rows (r, Ev) and lse_rows (r,). q_src (L, E) query rows, k (S, E)
+    keys, va (S, Ev+1) values with a ones column. k_start and k_end lie on
+    the block_k grid (or at S), so the tiles are the backward's (_tile_scores)."""
+    cd = k.dtype
+    Ev = va.shape[1] - 1
     r = q1 - q0
-    qa = _tile("qa", r, E + 1, cd)  # [q * scale, -m]
-    np.multiply(qa_src[q0:q1], cd.type(plan.scale), out=qa[:, :E])
-    qs = qa[:, :E]
-    m = np.full(r, -np.inf, dtype=cd)  # running reference per row (the max seen so far)
+    qs = _tile("qs", r, k.shape[1], cd)
+    np.multiply(q_src[q0:q1], cd.type(plan.scale), out=qs)
+    m = np.full(r, -np.inf, dtype=cd)  # running max per row
     acc = np.zeros((r, Ev + 1), dtype=cd)  # [sum p v, sum p] relative to m
     part = _tile("part", r, Ev + 1, cd)
-    established = False  # every row has a finite reference
     for k0 in range(k_start, k_end, plan.block_k):
         k1 = min(k0 + plan.block_k, k_end)
         skip, blocked, add = plan.tile_masks(b, h, q0, q1, k0, k1)
         if skip:
             continue
         s = _tile("s", r, k1 - k0, cd)
-        if established and plan.score_mod is None:
-            # s = q k^T * scale - m straight out of BLAS, then exp, then P @ [V, 1].
-            qa[:, E] = -m
-            np.matmul(qa, ka[k0:k1].T, out=s)
-            if add is not None:
-                s += add
-            if blocked is not None:
-                np.copyto(s, cd.type(-np.inf), where=blocked)
-            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught just below
-                np.exp(s, out=s)
-                np.matmul(s, va[k0:k1], out=part)
-            if np.isfinite(part).all():
-                acc += part
-                big = acc[:, Ev] > _REBASE_ABOVE
-                if big.any():  # move the reference up so later tiles cannot overflow
-                    new_m = np.where(big, m + np.log(acc[:, Ev]), m).astype(cd)
-                    acc *= np.exp(m - new_m)[:, None]
-                    m = new_m
-                continue
-            # exp overflowed (a score far above m) or NaN: redo this tile exactly below.
-        np.matmul(qs, ka[k0:k1, :E].T, out=s)
-        if plan.score_mod is not None:
-            plan.modded(s, b, h, q0, q1, k0, k1)
-        if add is not None:
-            s += add
+        _tile_scores(plan, qs, k, s, b, h, q0, q1, k0, k1, add)
         if blocked is not None:
             np.copyto(s, cd.type(-np.inf), where=blocked)
         new_m = np.maximum(m, s.max(axis=1))
         shift = np.where(np.isneginf(new_m), cd.type(0), new_m)  # an all -inf row stays at 0
-        alpha = np.exp(m - shift)
+        alpha = np.exp(m - shift)  # rescales what was accumulated against the old max
+        # Shifting by the true max keeps s - max exact near the max, so that the
+        # backward's exp(s - lse) reproduces these weights to rounding.
         s -= shift[:, None]
         np.exp(s, out=s)
-        np.matmul(s, va[k0:k1], out=part)
+        np.matmul(s, va[k0:k1], out=part)  # [P V, P 1]: the row sums come out of BLAS
         acc *= alpha[:, None]
         acc += part
         m = new_m
-        established = bool(np.isfinite(m).all())
     total = acc[:, Ev]
     empty = total == 0  # no key allowed: output 0, lse -inf
     np.divide(acc[:, :Ev], np.where(empty, cd.type(1), total)[:, None], out=out_rows)
@@ -453,7 +458,7 @@ def flash_attention(
             Applied before attn_mask is added. See `attnkit.functional.mods`.
         mask_mod: `mask_mod(b, h, q_idx, kv_idx)` returning booleans (True = may
             attend), evaluated per tile; tiles it excludes entirely are skipped.
-        block_q, block_k: tile sizes (default 256 x 512).
+        block_q, block_k: tile sizes (default 512 x 512); pass the same to the backward.
         return_lse: also return the logsumexp of each score row.
         num_threads: worker threads (default: the CPUs this process may use).
 
@@ -468,7 +473,7 @@ def flash_attention(
     shapes = plan.shapes
     cd, B, Hq, g, L, S = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.group, shapes.L, shapes.S
     q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
-    ka = _with_ones(_flat(k, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, E+1)
+    k = _flat(k, shapes, shapes.kv_heads, cd)  # (B, Hkv, S, E)
     va = _with_ones(_flat(v, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, Ev+1)
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
     lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
@@ -479,7 +484,7 @@ def flash_attention(
     blocks = []
     for q0 in range(0, L, plan.block_q):
         q1 = min(q0 + plan.block_q, L)
-        k_start, k_end = plan.kv_range(q0, q1)
+        k_start, k_end = plan.grid_kv_range(q0, q1)
         if k_end > k_start:
             blocks.append((q0, q1, k_start, k_end))
     blocks.sort(key=lambda t: t[1] - t[0] if plan.lo is None and plan.hi is None else t[3] - t[2], reverse=True)
@@ -490,7 +495,7 @@ def flash_attention(
         splits = max(1, min(plan.num_threads, widest // plan.block_k))
 
     def task(b, h, q0, q1, k_start, k_end):
-        _forward_rows(plan, q[b, h], ka[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end,
+        _forward_rows(plan, q[b, h], k[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end,
                       out[b, h, q0:q1], lse[b, h, q0:q1])
 
     if splits == 1:
@@ -498,12 +503,14 @@ def flash_attention(
         _run(tasks, task, plan.num_threads)
     else:
         def split_task(b, h, q0, q1, k_start, k_end, o_part, l_part):
-            _forward_rows(plan, q[b, h], ka[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end, o_part, l_part)
+            _forward_rows(plan, q[b, h], k[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end, o_part, l_part)
 
         tasks, parts = [], []
         for blk in blocks:
             q0, q1, k_start, k_end = blk
-            edges = np.linspace(k_start, k_end, splits + 1).astype(int)
+            # split edges on the block_k grid, so the tiles are the backward's
+            edges = np.linspace(k_start, k_end, splits + 1).astype(int) // plan.block_k * plan.block_k
+            edges[0], edges[-1] = k_start, k_end
             for b in range(B):
                 for h in range(Hq):
                     o_parts = np.zeros((splits, q1 - q0, shapes.Ev), dtype=cd)
@@ -527,72 +534,60 @@ def flash_attention(
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_hi, lse_lo, ka, va, b, h_kv, k0, k1, dk_out, dv_out):
+def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_hi, lse_lo, k, va, b, h_kv, k0, k1, dk_out, dv_out):
     """Keys [k0, k1) of kv head (b, h_kv): accumulate their dK, dV over every query
-    head of the group and every query block that can see them, and add the dQ
+    head of the group and every query tile that can see them, and add the dQ
     contributions into this thread's dq_acc (B, Hq, L, E) (dQ / scale).
 
     qs: (B, Hq, L, E) query * scale; do_a: (B, Hq, L, Ev+1) [dO, -D];
-    lse_hi + lse_lo: (B, Hq, L) lse as two compute-dtype parts (-inf rows at 0);
-    ka (S, E+2) keys with two ones columns, va (S, Ev+1)."""
+    lse = lse_hi + lse_lo, (B, Hq, L) compute-dtype parts (-inf rows at 0);
+    k (S, E) keys, va (S, Ev+1) values with a ones column."""
     cd = qs.dtype
     E, Ev = qs.shape[-1], do_a.shape[-1] - 1
-    g = plan.shapes.group
+    g, bq = plan.shapes.group, plan.block_q
     c = k1 - k0
     dk = np.zeros((c, E), dtype=cd)
     dv = np.zeros((c, Ev), dtype=cd)
     dk_part = _tile("dk_part", c, E, cd)
     dv_part = _tile("dv_part", c, Ev, cd)
-    q_start, q_end = plan.q_range(k0, k1)
+    q_start, q_end = plan.grid_q_range(k0, k1)
     for h in range(h_kv * g, (h_kv + 1) * g):
-        qa = _tile("qa_b", plan.block_q, E + 2, cd)  # [q * scale, -lse_hi, -lse_lo]
-        for q0 in range(q_start, q_end, plan.block_q):
-            q1 = min(q0 + plan.block_q, q_end)
+        for q0 in range(q_start, q_end, bq):
+            q1 = min(q0 + bq, q_end)
             r = q1 - q0
             skip, blocked, add = plan.tile_masks(b, h, q0, q1, k0, k1)
             if skip:
                 continue
+            rows = slice(q0, q1)
             p = _tile("p", r, c, cd)
-            qa_r = qa[:r]
-            qa_r[:, :E] = qs[b, h, q0:q1]
+            _tile_scores(plan, qs[b, h, rows], k, p, b, h, q0, q1, k0, k1, add)
             mod_grad = None
-            if plan.score_mod is None:
-                # forward: s = q k^T * scale; P = exp(s - lse) straight out of BLAS
-                qa_r[:, E] = -lse_hi[b, h, q0:q1]
-                qa_r[:, E + 1] = -lse_lo[b, h, q0:q1]
-                np.matmul(qa_r, ka[k0:k1].T, out=p)
-                if add is not None:
-                    p += add
-            else:
-                np.matmul(qa_r[:, :E], ka[k0:k1, :E].T, out=p)
-                if plan.score_mod.grad is not None:  # None: additive, derivative 1
-                    mod_grad = plan.score_mod.grad(
-                        p.copy(), b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
-                    )
-                plan.modded(p, b, h, q0, q1, k0, k1)
-                if add is not None:
-                    p += add
-                p -= lse_hi[b, h, q0:q1, None]
-                p -= lse_lo[b, h, q0:q1, None]
+            if plan.score_mod is not None and plan.score_mod.grad is not None:  # None: additive
+                pre = np.matmul(qs[b, h, rows], k[k0:k1].T)  # the scores the mod saw
+                mod_grad = plan.score_mod.grad(pre, b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
+            # forward: P = exp(s - lse), with lse = hi + lo: P = exp(s - hi) * c, c = exp(-lo) per row
+            p -= lse_hi[b, h, rows, None]
             if blocked is not None:
                 np.copyto(p, cd.type(-np.inf), where=blocked)
             np.exp(p, out=p)
+            row_c = np.exp(-lse_lo[b, h, rows])  # (r,) within a few ulps of 1
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
-            np.matmul(p.T, do_a[b, h, q0:q1, :Ev], out=dv_part)
+            np.matmul(p.T, do_a[b, h, rows, :Ev] * row_c[:, None], out=dv_part)
             dv += dv_part
             ds = _tile("ds", r, c, cd)
-            np.matmul(do_a[b, h, q0:q1], va[k0:k1].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
-            # forward: P = softmax(s)  ->  dS = P * (dP - D)
+            np.matmul(do_a[b, h, rows], va[k0:k1].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times c, applied to the rows below)
             np.multiply(ds, p, out=ds)
             if mod_grad is not None:
                 # forward: s = score_mod(q k^T * scale)  ->  chain rule through the mod
                 ds *= mod_grad
             # forward: s = (q * scale) k^T  ->  dQ += dS K (times scale later), dK += dS^T (q * scale)
-            np.matmul(ds.T, qs[b, h, q0:q1], out=dk_part)
+            np.matmul(ds.T, qs[b, h, rows] * row_c[:, None], out=dk_part)
             dk += dk_part
             dq_part = _tile("dq_part", r, E, cd)
-            np.matmul(ds, ka[k0:k1, :E], out=dq_part)
-            dq_acc[b, h, q0:q1] += dq_part
+            np.matmul(ds, k[k0:k1], out=dq_part)
+            dq_part *= row_c[:, None]
+            dq_acc[b, h, rows] += dq_part
     dk_out[...] = dk
     dv_out[...] = dv
 
@@ -661,7 +656,7 @@ def flash_attention_backward(
             "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
         )
     qs = _flat(q, shapes, Hq, cd) * cd.type(plan.scale)  # (B, Hq, L, E)
-    ka = _with_ones(_flat(k, shapes, Hkv, cd), 2)  # (B, Hkv, S, E+2)
+    k = _flat(k, shapes, Hkv, cd)  # (B, Hkv, S, E)
     va = _with_ones(_flat(v, shapes, Hkv, cd))  # (B, Hkv, S, Ev+1)
     d_out = np.asarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
     o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)
@@ -686,13 +681,13 @@ def flash_attention_backward(
             if ident not in dq_buffers:
                 dq_buffers[ident] = np.zeros((B, Hq, L, E), dtype=cd)
             dq_acc = dq_buffers[ident]
-        _backward_cols(plan, qs, dq_acc, do_a, lse_hi, lse_lo, ka[b, h_kv], va[b, h_kv], b, h_kv, k0, k1,
+        _backward_cols(plan, qs, dq_acc, do_a, lse_hi, lse_lo, k[b, h_kv], va[b, h_kv], b, h_kv, k0, k1,
                        grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
     blocks = []
     for k0 in range(0, S, plan.block_k):
         k1 = min(k0 + plan.block_k, S)
-        q_start, q_end = plan.q_range(k0, k1)
+        q_start, q_end = plan.grid_q_range(k0, k1)
         if q_end > q_start:
             blocks.append((k0, k1, q_end - q_start))
     blocks.sort(key=lambda t: t[2], reverse=True)

@@ -77,3 +77,17 @@ def test_cli_errors(args, words):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert words in " ".join(result.output.split())
+
+
+def test_importing_the_encoder_stays_light():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, attnkit.models, attnkit.cli.embed, attnkit.bench.encoder\n"
+        "from attnkit.models import SentenceEncoder\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split())
+    heavy = loaded & {"torch", "transformers", "sentence_transformers", "tokenizers", "safetensors", "scipy"}
+    assert not heavy, f"importing the encoder pulled in {sorted(heavy)}"

@@ -91,7 +91,11 @@ def main() -> None:
         page.fill("#text", "Alice gave Bob the book because he asked for it.")
         page.select_option("#model", "smollm2")
         page.click("#submit")
-        page.wait_for_selector('body[data-ready="1"] .doc', timeout=180_000)
+        page.wait_for_function(
+            "() => document.body.dataset.ready === '1' && "
+            "document.querySelector('.doc-meta').textContent.startsWith('smollm2')",
+            timeout=180_000,
+        )
         page.wait_for_selector('body[data-thumbnails="1"]')
         page.select_option("#layer", "5")
         page.locator(".col.left .tok").nth(8).hover()

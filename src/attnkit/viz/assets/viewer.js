@@ -420,6 +420,7 @@
       ev.preventDefault();
       $("messages").replaceChildren();
       $("form-status").textContent = "computing\u2026";
+      document.body.dataset.ready = "0";  // until the answer is drawn (or fails)
       try {
         const response = await fetch("api/attention", {
           method: "POST",
@@ -431,6 +432,7 @@
           const detail = Array.isArray(body.detail) ? body.detail.map((d) => d.msg).join("; ") : body.detail;
           message(detail || ("error " + response.status), "error");
           $("form-status").textContent = "";
+          document.body.dataset.ready = "1";
           return;
         }
         for (const w of body.warnings || []) message(w);
@@ -439,6 +441,7 @@
       } catch (err) {
         message(String(err), "error");
         $("form-status").textContent = "";
+        document.body.dataset.ready = "1";
       }
     });
   }

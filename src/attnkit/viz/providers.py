@@ -62,11 +62,11 @@ class Provider:
 
     Arguments:
         name: the provider name shown in views.
-        run: text -> (tokens, weights (layers, heads, T, T)).
+        run: (text, limit) -> (tokens, weights (layers, heads, T, T), full token
+            count); it keeps at most `limit` tokens (fewer when the model's own
+            maximum is smaller) and reports how many the whole text has.
         causal: whether the model attends only to earlier tokens.
         max_tokens: texts with more tokens are truncated to this many.
-        count: text -> number of tokens, used to find where to truncate; None
-            when `run` truncates by itself (see `truncated_from`).
     """
 
     def __init__(
@@ -85,6 +85,10 @@ class Provider:
 
     def attention(self, text: str, *, max_tokens: int | None = None) -> AttentionMaps:
         """Attention of every layer and head on `text`.
+
+        Returns:
+            AttentionMaps; `truncated_from` holds the full token count when the
+            text had more tokens than `max_tokens` or the model's maximum.
 
         Raises:
             ValueError: the text is empty or only whitespace.

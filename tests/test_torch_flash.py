@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit.functional.masks import causal_mask
@@ -208,3 +210,32 @@ def test_bad_input_is_rejected(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         flash_attention(**args)
+
+
+# ----- random shapes -------------------------------------------------------------------------
+
+
+@settings(max_examples=25)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 3), group=st.integers(1, 3), L=st.integers(1, 40),
+    S=st.integers(1, 40), E=st.integers(1, 17), causal=st.booleans(), align=st.sampled_from(["top_left", "bottom_right"]),
+    masked=st.booleans(), block_q=st.integers(1, 20), block_k=st.integers(1, 20), seed=st.integers(0, 2**16),
+)
+def test_random_shapes_match_sdpa_forward_and_backward(B, Hkv, group, L, S, E, causal, align, masked, block_q,
+                                                       block_k, seed):
+    Hq = Hkv * group
+    q, k, v = _qkv(B, Hq, Hkv, L, S, E, seed=seed)
+    mask = (torch.rand(B, 1, L, S, generator=torch.Generator().manual_seed(seed)) > 0.3) if masked else None
+    full = mask
+    if causal:
+        c = torch.from_numpy(causal_mask(L, S, align=align))
+        full = c if full is None else full & c
+    ours = flash_attention(q, k, v, mask, is_causal=causal, causal_align=align, enable_gqa=group > 1,
+                           block_q=block_q, block_k=block_k)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=group > 1)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    d_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(ours, (q, k, v), d_out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), d_out)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"d{name}")

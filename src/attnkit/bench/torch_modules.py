@@ -184,7 +184,10 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
     lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
     budget, rounds = (4.0, 6) if quick else (20.0, 25)
     configs = [(L, causal, passes) for L in lengths for causal in (False, True) for passes in ("fwd", "fwd+bwd")]
-    flash_configs = [(GOAL_L, True, "fwd"), (GOAL_L, True, "fwd+bwd")]
+    # the tiled Function issues many small operations: at several threads each one
+    # synchronizes the pool, so it is also timed on one thread
+    flash_threads = sorted({threads, 1}, reverse=True)
+    flash_configs = [(GOAL_L, True, passes, n) for n in flash_threads for passes in ("fwd", "fwd+bwd")]
     progress.total(len(configs) + len(flash_configs))
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -200,15 +203,17 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
                 measurements.append(dict(kind="mha", L=L, causal=causal, passes=passes, impl=impl,
                                          best_s=t["best_s"], runs_s=t["runs_s"], vs_direct=base / t["best_s"],
                                          paired_median=t["paired_median"], threads=threads))
-        for L, causal, passes in flash_configs:
-            progress.step(f"flash_attention L={L} {passes}")
-            timed = time_round_robin(_attention_only(L, causal, passes), 3, budget)
+        for L, causal, passes, n in flash_configs:
+            progress.step(f"flash_attention L={L} {passes} {n} thread(s)")
+            torch.set_num_threads(n)
+            timed = time_round_robin(_attention_only(L, causal, passes), 5, budget)
             base = timed["SDPA (attention only)"]["best_s"]
             for impl, t in timed.items():
-                rows.append([L, causal, passes, impl, t["best_s"] * 1e3, base / t["best_s"], t["paired_median"]])
+                label = impl if n == threads else f"{impl}, {n} thread"
+                rows.append([L, causal, passes, label, t["best_s"] * 1e3, base / t["best_s"], t["paired_median"]])
                 measurements.append(dict(kind="attention", L=L, causal=causal, passes=passes, impl=impl,
                                          best_s=t["best_s"], runs_s=t["runs_s"], vs_direct=base / t["best_s"],
-                                         paired_median=t["paired_median"], threads=threads))
+                                         paired_median=t["paired_median"], threads=n))
     finally:
         torch.set_num_threads(old_threads)
 

@@ -808,6 +808,11 @@ class SentenceEncoder:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="attnkit-encode")
         return self._pool
 
+    def __del__(self) -> None:
+        pool = self.__dict__.get("_pool")
+        if pool is not None:
+            pool.shutdown(wait=False)
+
     def similarity(self, texts: Sequence[str]) -> np.ndarray:
         """(n, n) cosine similarities of the texts' embeddings."""
         embeddings = self.encode(texts)

@@ -17,17 +17,10 @@ import torch  # noqa: F401  (this subpackage is the torch side; fail here if it 
 
 from attnkit.torch.convert import from_numpy, numpy_state_dict, to_numpy
 from attnkit.torch.flash import FlashAttentionFunction, FlashOutput, flash_attention
-from attnkit.torch.modules import (
-    ACTIVATIONS,
-    AttentionResult,
-    BlockOutput,
-    FeedForward,
-    KVCache,
-    LayerNorm,
-    Linear,
-    MultiHeadAttention,
-    TransformerBlock,
-)
+from attnkit.torch.attention import AttentionResult, MultiHeadAttention
+from attnkit.torch.block import BlockOutput, TransformerBlock
+from attnkit.torch.cache import KVCache
+from attnkit.torch.layers import ACTIVATIONS, FeedForward, LayerNorm, Linear
 
 __all__ = [
     "ACTIVATIONS",

@@ -19,11 +19,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from attnkit.torch import modules as tm
+from attnkit.torch.attention import MultiHeadAttention
+from attnkit.torch.block import TransformerBlock
+from attnkit.torch.layers import FeedForward, LayerNorm, Linear
 
 __all__ = ["from_numpy", "numpy_state_dict", "to_numpy"]
 
-_CLASSES = ("Linear", "LayerNorm", "FeedForward", "MultiHeadAttention", "TransformerBlock")
+_TORCH_CLASSES = {
+    "Linear": Linear,
+    "LayerNorm": LayerNorm,
+    "FeedForward": FeedForward,
+    "MultiHeadAttention": MultiHeadAttention,
+    "TransformerBlock": TransformerBlock,
+}
 
 
 def numpy_state_dict(module: nn.Module) -> dict[str, np.ndarray]:
@@ -71,7 +79,7 @@ def _config(module: Any) -> tuple[str, dict[str, Any]]:
                       "dropout": module.dropout, "activation": module.ffn.activation,
                       "norm_first": module.norm_first, "eps": module.norm1.eps,
                       "bias": module.ffn.fc1.bias is not None}
-    raise TypeError(f"expected one of {', '.join(_CLASSES)}, got {type(module).__name__}")
+    raise TypeError(f"expected one of {', '.join(_TORCH_CLASSES)}, got {type(module).__name__}")
 
 
 def from_numpy(module: Any, *, device=None) -> nn.Module:
@@ -90,7 +98,7 @@ def from_numpy(module: Any, *, device=None) -> nn.Module:
         raise TypeError(f"expected an attnkit.nn module, got {type(module).__name__}")
     name, config = _config(module)
     dtype = torch.float64 if module.dtype == np.float64 else torch.float32
-    twin = getattr(tm, name)(**config, device=device, dtype=dtype)
+    twin = _TORCH_CLASSES[name](**config, device=device, dtype=dtype)
     twin.load_state_dict(module.state_dict())
     return twin.train(module.training)
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnkit.torch.modules import TransformerBlock
+from attnkit.torch.block import TransformerBlock
 
 __all__ = [
     "CopyHead",

@@ -5,7 +5,10 @@ Times, side by side and round-robin in one process, the inline production recipe
 ("direct SDPA": fused QKV F.linear, split, reshape, SDPA, merge, out F.linear on
 the same weights) and attnkit.torch.MultiHeadAttention, plus
 torch.nn.MultiheadAttention for reference, at one length (default L = 1024),
-causal and not, forward (no_grad) and forward + backward.
+causal and not, forward (no_grad) and forward + backward. Then
+attnkit.torch.TransformerBlock (pre-LN, GELU, d_ff 2048) against the same block
+written inline with F.layer_norm, the direct SDPA recipe, F.linear and F.gelu
+("vs" = inline time / module time).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/torch_overhead.py \
         [--L 1024] [--rounds 30] [--threads N] [--clock wall|cpu] [--json out.json]
@@ -29,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from attnkit.bench.measure import cpu_count, system_info
-from attnkit.bench.torch_modules import GOAL_RATIO, _contenders, time_round_robin
+from attnkit.bench.torch_modules import GOAL_RATIO, _block_contenders, _contenders, time_round_robin
 
 
 def main() -> None:
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=cpu_count())
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the main thread's CPU time, robust to other load; needs --threads 1")
+    parser.add_argument("--no-block", action="store_true", help="skip TransformerBlock against an inline block")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
@@ -65,6 +69,17 @@ def main() -> None:
                 if impl == "attnkit.torch MHA":
                     worst = min(worst, ratio)
                     worst_paired = min(worst_paired, t["paired_median"])
+    if not args.no_block:
+        for causal in (False, True):
+            for passes in ("fwd", "fwd+bwd"):
+                timed = time_round_robin(_block_contenders(args.L, causal, passes), args.rounds, clock=args.clock)
+                base = timed["inline block"]["best_s"]
+                for impl, t in timed.items():
+                    ratio = base / t["best_s"]
+                    runs = sorted(t["runs_s"])
+                    table.add_row(str(causal), passes, impl, f"{t['best_s'] * 1e3:.1f}",
+                                  f"{runs[len(runs) // 2] * 1e3:.1f}", f"{ratio:.3f}", f"{t['paired_median']:.3f}")
+                    results.append(dict(causal=causal, passes=passes, impl=impl, ratio=ratio, **t))
     console.print(table)
     for name, value in (("best-time ratio", worst), ("paired median ratio", worst_paired)):
         verdict = "PASS" if value >= GOAL_RATIO else "MISS"

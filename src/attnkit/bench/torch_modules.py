@@ -108,6 +108,60 @@ def _contenders(L: int, causal: bool, passes: str, with_numpy: bool):
     return fns
 
 
+def _block_contenders(L: int, causal: bool, passes: str):
+    """attnkit.torch.TransformerBlock (pre-LN, GELU, d_ff = 4 d_model) against the same
+    block written inline with F.layer_norm, the direct SDPA recipe and F.linear/F.gelu."""
+    import torch
+    import torch.nn.functional as F
+
+    import attnkit.torch as at
+
+    block = at.TransformerBlock(D_MODEL, HEADS, 4 * D_MODEL, activation="gelu", norm_first=True, seed=0).eval()
+    H, E = HEADS, D_MODEL // HEADS
+    grad = passes == "fwd+bwd"
+    sd = {k: v.detach().clone().requires_grad_(grad) for k, v in block.state_dict().items()}
+    w_qkv = torch.cat([sd["attn.q_proj.weight"], sd["attn.k_proj.weight"], sd["attn.v_proj.weight"]]).detach()
+    b_qkv = torch.cat([sd["attn.q_proj.bias"], sd["attn.k_proj.bias"], sd["attn.v_proj.bias"]]).detach()
+    w_qkv.requires_grad_(grad)
+    b_qkv.requires_grad_(grad)
+    for p in block.parameters():
+        p.requires_grad_(grad)
+    x = torch.randn(1, L, D_MODEL).requires_grad_(grad)
+    d_out = torch.randn(1, L, D_MODEL)
+
+    def inline(x):
+        h = F.layer_norm(x, (D_MODEL,), sd["norm1.weight"], sd["norm1.bias"])
+        q, k, v = F.linear(h, w_qkv, b_qkv).split(D_MODEL, dim=-1)
+        q, k, v = (t.unflatten(-1, (H, E)).transpose(1, 2) for t in (q, k, v))  # (B, H, L, E)
+        heads = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        x = x + F.linear(heads.transpose(1, 2).flatten(2), sd["attn.out_proj.weight"], sd["attn.out_proj.bias"])
+        h = F.layer_norm(x, (D_MODEL,), sd["norm2.weight"], sd["norm2.bias"])
+        h = F.gelu(F.linear(h, sd["ffn.fc1.weight"], sd["ffn.fc1.bias"]))
+        return x + F.linear(h, sd["ffn.fc2.weight"], sd["ffn.fc2.bias"])
+
+    inline_params = [w_qkv, b_qkv, *sd.values()]
+
+    def wrap(fn, params):
+        if not grad:
+            def call():
+                with torch.no_grad():
+                    return fn(x)
+            return call
+
+        def call():
+            for p in (*params, x):
+                p.grad = None
+            out = fn(x)
+            out.backward(d_out)
+            return out
+        return call
+
+    return {
+        "inline block": wrap(inline, inline_params),
+        "attnkit.torch TransformerBlock": wrap(lambda x: block(x, is_causal=causal), list(block.parameters())),
+    }
+
+
 def _attention_only(L: int, causal: bool, passes: str):
     """attnkit.torch.flash_attention against SDPA, on (1, 8, L, 64) q, k, v."""
     import torch

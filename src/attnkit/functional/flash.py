@@ -210,6 +210,14 @@ class _Plan:
         bk = self.block_k
         return start // bk * bk, min(self.shapes.S, -(-end // bk) * bk)
 
+    def tile_cols(self, q0: int, q1: int, k0: int, k1: int) -> tuple[int, int]:
+        """The columns of grid tile (q0:q1, k0:k1) the band lets any of its rows
+        see: a causal diagonal tile narrower than block_k is cut to its triangle's
+        width. A function of the tile alone, so forward and backward cut alike."""
+        c0 = k0 if self.lo is None else max(k0, q0 + self.lo)
+        c1 = k1 if self.hi is None else min(k1, q1 + self.hi)
+        return c0, max(c0, c1)
+
     def grid_q_range(self, k0: int, k1: int) -> tuple[int, int]:
         """q_range widened to whole tiles of the block_q grid."""
         start, end = self.q_range(k0, k1)
@@ -227,38 +235,45 @@ class _Plan:
     def batch_index(self, b: int) -> tuple[int, ...]:
         return tuple(int(i) for i in np.unravel_index(b, self.shapes.batch)) if self.shapes.batch else ()
 
-    def band_blocked(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray | None:
-        """bool (rows, cols), True where the band excludes the pair; None if it excludes none.
-        It depends only on k0 - q0 and the tile's shape, so it is cached (the
-        diagonal tiles of a causal mask repeat for every head)."""
+    def band_bias(self, q0: int, q1: int, k0: int, k1: int, dtype) -> tuple[np.ndarray | None, bool]:
+        """(bias, empty): a (rows, cols) additive tile, 0 where the band allows a
+        pair and -inf where it does not (None when it allows all), and whether it
+        allows none. Adding is ~3x faster than np.copyto(where=); the tile
+        depends only on k0 - q0 and its shape, so it is cached (a causal mask's
+        diagonal tiles repeat for every head)."""
         if not ((self.lo is not None and k0 - (q1 - 1) < self.lo) or (self.hi is not None and (k1 - 1) - q0 > self.hi)):
-            return None
-        key = (k0 - q0, q1 - q0, k1 - k0)
-        blocked = self._band_cache.get(key)
-        if blocked is None:
+            return None, False
+        key = (k0 - q0, q1 - q0, k1 - k0, np.dtype(dtype).str)
+        hit = self._band_cache.get(key)
+        if hit is None:
             rel = np.arange(k0, k1)[None, :] - np.arange(q0, q1)[:, None]  # kv - q
             blocked = np.zeros(rel.shape, dtype=bool)
             if self.lo is not None:
                 blocked |= rel < self.lo
             if self.hi is not None:
                 blocked |= rel > self.hi
+            hit = (np.where(blocked, np.dtype(dtype).type(-np.inf), np.dtype(dtype).type(0)), bool(blocked.all()))
             if len(self._band_cache) < 4096:
-                self._band_cache[key] = blocked
-        return blocked
+                self._band_cache[key] = hit
+        return hit
 
-    def tile_masks(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int):
-        """(skip, blocked, add) for one tile: skip when no pair is allowed;
-        blocked a bool (rows, cols) array, True where a pair is excluded, or None
-        when none is; add the float mask tile or None."""
-        blocked = self.band_blocked(q0, q1, k0, k1)
-        add = None
+    def tile_masks(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int, dtype):
+        """(skip, blocked, adds) for one tile: skip when no pair is allowed;
+        blocked a bool (rows, cols) array, True where a boolean mask or mask_mod
+        excludes a pair, or None; adds the float tiles to add to the scores
+        (the band's 0/-inf bias, the float attn_mask)."""
+        bias, empty = self.band_bias(q0, q1, k0, k1, dtype)
+        if empty:
+            return True, None, ()
+        adds = () if bias is None else (bias,)
+        blocked = None
         if self.mask is not None:
             tile = self.mask[self.batch_index(b) + (h, slice(q0, q1), slice(k0, k1))]
             if tile.dtype == np.bool_:
                 if not tile.all():
-                    blocked = ~tile if blocked is None else blocked | ~tile
+                    blocked = ~tile
             else:
-                add = tile
+                adds = adds + (tile,)
         if self.mask_mod is not None:
             allowed = np.asarray(
                 self.mask_mod(b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
@@ -268,9 +283,12 @@ class _Plan:
             allowed = np.broadcast_to(allowed, (q1 - q0, k1 - k0))
             if not allowed.all():
                 blocked = ~allowed if blocked is None else blocked | ~allowed
-        if blocked is not None and blocked.all():
-            return True, None, None
-        return False, blocked, add
+        if blocked is not None:
+            if bias is not None:
+                blocked = blocked | np.isneginf(bias)
+            if blocked.all():
+                return True, None, ()
+        return False, blocked, adds
 
     def modded(self, s: np.ndarray, b: int, h: int, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
         """score_mod applied to a tile of scaled scores (same shape, compute dtype)."""
@@ -361,8 +379,8 @@ def _with_ones(x: np.ndarray, n: int = 1) -> np.ndarray:
 # ----------------------------------------------------------------------------- forward
 
 
-def _tile_scores(plan: _Plan, qs, k, s, b, h, q0, q1, k0, k1, add) -> None:
-    """s <- score_mod(qs[rows] k[k0:k1]^T) + add, in place: the one way both the
+def _tile_scores(plan: _Plan, qs, k, s, b, h, q0, q1, k0, k1, adds) -> None:
+    """s <- score_mod(qs[rows] k[k0:k1]^T) + adds, in place: the one way both the
     forward and the backward compute a tile's scores. Tiles sit on the same
     (block_q, block_k) grid in both and BLAS runs single-threaded, so the
     backward rebuilds bitwise the scores whose lse the forward saved: a
@@ -371,7 +389,7 @@ def _tile_scores(plan: _Plan, qs, k, s, b, h, q0, q1, k0, k1, add) -> None:
     np.matmul(qs, k[k0:k1].T, out=s)
     if plan.score_mod is not None:
         plan.modded(s, b, h, q0, q1, k0, k1)
-    if add is not None:
+    for add in adds:
         s += add
 
 
@@ -388,13 +406,15 @@ def _forward_rows(plan: _Plan, q_src, k, va, b, h, q0, q1, k_start, k_end, out_r
     m = np.full(r, -np.inf, dtype=cd)  # running max per row
     acc = np.zeros((r, Ev + 1), dtype=cd)  # [sum p v, sum p] relative to m
     part = _tile("part", r, Ev + 1, cd)
-    for k0 in range(k_start, k_end, plan.block_k):
-        k1 = min(k0 + plan.block_k, k_end)
-        skip, blocked, add = plan.tile_masks(b, h, q0, q1, k0, k1)
+    for k_tile in range(k_start, k_end, plan.block_k):
+        k0, k1 = plan.tile_cols(q0, q1, k_tile, min(k_tile + plan.block_k, k_end))
+        if k1 <= k0:
+            continue
+        skip, blocked, adds = plan.tile_masks(b, h, q0, q1, k0, k1, cd)
         if skip:
             continue
         s = _tile("s", r, k1 - k0, cd)
-        _tile_scores(plan, qs, k, s, b, h, q0, q1, k0, k1, add)
+        _tile_scores(plan, qs, k, s, b, h, q0, q1, k0, k1, adds)
         if blocked is not None:
             np.copyto(s, cd.type(-np.inf), where=blocked)
         new_m = np.maximum(m, s.max(axis=1))
@@ -545,48 +565,51 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_hi, lse_lo, k, va, b, h_kv
     cd = qs.dtype
     E, Ev = qs.shape[-1], do_a.shape[-1] - 1
     g, bq = plan.shapes.group, plan.block_q
-    c = k1 - k0
-    dk = np.zeros((c, E), dtype=cd)
-    dv = np.zeros((c, Ev), dtype=cd)
-    dk_part = _tile("dk_part", c, E, cd)
-    dv_part = _tile("dv_part", c, Ev, cd)
+    dk = np.zeros((k1 - k0, E), dtype=cd)
+    dv = np.zeros((k1 - k0, Ev), dtype=cd)
     q_start, q_end = plan.grid_q_range(k0, k1)
     for h in range(h_kv * g, (h_kv + 1) * g):
         for q0 in range(q_start, q_end, bq):
             q1 = min(q0 + bq, q_end)
             r = q1 - q0
-            skip, blocked, add = plan.tile_masks(b, h, q0, q1, k0, k1)
+            c0, c1 = plan.tile_cols(q0, q1, k0, k1)  # the forward's tile: same grid, same cut
+            n = c1 - c0
+            if n <= 0:
+                continue
+            skip, blocked, adds = plan.tile_masks(b, h, q0, q1, c0, c1, cd)
             if skip:
                 continue
-            rows = slice(q0, q1)
-            p = _tile("p", r, c, cd)
-            _tile_scores(plan, qs[b, h, rows], k, p, b, h, q0, q1, k0, k1, add)
+            rows, cols, mine = slice(q0, q1), slice(c0, c1), slice(c0 - k0, c1 - k0)
+            p = _tile("p", r, n, cd)
+            _tile_scores(plan, qs[b, h, rows], k, p, b, h, q0, q1, c0, c1, adds)
             mod_grad = None
             if plan.score_mod is not None and plan.score_mod.grad is not None:  # None: additive
-                pre = np.matmul(qs[b, h, rows], k[k0:k1].T)  # the scores the mod saw
-                mod_grad = plan.score_mod.grad(pre, b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
-            # forward: P = exp(s - lse), with lse = hi + lo: P = exp(s - hi) * c, c = exp(-lo) per row
+                pre = np.matmul(qs[b, h, rows], k[cols].T)  # the scores the mod saw
+                mod_grad = plan.score_mod.grad(pre, b, h, np.arange(q0, q1)[:, None], np.arange(c0, c1)[None, :])
+            # forward: P = exp(s - lse), with lse = hi + lo: P = exp(s - hi) * f, f = exp(-lo) per row
             p -= lse_hi[b, h, rows, None]
             if blocked is not None:
                 np.copyto(p, cd.type(-np.inf), where=blocked)
             np.exp(p, out=p)
-            row_c = np.exp(-lse_lo[b, h, rows])  # (r,) within a few ulps of 1
+            row_f = np.exp(-lse_lo[b, h, rows])  # (r,) within a few ulps of 1
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
-            np.matmul(p.T, do_a[b, h, rows, :Ev] * row_c[:, None], out=dv_part)
-            dv += dv_part
-            ds = _tile("ds", r, c, cd)
-            np.matmul(do_a[b, h, rows], va[k0:k1].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
-            # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times c, applied to the rows below)
+            dv_part = _tile("dv_part", n, Ev, cd)
+            np.matmul(p.T, do_a[b, h, rows, :Ev] * row_f[:, None], out=dv_part)
+            dv[mine] += dv_part
+            ds = _tile("ds", r, n, cd)
+            np.matmul(do_a[b, h, rows], va[cols].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             np.multiply(ds, p, out=ds)
             if mod_grad is not None:
                 # forward: s = score_mod(q k^T * scale)  ->  chain rule through the mod
                 ds *= mod_grad
             # forward: s = (q * scale) k^T  ->  dQ += dS K (times scale later), dK += dS^T (q * scale)
-            np.matmul(ds.T, qs[b, h, rows] * row_c[:, None], out=dk_part)
-            dk += dk_part
+            dk_part = _tile("dk_part", n, E, cd)
+            np.matmul(ds.T, qs[b, h, rows] * row_f[:, None], out=dk_part)
+            dk[mine] += dk_part
             dq_part = _tile("dq_part", r, E, cd)
-            np.matmul(ds, k[k0:k1], out=dq_part)
-            dq_part *= row_c[:, None]
+            np.matmul(ds, k[cols], out=dq_part)
+            dq_part *= row_f[:, None]
             dq_acc[b, h, rows] += dq_part
     dk_out[...] = dk
     dv_out[...] = dv

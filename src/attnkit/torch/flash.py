@@ -40,19 +40,22 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _scores(q_tile, k_tile, mask_tile, scale, causal_rows, causal_cols):
-    # causal_rows are the query positions already shifted by the alignment offset
-    """Scores of one (query block, key block) tile, masked: (..., bq, bk)."""
-    s = torch.matmul(q_tile, k_tile.transpose(-1, -2)) * scale  # (..., G, bq, bk)
+def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols):
+    """Scores of one (query block, key block) tile, masked: (..., G, bq, bk).
+
+    q_tile is already multiplied by the scale; causal_rows are the query
+    positions already shifted by the alignment offset. Returns a new tensor
+    (the callers overwrite it in place)."""
+    s = torch.matmul(q_tile, k_tile.transpose(-1, -2))  # (..., G, bq, bk)
     if mask_tile is not None:
         if mask_tile.dtype == torch.bool:
-            s = s.masked_fill(~mask_tile, -math.inf)
+            s.masked_fill_(~mask_tile, -math.inf)
         else:
-            s = s + mask_tile
+            s.add_(mask_tile)
     if causal_rows is not None:
         # causal: query i may attend key j only when j <= i + offset
         above = causal_cols[None, :] > causal_rows[:, None]  # (bq, bk)
-        s = s.masked_fill(above, -math.inf)
+        s.masked_fill_(above, -math.inf)
     return s
 
 
@@ -73,7 +76,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, offset, scale, block_q, block_k):
         acc_dtype = _accumulator_dtype(query.dtype)
-        q = query.to(acc_dtype)
+        q = query.to(acc_dtype) * scale  # scaled once: every tile's scores are q k^T
         k = key.to(acc_dtype)
         v = value.to(acc_dtype)
         mask = attn_mask
@@ -100,16 +103,15 @@ class FlashAttentionFunction(torch.autograd.Function):
                     q_tile,
                     k[..., j0:j1, :],
                     mask_tile,
-                    scale,
                     rows[i0:i1] if on_diagonal else None,
                     cols[j0:j1] if on_diagonal else None,
                 )
                 m_new = torch.maximum(m, s.amax(dim=-1))
                 m_base = _zero_where_neg_inf(m_new)  # rows with no key yet: exp(-inf - 0) = 0
-                p = torch.exp(s - m_base[..., None])  # (..., G, bq, bk)
+                p = s.sub_(m_base[..., None]).exp_()  # (..., G, bq, bk), in the scores' memory
                 alpha = torch.exp(m - m_base)  # rescales what was accumulated so far
-                l = alpha * l + p.sum(dim=-1)
-                acc = alpha[..., None] * acc + torch.matmul(p, v[..., j0:j1, :])
+                l.mul_(alpha).add_(p.sum(dim=-1))
+                acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[..., j0:j1, :]))
                 m = m_new
             seen = l > 0
             out[..., i0:i1, :] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
@@ -164,25 +166,25 @@ class FlashAttentionFunction(torch.autograd.Function):
                     q_tile,
                     k_tile,
                     mask_tile,
-                    scale,
                     rows[i0:i1] if on_diagonal else None,
                     cols[j0:j1] if on_diagonal else None,
                 )
-                p = torch.exp(s - lse_base[..., i0:i1, None])  # (..., G, bq, bk)
+                p = s.sub_(lse_base[..., i0:i1, None]).exp_()  # (..., G, bq, bk)
                 do_tile = do[..., i0:i1, :]
                 # in the forward pass this was: out = p @ v
                 dv_tile += torch.matmul(p.transpose(-1, -2), do_tile)
                 dp = torch.matmul(do_tile, v_tile.transpose(-1, -2))
                 # softmax backward: ds = p * (dp - rowsum(p * dp)), and rowsum(p * dp) = D
-                ds = p * (dp - delta[..., i0:i1, None])
+                ds = dp.sub_(delta[..., i0:i1, None]).mul_(p)
                 if dmask is not None:
                     dmask[..., i0:i1, j0:j1] = ds
-                # in the forward pass this was: s = q @ k^T * scale
-                dq[..., i0:i1, :] += torch.matmul(ds, k_tile) * scale
-                dk_tile += torch.matmul(ds.transpose(-1, -2), q_tile) * scale
+                # in the forward pass this was: s = (q * scale) @ k^T; q here is already scaled
+                dq[..., i0:i1, :] += torch.matmul(ds, k_tile)  # times scale once, at the end
+                dk_tile += torch.matmul(ds.transpose(-1, -2), q_tile)
             dk[..., j0:j1, :] = dk_tile
             dv[..., j0:j1, :] = dv_tile
 
+        dq.mul_(scale)
         # key/value were broadcast over the G query heads that share them: sum back.
         dk = dk.sum(dim=-3, keepdim=True)
         dv = dv.sum(dim=-3, keepdim=True)

@@ -49,8 +49,12 @@ def demo(
     tokens = text.split()
     if not tokens:
         fail("expected some words in --text, got an empty string")
+    if d_model < 2:
+        fail(f"expected --d-model >= 2 (the single head has d_model // 2 dimensions), got {d_model}")
     if heads < 1 or d_model % heads:
         fail(f"expected --heads to divide --d-model={d_model}, got {heads}")
+    if seed < 0:
+        fail(f"expected a non-negative --seed, got {seed}")
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((len(tokens), d_model)).astype(np.float32)  # (T, d_model) random embeddings
     width = min(console.width, 100)

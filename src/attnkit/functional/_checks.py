@@ -135,12 +135,25 @@ def check_scale(scale, E: int) -> float:
     """The softmax temperature: 1/sqrt(E) by default, else a finite real number."""
     if scale is None:
         return 1.0 / math.sqrt(E) if E > 0 else 1.0
+    if isinstance(scale, np.ndarray) and scale.ndim == 0:
+        scale = scale[()]  # a 0-d array counts as the number it holds
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"expected scale to be a real number or None, got {type(scale).__name__}")
     scale = float(scale)  # a Python float never promotes float32 arrays to float64
     if not math.isfinite(scale):
         raise ValueError(f"expected a finite scale, got {scale}")
     return scale
+
+
+def check_rng(rng) -> np.random.Generator:
+    """A Generator for dropout: a Generator (used as is), an integer seed, or None (fresh entropy)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None or (isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_))):
+        if rng is not None and rng < 0:
+            raise ValueError(f"expected rng to be a non-negative integer seed, got {rng}")
+        return np.random.default_rng(rng)
+    raise TypeError(f"expected rng to be a numpy.random.Generator, an integer seed or None, got {type(rng).__name__}")
 
 
 def check_dropout(dropout_p) -> float:

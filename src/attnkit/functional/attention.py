@@ -31,6 +31,7 @@ from attnkit.functional._checks import (
     check_dropout,
     check_mask,
     check_qkv,
+    check_rng,
     check_scale,
     require_float_tensor,
     shape_str,
@@ -95,7 +96,7 @@ def _attention_weights(query, key, shapes, scale, attn_mask, is_causal):
 
     # Stable softmax in place: shift by the row max (0 for an all -inf row, so
     # its exponentials are exactly 0), exponentiate, normalize.
-    row_max = np.max(scores, axis=-1, keepdims=True)
+    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # -inf also when S = 0
     row_max[np.isneginf(row_max)] = 0
     scores -= row_max
     np.exp(scores, out=scores)
@@ -129,7 +130,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    rng: np.random.Generator | None = None,
+    rng: np.random.Generator | int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> np.ndarray | AttentionOutput:
@@ -146,7 +147,8 @@ def scaled_dot_product_attention(
         is_causal: top-left causal mask (query i sees keys 0..i); not with attn_mask.
         scale: multiplies the scores; default 1/sqrt(E).
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
-        rng: numpy Generator for dropout (a fresh unseeded one if None).
+        rng: numpy Generator or integer seed for dropout (a fresh unseeded
+            Generator if None).
         return_weights: also return the (..., Hq, L, S) weights.
         return_lse: also return the (..., Hq, L) logsumexp of each score row.
 
@@ -157,13 +159,15 @@ def scaled_dot_product_attention(
         output 0, weights 0 and lse -inf.
     """
     dropout_p = check_dropout(dropout_p)
+    if rng is not None:
+        check_rng(rng)  # a bad rng is an error even when dropout is off
     squeeze = np.ndim(query) == 2
     q, k, v, shapes, scale, mask = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     cd = shapes.compute_dtype
 
     weights, lse = _attention_weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
     if dropout_p > 0.0:
-        rng = np.random.default_rng() if rng is None else rng
+        rng = check_rng(rng)
         keep = rng.random(weights.shape) >= dropout_p
         weights = np.where(keep, weights * cd.type(1.0 / (1.0 - dropout_p)), cd.type(0))
 

@@ -92,12 +92,15 @@ def padding_mask(lengths, max_len: int | None = None) -> np.ndarray:
     Returns:
         bool (B, max_len). Expand it to the scores with `key_mask_to_attn_mask`.
     """
+    if hasattr(lengths, "detach"):  # a torch tensor; torch itself is never imported here
+        lengths = lengths.detach().cpu().numpy()
     lengths = np.asarray(lengths)
-    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
-        raise TypeError(
-            f"expected lengths as a 1-D array of integers, got shape {shape_str(lengths.shape)} "
-            f"of dtype {lengths.dtype}"
-        )
+    if lengths.ndim != 1:
+        raise ValueError(f"expected lengths as a 1-D array (B,), got shape {shape_str(lengths.shape)}")
+    if lengths.size == 0 and lengths.dtype == np.float64:  # np.asarray([]) is float64
+        lengths = lengths.astype(np.int64)
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise TypeError(f"expected lengths to be integers, got dtype {lengths.dtype}")
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"expected non-negative lengths, got {lengths.tolist()}")
     longest = int(lengths.max()) if lengths.size else 0
@@ -111,7 +114,7 @@ def key_mask_to_attn_mask(key_mask) -> np.ndarray:
     """(B, S) key mask (True = real token) -> (B, 1, 1, S), broadcastable to (B, H, L, S)."""
     key_mask = np.asarray(key_mask)
     if key_mask.dtype != np.bool_ or key_mask.ndim != 2:
-        raise ValueError(
+        raise (TypeError if key_mask.dtype != np.bool_ else ValueError)(
             f"expected key_mask as a boolean (B, S) array with True = real token, got shape "
             f"{shape_str(key_mask.shape)} of dtype {key_mask.dtype}"
         )

@@ -15,11 +15,13 @@ import numpy as np
 from attnkit.functional._checks import as_float_array, compute_dtype_of
 
 
-def _finite_row_max(x: np.ndarray, axis: int) -> np.ndarray:
-    """Row maximum with -inf (an all-masked row) replaced by 0, keepdims."""
-    row_max = np.max(x, axis=axis, keepdims=True)
-    row_max[np.isneginf(row_max)] = 0
-    return row_max
+def _finite_row_max(x: np.ndarray, axis, replace_posinf: bool = False) -> np.ndarray:
+    """Row maximum with -inf (an all-masked row, or an empty one) replaced by 0,
+    keepdims. With `replace_posinf`, +inf is replaced by 0 too (logsumexp of a
+    row holding +inf is then +inf, as in torch, rather than inf - inf = NaN)."""
+    row_max = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+    bad = np.isinf(row_max) if replace_posinf else np.isneginf(row_max)
+    return np.where(bad, row_max.dtype.type(0), row_max)
 
 
 def softmax(x, axis: int = -1) -> np.ndarray:
@@ -40,7 +42,7 @@ def softmax(x, axis: int = -1) -> np.ndarray:
     np.exp(work, out=work)
     total = np.sum(work, axis=axis, keepdims=True)
     # An all -inf row has total 0; dividing by 1 there leaves its zeros as zeros.
-    total[total == 0] = 1
+    total = np.where(total == 0, total.dtype.type(1), total)
     work /= total
     return work.astype(x.dtype, copy=False)
 
@@ -48,11 +50,12 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 def logsumexp(x, axis: int = -1, keepdims: bool = False) -> np.ndarray:
     """log(sum(exp(x))) along `axis`, without overflow.
 
-    A slice that is entirely -inf gives -inf (the log of an empty sum).
+    A slice that is entirely -inf, or empty, gives -inf (the log of an empty
+    sum); one that holds +inf gives +inf, as torch.logsumexp does.
     """
     x = as_float_array(x, "x")
     work = x.astype(compute_dtype_of(x.dtype), copy=False)
-    row_max = _finite_row_max(work, axis)
+    row_max = _finite_row_max(work, axis, replace_posinf=True)
     with np.errstate(divide="ignore"):  # log(0) = -inf is the intended answer
         out = np.log(np.sum(np.exp(work - row_max), axis=axis, keepdims=True)) + row_max
     if not keepdims:
@@ -69,6 +72,6 @@ def log_softmax(x, axis: int = -1) -> np.ndarray:
     shifted -= _finite_row_max(shifted, axis)
     with np.errstate(divide="ignore"):  # an all -inf row: log(0) = -inf, kept as -inf
         log_total = np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
-    log_total[np.isneginf(log_total)] = 0
+    log_total = np.where(np.isneginf(log_total), log_total.dtype.type(0), log_total)
     shifted -= log_total
     return shifted.astype(x.dtype, copy=False)

@@ -126,6 +126,7 @@ NUMPY_MODULES = [
     ("mha", lambda: ann.MultiHeadAttention(48, 6, seed=1), 48),
     ("mha_gqa", lambda: ann.MultiHeadAttention(48, 6, num_kv_heads=2, seed=2), 48),
     ("mha_nobias", lambda: ann.MultiHeadAttention(24, 3, bias=False, seed=3), 24),
+    ("mha_head59_mqa", lambda: ann.MultiHeadAttention(118, 2, num_kv_heads=1, seed=8), 118),
     ("block_post_relu", lambda: ann.TransformerBlock(32, 4, 64, seed=4), 32),
     ("block_pre_gelu", lambda: ann.TransformerBlock(32, 4, 64, activation="gelu", norm_first=True, seed=5), 32),
     ("ffn_gelu_tanh", lambda: ann.FeedForward(16, 40, "gelu_tanh", seed=6), 16),
@@ -155,6 +156,25 @@ def test_numpy_and_torch_agree_after_moving_weights_both_ways(name, make, d, dty
     other = make().astype(dtype)
     other.load_state_dict(torch_module.state_dict())
     np.testing.assert_allclose(_numpy_call(other, x, **kwargs), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("L,S", [(97, 97), (1, 97), (97, 33)])
+def test_odd_sizes_agree_with_numpy_in_float64(L, S):
+    """Head dim 111, lengths 1 and 97, L != S, cross attention with padding, causal."""
+    np_mha = ann.MultiHeadAttention(222, 2, seed=9).astype("float64")
+    t_mha = at.from_numpy(np_mha)
+    rng = np.random.default_rng(L + S)
+    q, kv = rng.standard_normal((2, L, 222)), rng.standard_normal((2, S, 222))
+    keep = rng.random((2, S)) > 0.2
+    keep[:, 0] = True
+    expected = np_mha(q, kv, key_mask=keep, is_causal=True, need_weights=True)
+    with torch.no_grad():
+        got = t_mha(torch.from_numpy(q), torch.from_numpy(kv), key_mask=torch.from_numpy(keep), is_causal=True,
+                    need_weights=True)
+        sdpa = t_mha(torch.from_numpy(q), torch.from_numpy(kv), key_mask=torch.from_numpy(keep), is_causal=True)
+    np.testing.assert_allclose(got.output.numpy(), expected.output, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got.weights.numpy(), expected.weights, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(sdpa.output.numpy(), expected.output, rtol=1e-10, atol=1e-10)
 
 
 def test_torch_trained_weights_run_in_numpy():

@@ -38,12 +38,12 @@ class AttentionMap(NamedTuple):
     """Attention of a decoder over one prompt.
 
     tokens:  the T tokens as text pieces.
-    ids:     (T,) their ids.
     weights: (layers, heads, T, T) float32; row i is how query i spreads over keys 0..i.
+
+    Unpacks like the encoder's: `tokens, weights = model.attention(text)`.
     """
 
     tokens: list[str]
-    ids: np.ndarray
     weights: np.ndarray
 
 
@@ -159,17 +159,38 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
 # ----------------------------------------------------------------------------- the base class
 
 
+_BLAS = None
+
+
+def _one_blas_thread():
+    """A context in which BLAS (OpenBLAS, MKL) runs single-threaded; threadpoolctl restores it."""
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS = ThreadpoolController().select(user_api="blas")
+    return _BLAS.limit(limits=1)
+
+
 class CausalLM(Module):
     """A decoder-only language model: token ids -> next-token logits.
 
     Subclasses set `config` (with `num_layers`, `vocab_size`, `max_position_embeddings`,
     `eos_token_id`), optionally `tokenizer` (an `attnkit.models.chat.DecoderTokenizer`), and
     implement `new_cache`, `_hidden_states` and `_logits`.
+
+    `single_thread_decode` (default True): a decode step (one new token per sequence) runs
+    its matrix-vector products on one BLAS thread. They are memory-bound, and a second
+    OpenBLAS thread saves little on an idle CPU but costs a lot on a busy one (its threads
+    spin while they wait for each other): on the shared 2-core machine attnkit is
+    benchmarked on, two threads made decoding 2-5x slower. Prompts (prefill) keep every
+    thread. Set it to False to let BLAS use its threads in decode steps too.
     """
 
     config: Any
     tokenizer: Any = None
     attention_backend: str = "naive"
+    single_thread_decode: bool = True
 
     # -- what subclasses implement ---------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -228,8 +249,13 @@ class CausalLM(Module):
             )
         positions = self._positions(cache, mask)
         weights: list | None = [] if return_weights else None
-        hidden = self._hidden_states(ids, positions, cache, weights)  # (B, T, d)
-        logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
+        if T == 1 and self.single_thread_decode:
+            with _one_blas_thread():
+                hidden = self._hidden_states(ids, positions, cache, weights)  # (B, 1, d)
+                logits = self._logits(hidden)  # (B, 1, V)
+        else:
+            hidden = self._hidden_states(ids, positions, cache, weights)  # (B, T, d)
+            logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
         if was_1d:
             logits = logits[0]
         return (logits, weights) if return_weights else logits
@@ -400,7 +426,7 @@ class CausalLM(Module):
             text_or_ids: text (tokenized with the model's tokenizer) or a 1-D sequence of ids.
 
         Returns:
-            AttentionMap(tokens, ids (T,), weights (layers, heads, T, T)).
+            AttentionMap(tokens, weights (layers, heads, T, T)).
         """
         if isinstance(text_or_ids, str):
             if self.tokenizer is None:
@@ -413,7 +439,7 @@ class CausalLM(Module):
         _, weights = self.forward(ids, return_weights=True)
         stacked = np.stack([w[0] for w in weights]).astype(np.float32, copy=False)  # (layers, H, T, T)
         tokens = self.tokenizer.tokens(ids) if self.tokenizer is not None else [str(int(i)) for i in ids]
-        return AttentionMap(tokens=tokens, ids=ids, weights=stacked)
+        return AttentionMap(tokens=tokens, weights=stacked)
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod

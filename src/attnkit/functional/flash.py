@@ -121,9 +121,13 @@ def _tile(name: str, rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
     return _buffer(name, rows * cols, dtype)[: rows * cols].reshape(rows, cols)
 
 
-def _run(tasks: list, fn: Callable, num_threads: int) -> list:
+_SERIAL_BELOW = 1 << 20  # score elements: below this, waking threads costs more than they save
+
+
+def _run(tasks: list, fn: Callable, num_threads: int, work: int) -> list:
+    """fn(*task) for every task, on the pool unless there is little work."""
     with _blas_one_thread():
-        if num_threads == 1 or len(tasks) <= 1:
+        if num_threads == 1 or len(tasks) <= 1 or work < _SERIAL_BELOW:
             return [fn(*t) for t in tasks]
         return list(_pool(num_threads).map(lambda t: fn(*t), tasks))
 
@@ -520,7 +524,7 @@ def flash_attention(
 
     if splits == 1:
         tasks = [(b, h, *blk) for blk in blocks for b in range(B) for h in range(Hq)]
-        _run(tasks, task, plan.num_threads)
+        _run(tasks, task, plan.num_threads, B * Hq * L * S)
     else:
         def split_task(b, h, q0, q1, k_start, k_end, o_part, l_part):
             _forward_rows(plan, q[b, h], k[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end, o_part, l_part)
@@ -539,7 +543,7 @@ def flash_attention(
                     for i in range(splits):
                         if edges[i + 1] > edges[i]:
                             tasks.append((b, h, q0, q1, int(edges[i]), int(edges[i + 1]), o_parts[i], l_parts[i]))
-        _run(tasks, split_task, plan.num_threads)
+        _run(tasks, split_task, plan.num_threads, B * Hq * L * S)
         for b, h, q0, q1, o_parts, l_parts in parts:
             merged = merge_attention_states(o_parts, l_parts)
             out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
@@ -715,7 +719,7 @@ def flash_attention_backward(
             blocks.append((k0, k1, q_end - q_start))
     blocks.sort(key=lambda t: t[2], reverse=True)
     tasks = [(b, h, k0, k1) for k0, k1, _ in blocks for b in range(B) for h in range(Hkv)]
-    _run(tasks, task, plan.num_threads)
+    _run(tasks, task, plan.num_threads, 3 * B * Hq * L * S)
 
     grad_q = np.zeros((B, Hq, L, E), dtype=cd)
     for buf in dq_buffers.values():

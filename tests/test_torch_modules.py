@@ -301,6 +301,20 @@ def test_kv_cache_with_left_padding():
     torch.testing.assert_close(cached[real], full[real], rtol=1e-5, atol=1e-6)
 
 
+def test_kv_cache_without_causal_and_crop():
+    mha = at.MultiHeadAttention(16, 4, seed=4).eval()
+    x = _x(1, 6, 16)
+    cache = mha.new_kv_cache(1, 8)
+    with torch.no_grad():
+        mha(x[:, :4], kv_cache=cache)
+        last = mha(x[:, 4:], kv_cache=cache).output  # not causal: the new queries see all 6 keys
+        torch.testing.assert_close(last, mha(x).output[:, 4:], rtol=1e-5, atol=1e-6)
+        cache.crop(4)  # drop the last two positions and decode them again, causally
+        again = mha(x[:, 4:], is_causal=True, kv_cache=cache).output
+        torch.testing.assert_close(again, mha(x, is_causal=True).output[:, 4:], rtol=1e-5, atol=1e-6)
+    assert cache.length == 6
+
+
 def test_kv_cache_errors():
     cache = at.KVCache(1, 1, 2, 4, 3)
     with pytest.raises(ValueError, match=r"expected key \(1, 2, 2, 4\)"):

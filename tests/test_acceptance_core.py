@@ -406,7 +406,8 @@ def _x(*shape, dtype=np.float64):
 BAD_SDPA = [
     # (kwargs, exception, message regex)
     (dict(query=_x(8), key=_x(5, 8), value=_x(5, 8)), ValueError, r"query of rank >= 2.*got shape \(8\)"),
-    (dict(query=_x(2, 3, 4, 8), key=_x(3, 5, 8), value=_x(3, 5, 8)), ValueError, "same rank"),
+    (dict(query=_x(2, 3, 4, 8), key=_x(2, 5, 8), value=_x(2, 5, 8)), ValueError, "3 heads but key/value have 2"),
+    (dict(query=_x(2, 4, 8), key=_x(3, 5, 8), value=_x(2, 5, 8)), ValueError, "same number of heads"),
     (dict(query=_x(2, 4, 8), key=_x(2, 5, 6), value=_x(2, 5, 8)), ValueError, r"E=8.*got \(2, 5, 6\)"),
     (dict(query=_x(2, 4, 8), key=_x(2, 5, 8), value=_x(2, 6, 8)), ValueError, r"value.*got \(2, 6, 8\)"),
     (dict(query=_x(2, 2, 4, 8), key=_x(3, 2, 5, 8), value=_x(3, 2, 5, 8)), ValueError, "batch dims"),

@@ -350,3 +350,34 @@ def test_backend_lookup():
     assert attnkit.get_attention("naive") is attnkit.scaled_dot_product_attention
     with pytest.raises(ValueError, match="naive"):
         attnkit.get_attention("nope")
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape, gqa",
+    [
+        ((2, 3, 4, 8), (1, 3, 5, 8), (1, 3, 5, 8), False),  # batch dim of 1 stretches
+        ((3, 4, 8), (2, 3, 5, 8), (2, 3, 5, 8), False),  # ranks differ
+        ((2, 3, 4, 8), (2, 1, 5, 8), (2, 1, 5, 8), False),  # one key/value head for all
+        ((2, 1, 4, 8), (2, 3, 5, 8), (2, 3, 5, 6), False),  # one query head for all
+        ((2, 6, 4, 8), (1, 3, 5, 8), (1, 3, 5, 8), True),  # GQA with a broadcast batch
+        ((2, 3, 4, 8), (2, 3, 5, 8), (1, 3, 5, 8), False),  # value alone broadcasts
+        ((4, 8), (2, 2, 5, 8), (2, 2, 5, 8), False),  # a 2-D query over batched keys
+    ],
+)
+def test_broadcasting_matches_torch_forward_and_backward(q_shape, k_shape, v_shape, gqa):
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s) for s in (q_shape, k_shape, v_shape))
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    expected = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=gqa)
+    out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    assert_close(out, expected.detach().numpy(), 1e-12, "output")
+    d_out = rng.standard_normal(out.shape)
+    expected.backward(torch.tensor(d_out))
+    grads = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, is_causal=True, enable_gqa=gqa)
+    for name, ours, theirs in zip(("query", "key", "value"), grads, (tq.grad, tk.grad, tv.grad)):
+        assert_close(ours, theirs.numpy(), 1e-10, f"grad_{name}")
+
+
+def test_batch_dims_that_do_not_broadcast_are_rejected():
+    with pytest.raises(ValueError, match="broadcast"):
+        attnkit.scaled_dot_product_attention(np.ones((2, 1, 3, 4)), np.ones((3, 1, 3, 4)), np.ones((3, 1, 3, 4)))

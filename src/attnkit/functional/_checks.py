@@ -77,8 +77,22 @@ class AttentionShapes:
         return (*self.batch, self.q_heads, self.L, self.S)
 
 
+def _broadcast_or_fail(shapes: list[tuple[int, ...]], what: str, arrays: tuple) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        got = ", ".join(shape_str(a.shape) for a in arrays)
+        raise ValueError(f"expected {what} of query, key and value to broadcast together, got shapes {got}") from None
+
+
 def check_qkv(query, key, value, enable_gqa: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionShapes]:
-    """Validate query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev)."""
+    """Validate query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev).
+
+    Leading dims broadcast as in torch (ranks may differ; a dim of 1 stretches),
+    and a head count of 1 on either side broadcasts too. The arrays come back as
+    broadcast views of rank >= 3 shaped (*batch, Hq, L, E) and (*batch, Hkv, S, ·),
+    so every kernel sees one layout; `shapes` describes them.
+    """
     query = require_float_tensor(query, "query", 2)
     key = require_float_tensor(key, "key", 2)
     value = require_float_tensor(value, "value", 2)
@@ -87,48 +101,67 @@ def check_qkv(query, key, value, enable_gqa: bool) -> tuple[np.ndarray, np.ndarr
             "expected query, key and value of one dtype, got "
             f"{query.dtype}, {key.dtype} and {value.dtype}"
         )
-    if not (query.ndim == key.ndim == value.ndim):
-        raise ValueError(
-            "expected query, key and value of the same rank (..., H, L, E), got shapes "
-            f"{shape_str(query.shape)}, {shape_str(key.shape)} and {shape_str(value.shape)}"
-        )
-    *q_lead, L, E = query.shape
-    *k_lead, S, Ek = key.shape
-    *v_lead, Sv, Ev = value.shape
+    originals = (query, key, value)
+    L, E = query.shape[-2:]
+    S, Ek = key.shape[-2:]
+    Sv, Ev = value.shape[-2:]
     if Ek != E:
         raise ValueError(
             f"expected key of shape (..., H, S, E) with E={E} like query, got {shape_str(key.shape)}"
         )
-    if Sv != S or tuple(v_lead) != tuple(k_lead):
+    if Sv != S:
         raise ValueError(
-            f"expected value of shape {shape_str((*k_lead, S))[:-1]}, Ev) matching key "
-            f"{shape_str(key.shape)}, got {shape_str(value.shape)}"
+            f"expected value of shape (..., H, S={S}, Ev) with S like key {shape_str(key.shape)}, "
+            f"got {shape_str(value.shape)}"
         )
-    if query.ndim >= 3:
-        batch, q_heads, kv_heads = tuple(q_lead[:-1]), q_lead[-1], k_lead[-1]
-        if tuple(k_lead[:-1]) != batch:
-            raise ValueError(
-                f"expected key's batch dims {shape_str(batch)} like query's, got key of shape "
-                f"{shape_str(key.shape)} for query of shape {shape_str(query.shape)}"
-            )
-    else:
-        batch, q_heads, kv_heads = (), 1, 1
-    if q_heads != kv_heads:
-        if not enable_gqa:
+    # Pad every input to one rank >= 3 with leading 1s: (L, E) becomes (1, L, E).
+    ndim = max(query.ndim, key.ndim, value.ndim, 3)
+    query, key, value = (x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in originals)
+    q_heads, k_heads, v_heads = query.shape[-3], key.shape[-3], value.shape[-3]
+    if k_heads != v_heads and 1 not in (k_heads, v_heads):
+        raise ValueError(
+            f"expected key and value with the same number of heads, got shapes "
+            f"{shape_str(key.shape)} and {shape_str(value.shape)}"
+        )
+    kv_heads = max(k_heads, v_heads)
+    if q_heads != kv_heads and kv_heads != 1:
+        if q_heads == 1:  # one query head broadcasts over every key/value head
+            q_heads = kv_heads
+        elif not enable_gqa:
             raise ValueError(
                 f"query has {q_heads} heads but key/value have {kv_heads}; "
                 "pass enable_gqa=True for grouped-query attention"
             )
-        if kv_heads == 0 or q_heads % kv_heads != 0:
+        elif q_heads % kv_heads != 0:
             raise ValueError(
                 f"expected the query head count to be a multiple of the key/value head count "
                 f"for grouped-query attention, got {q_heads} query heads over {kv_heads}"
             )
+    batch = _broadcast_or_fail([x.shape[:-3] for x in (query, key, value)], "the leading batch dims", originals)
+    query = np.broadcast_to(query, (*batch, q_heads, L, E)) if query.shape != (*batch, q_heads, L, E) else query
+    key = np.broadcast_to(key, (*batch, kv_heads, S, E)) if key.shape != (*batch, kv_heads, S, E) else key
+    value = np.broadcast_to(value, (*batch, kv_heads, S, Ev)) if value.shape != (*batch, kv_heads, S, Ev) else value
     shapes = AttentionShapes(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, L=L, S=S, E=E, Ev=Ev,
         dtype=query.dtype, compute_dtype=compute_dtype_of(query.dtype),
     )
     return query, key, value, shapes
+
+
+def output_ndim(*arrays) -> int:
+    """The rank of attention's output for these inputs: the largest input rank."""
+    return max(np.ndim(a) for a in arrays)
+
+
+def sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Reduce a gradient computed for a broadcast input back to the input's shape."""
+    extra = grad.ndim - len(shape)
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad
 
 
 def check_scale(scale, E: int) -> float:

@@ -7,7 +7,9 @@
 Semantics follow torch's `F.scaled_dot_product_attention`:
 
 - Layout (..., H, L, E): any leading batch dims, then heads, query length L
-  (key length S), head dim E; value may have its own head dim Ev.
+  (key length S), head dim E; value may have its own head dim Ev. Leading
+  dims broadcast as in torch: ranks may differ, a dim of 1 stretches, and a
+  single head on either side serves every head of the other.
 - `attn_mask`: boolean True = may attend, or a float mask added to the scores;
   either broadcasts to (..., H, L, S).
 - `is_causal=True` is top-left aligned (query i sees keys 0..i) and cannot be
@@ -33,8 +35,10 @@ from attnkit.functional._checks import (
     check_qkv,
     check_rng,
     check_scale,
+    output_ndim,
     require_float_tensor,
     shape_str,
+    sum_to_shape,
 )
 from attnkit.functional.masks import causal_mask
 
@@ -73,11 +77,6 @@ def _ungroup_queries(x: np.ndarray, shapes: AttentionShapes) -> np.ndarray:
     return x.reshape(*shapes.batch, shapes.q_heads, shapes.L, x.shape[-1])
 
 
-def _with_head_axis(x: np.ndarray) -> np.ndarray:
-    """(L, E) inputs get a head axis of 1 so every path sees (..., H, L, E)."""
-    return x[None] if x.ndim == 2 else x
-
-
 def _attention_weights(query, key, shapes, scale, attn_mask, is_causal):
     """Softmax weights (..., Hq, L, S) in the compute dtype, and lse (..., Hq, L)."""
     cd = shapes.compute_dtype
@@ -109,15 +108,16 @@ def _attention_weights(query, key, shapes, scale, attn_mask, is_causal):
 
 
 def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa):
-    query, key, value, shapes = check_qkv(query, key, value, enable_gqa)
+    """Checked inputs as broadcast views of rank >= 3, their sizes, the scale,
+    the mask, and how many leading axes to drop from results (1 when every
+    input was (L, E), which runs with a head axis of 1)."""
+    drop = max(3 - output_ndim(query, key, value), 0)
+    q, k, v, shapes = check_qkv(query, key, value, enable_gqa)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
     scale = check_scale(scale, shapes.E)
-    q, k, v = _with_head_axis(query), _with_head_axis(key), _with_head_axis(value)
-    if q is not query:  # (L, E) inputs: describe them with a head axis of 1
-        _, _, _, shapes = check_qkv(q, k, v, enable_gqa)
     mask = check_mask(attn_mask, shapes, bool(is_causal))
-    return q, k, v, shapes, scale, mask
+    return q, k, v, shapes, scale, mask, drop
 
 
 def scaled_dot_product_attention(
@@ -161,8 +161,7 @@ def scaled_dot_product_attention(
     dropout_p = check_dropout(dropout_p)
     if rng is not None:
         check_rng(rng)  # a bad rng is an error even when dropout is off
-    squeeze = np.ndim(query) == 2
-    q, k, v, shapes, scale, mask = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    q, k, v, shapes, scale, mask, drop = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     cd = shapes.compute_dtype
 
     weights, lse = _attention_weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
@@ -174,7 +173,7 @@ def scaled_dot_product_attention(
     out = np.matmul(_group_queries(weights, shapes), v.astype(cd, copy=False))  # (..., Hkv, g*L, Ev)
     out = _ungroup_queries(out, shapes).astype(shapes.dtype, copy=False)  # (..., Hq, L, Ev)
 
-    if squeeze:
+    if drop:
         out, weights, lse = out[0], weights[0], lse[0]
     if not (return_weights or return_lse):
         return out
@@ -217,16 +216,15 @@ def scaled_dot_product_attention_backward(
         AttentionGrads(grad_query, grad_key, grad_value), each in its input's
         shape and dtype.
     """
-    squeeze = np.ndim(query) == 2
-    q, k, v, shapes, scale, mask = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    q, k, v, shapes, scale, mask, drop = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     grad_output = require_float_tensor(grad_output, "grad_output", 2)
     expected = (*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev)
-    d_out = _with_head_axis(grad_output)
-    if d_out.shape != expected:
+    if grad_output.shape != expected[drop:]:
         raise ValueError(
-            f"expected grad_output of the output's shape {shape_str(expected if not squeeze else expected[1:])}, "
+            f"expected grad_output of the output's shape {shape_str(expected[drop:])}, "
             f"got {shape_str(grad_output.shape)}"
         )
+    d_out = grad_output.reshape(expected)
     cd = shapes.compute_dtype
     q, k, v, d_out = (x.astype(cd, copy=False) for x in (q, k, v, d_out))
 
@@ -246,7 +244,9 @@ def scaled_dot_product_attention_backward(
     grad_key = np.matmul(np.swapaxes(grad_scores, -1, -2), _group_queries(q, shapes))  # (..., Hkv, S, E)
     grad_query = _ungroup_queries(grad_query, shapes)  # (..., Hq, L, E)
 
-    grads = (grad_query, grad_key, grad_value)
-    if squeeze:
-        grads = tuple(g[0] for g in grads)
+    # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
+    grads = (
+        sum_to_shape(grad, np.shape(x))
+        for grad, x in zip((grad_query, grad_key, grad_value), (query, key, value))
+    )
     return AttentionGrads(*(g.astype(shapes.dtype, copy=False) for g in grads))

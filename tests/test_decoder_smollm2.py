@@ -32,11 +32,14 @@ def models():
         path = smollm2_gguf_path()
     except ModelPackageNotFoundError as error:  # the test environment installs it; say so loudly
         pytest.fail(str(error))
-    torch.set_num_threads(2)
+    # One torch thread: on a busy 2-core machine torch's 2-thread decoding is several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ours = CausalLM.from_pretrained()
-    return hf.eval(), hf_tokenizer, ours
+    yield hf.eval(), hf_tokenizer, ours
+    torch.set_num_threads(threads)
 
 
 def test_config_read_from_gguf(models):

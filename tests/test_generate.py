@@ -156,6 +156,10 @@ def test_bad_generation_arguments(model):
     with pytest.raises(ValueError, match="empty prompt"):
         model.generate(np.zeros(0, np.int64), 3)
     np.testing.assert_array_equal(model.generate(ids, 0), ids)
+    with pytest.raises(ValueError, match="max_new_tokens >= 0"):
+        model.stream(ids, -3)  # checked at the call, not at the first token
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        model.stream(ids, 3, prefill_chunk=0)
 
 
 def test_prompt_longer_than_context(model):

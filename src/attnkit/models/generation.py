@@ -311,6 +311,8 @@ class CausalLM(Module):
 
         `cache`: continue from an existing cache (multi-turn chat): it must already hold every
         earlier token, and `input_ids` are only the new ones.
+
+        Arguments are checked when `stream` is called, before the first token is asked for.
         """
         _check_sampling(max_new_tokens, temperature, top_k, top_p)
         ids, mask, _ = prepare_prompts(input_ids, attention_mask, self._pad_id())
@@ -329,22 +331,28 @@ class CausalLM(Module):
                 stacklevel=2,
             )
             max_new_tokens = allowed
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"expected prefill_chunk >= 1, got {prefill_chunk}")
+        if cache is not None and cache.max_length < past + T + max_new_tokens:
+            raise ValueError(
+                f"cache of {cache.max_length} positions cannot hold {past} + {T} + {max_new_tokens} tokens"
+            )
+        stops = self._stop_ids(stop)
+        return self._steps(ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk)
+
+    def _steps(self, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk):
+        """The generator behind `stream`, on checked arguments."""
+        B, T = ids.shape
         if max_new_tokens == 0:
             return
         if cache is None:
             cache = self.new_cache(B, T + max_new_tokens)
-        elif cache.max_length < past + T + max_new_tokens:
-            raise ValueError(
-                f"cache of {cache.max_length} positions cannot hold {past} + {T} + {max_new_tokens} tokens"
-            )
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        stop_ids, stop_texts = self._stop_ids(stop)
+        stop_ids, stop_texts = stops
         pad = self._pad_id()
 
         # Prefill: the whole prompt (or chunks of it), logits of the last position only.
         chunk = T if not prefill_chunk else int(prefill_chunk)
-        if chunk < 1:
-            raise ValueError(f"expected prefill_chunk >= 1, got {prefill_chunk}")
         for start in range(0, T, chunk):
             logits = self.forward(
                 ids[:, start : start + chunk], attention_mask=mask[:, start : start + chunk], cache=cache,

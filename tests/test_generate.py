@@ -51,9 +51,13 @@ def folder(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    hf = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # larger than init, so greedy text varies from token to token
+        for p in hf.parameters():
+            p.mul_(4.0)
+    hf.save_pretrained(folder, safe_serialization=True)
     return folder
 
 
@@ -163,15 +167,15 @@ def test_bad_generation_arguments(model):
 
 
 def test_prompt_longer_than_context(model):
-    long = np.full(65, 5)  # context is 64
-    with pytest.raises(ValueError, match="longer than this model's context of 64"):
+    long = np.full(129, 5)  # context is 128
+    with pytest.raises(ValueError, match="longer than this model's context of 128"):
         model.generate(long, 1)
-    with pytest.raises(ValueError, match=r"0 cached \+ 65 new tokens go beyond this model's context of 64"):
+    with pytest.raises(ValueError, match=r"0 cached \+ 129 new tokens go beyond this model's context of 128"):
         model(long)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = model.generate(np.full(60, 5), 10, stop=())
-    assert len(out) == 64 and "generating at most 4" in str(caught[0].message)
+        out = model.generate(np.full(124, 5), 10, stop=())
+    assert len(out) == 128 and "generating at most 4" in str(caught[0].message)
 
 
 # ----------------------------------------------------------------------------- tokenizer and prompt
@@ -216,7 +220,7 @@ def test_cli_generate_bad_input(folder):
     runner = CliRunner()
     result = runner.invoke(app, ["generate", "the", "--model", str(folder), "-n", "-1"])
     assert result.exit_code == 2 and "max-new-tokens" in result.output
-    result = runner.invoke(app, ["generate", "the " * 80, "--model", str(folder)])
+    result = runner.invoke(app, ["generate", "the " * 140, "--model", str(folder)])
     assert result.exit_code == 2 and "context" in result.output
     result = runner.invoke(app, ["generate", "x", "--model", str(folder / "missing")])
     assert result.exit_code == 2 and "does not exist" in " ".join(result.output.split())  # rich wraps lines
@@ -229,6 +233,32 @@ def test_cli_chat_two_turns_then_ctrl_d(folder):
     assert result.exit_code == 0, result.output
     assert result.stdout.count("model>") == 2
     assert "tokens/s" in result.output
+
+
+def test_cli_chat_reuses_its_cache_exactly(folder, model):
+    """The second reply, decoded on the cache kept from the first turn, equals a fresh greedy
+    generation on the whole conversation."""
+    runner = CliRunner()
+    result = runner.invoke(app, ["chat", "--model", str(folder), "-n", "6", "--system", "Be brief."],
+                           input="the\nhe the\n")
+    assert result.exit_code == 0, result.output
+    replies = [chunk.rsplit("\nyou> ", 1)[0] for chunk in result.stdout.split("model> ")[1:]]
+    assert len(replies) == 2
+    tokenizer = model.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the"}]
+
+    def fresh_reply(messages):
+        ids = tokenizer.encode_chat(messages)
+        out = model.generate(np.array(ids), 6)
+        return tokenizer.decode(out[len(ids):], skip_special_tokens=True)
+
+    def printed(text):  # streaming holds back an incomplete UTF-8 character at the end
+        return text.rstrip("\ufffd")
+
+    first = fresh_reply(messages)
+    assert replies[0] == printed(first) and first.strip()
+    messages += [{"role": "assistant", "content": first.strip()}, {"role": "user", "content": "he the"}]
+    assert replies[1] == printed(fresh_reply(messages))
 
 
 def test_cli_chat_system_options(folder, tmp_path):

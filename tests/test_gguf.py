@@ -159,6 +159,7 @@ def tiny_gguf(tmp_path_factory):
 
 def test_metadata_and_config(tiny_gguf):
     path, _, _, ours = tiny_gguf
+    assert CausalLM.from_pretrained(path.parent).config == ours.config  # a folder with one .gguf
     file = GGUFFile(path)
     assert file.architecture == "llama"
     assert file.tensor_type("blk.0.attn_v.weight") == "Q4_1"

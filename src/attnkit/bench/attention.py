@@ -163,7 +163,8 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
                             continue
                         chosen[impl] = contenders[(impl, passes)]
                     progress.step(f"timing {', '.join(chosen)} {tag}")
-                    timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 5)
+                    timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 5,
+                                                   min_rounds=1 if quick else 3)
                     results = {}
                     for impl, fn in chosen.items():
                         progress.step(f"memory of {impl} {tag}")

@@ -48,12 +48,13 @@ def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5
 
 
 def best_times_interleaved(fns: dict[str, Callable[[], object]], budget_s: float = 2.0,
-                           max_rounds: int = 5) -> dict[str, tuple[float, list[float]]]:
+                           max_rounds: int = 5, min_rounds: int = 1) -> dict[str, tuple[float, list[float]]]:
     """Best wall time of each function, measured round-robin so that every
     contender sees the same machine load (this machine is shared).
 
     One untimed warmup round first, unless a call is slower than `budget_s`
-    (then its first run counts, and it is not repeated more than needed).
+    (then its first run counts and it runs at most twice). At least
+    `min_rounds` rounds for the others, at most `max_rounds`, as the budget allows.
     Returns {name: (best seconds, all timed runs)}.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -64,7 +65,7 @@ def best_times_interleaved(fns: dict[str, Callable[[], object]], budget_s: float
         first[name] = time.perf_counter() - t0
         if first[name] > budget_s:
             times[name].append(first[name])
-    rounds = max(1, min(max_rounds, int(budget_s / max(sum(first.values()), 1e-9))))
+    rounds = max(min_rounds, 1, min(max_rounds, int(budget_s / max(sum(first.values()), 1e-9))))
     for _ in range(rounds):
         for name, fn in fns.items():
             if times[name] and first[name] > budget_s and len(times[name]) >= 2:

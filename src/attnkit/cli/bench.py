@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from attnkit.bench import SUITES  # a name table only: nothing heavy is imported
 from attnkit.cli._app import app, console, err_console, fail
 
 
@@ -43,7 +44,7 @@ def _cell(value) -> str:
 
 @app.command()
 def bench(
-    suite: str = typer.Argument("attention", help="Which suite: attention (more as features add theirs)."),
+    suite: str = typer.Argument("attention", help=f"Which suite: {', '.join(SUITES)}."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, few repeats: well under a minute."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write every measurement to this JSON file."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every contender (default: all CPUs)."),
@@ -53,7 +54,7 @@ def bench(
     from rich import box
     from rich.table import Table
 
-    from attnkit.bench import SUITES, get_suite
+    from attnkit.bench import get_suite
     from attnkit.bench.measure import blas_summary, system_info
 
     if suite not in SUITES:

@@ -164,7 +164,7 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
                         chosen[impl] = contenders[(impl, passes)]
                     progress.step(f"timing {', '.join(chosen)} {tag}")
                     timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 5,
-                                                   min_rounds=1 if quick else 3)
+                                                   min_rounds=1 if quick else 3, settle_s=0.05 if quick else 0.15)
                     results = {}
                     for impl, fn in chosen.items():
                         progress.step(f"memory of {impl} {tag}")
@@ -226,7 +226,8 @@ def _scaling(L: int, threads: int, budget: float, progress: Progress, quick: boo
         # More rounds than elsewhere: on a shared machine the best 2-thread run
         # needs a moment when both cores are free.
         timed = best_times_interleaved({"one": lambda: call(1), "many": lambda: call(threads)},
-                                       budget_s=2 * budget if quick else 4 * budget, max_rounds=3 if quick else 8)
+                                       budget_s=2 * budget if quick else 4 * budget, max_rounds=3 if quick else 8,
+                                       settle_s=0.05)
         one, many = timed["one"][0], timed["many"][0]
         # How many CPUs did the machine actually give us? On a shared machine
         # (Linux autogroups share CPU time per session) it can be fewer than the

@@ -48,18 +48,23 @@ def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5
 
 
 def best_times_interleaved(fns: dict[str, Callable[[], object]], budget_s: float = 2.0,
-                           max_rounds: int = 5, min_rounds: int = 1) -> dict[str, tuple[float, list[float]]]:
+                           max_rounds: int = 5, min_rounds: int = 1,
+                           settle_s: float = 0.0) -> dict[str, tuple[float, list[float]]]:
     """Best wall time of each function, measured round-robin so that every
     contender sees the same machine load (this machine is shared).
 
     One untimed warmup round first, unless a call is slower than `budget_s`
     (then its first run counts and it runs at most twice). At least
     `min_rounds` rounds for the others, at most `max_rounds`, as the budget allows.
+    `settle_s` is a pause before each call: BLAS and OpenMP worker threads spin
+    for a while after a multithreaded call (OpenBLAS ~0.1 s), and would
+    otherwise eat the next contender's CPU (20% of flash's time after NumPy naive).
     Returns {name: (best seconds, all timed runs)}.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     first: dict[str, float] = {}
     for name, fn in fns.items():
+        time.sleep(settle_s)
         t0 = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - t0
@@ -70,6 +75,7 @@ def best_times_interleaved(fns: dict[str, Callable[[], object]], budget_s: float
         for name, fn in fns.items():
             if times[name] and first[name] > budget_s and len(times[name]) >= 2:
                 continue
+            time.sleep(settle_s)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

@@ -392,3 +392,20 @@ def test_backward_rejects_bad_saved_state_and_underivable_mods():
         attnkit.flash_attention_backward(q[:, :2], q, q, q, res.output, res.lse)
     with pytest.raises(TypeError, match="ScoreMod"):
         attnkit.flash_attention_backward(q, q, q, q, res.output, res.lse, score_mod=lambda s, b, h, i, j: s * 2)
+
+
+def test_flash_broadcasts_like_sdpa_forward_and_backward():
+    rng = np.random.default_rng(21)
+    for q_shape, k_shape in [((2, 3, 40, 8), (1, 3, 33, 8)), ((3, 40, 8), (2, 3, 33, 8)), ((40, 8), (33, 8))]:
+        q, k, v = rng.standard_normal(q_shape), rng.standard_normal(k_shape), rng.standard_normal(k_shape)
+        plain = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
+        res = attnkit.flash_attention(q, k, v, is_causal=True, block_q=16, block_k=16, return_lse=True)
+        np.testing.assert_allclose(res.output, plain, rtol=1e-12, atol=1e-12)
+        d_out = rng.standard_normal(plain.shape)
+        expected = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, is_causal=True)
+        grads = attnkit.flash_attention_backward(
+            d_out, q, k, v, res.output, res.lse, is_causal=True, block_q=16, block_k=16
+        )
+        for ours, theirs in zip(grads, expected):
+            assert ours.shape == theirs.shape
+            np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)

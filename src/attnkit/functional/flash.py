@@ -47,8 +47,10 @@ from attnkit.functional._checks import (
     check_mask,
     check_qkv,
     check_scale,
+    output_ndim,
     require_float_tensor,
     shape_str,
+    sum_to_shape,
 )
 from attnkit.functional.attention import AttentionGrads, AttentionOutput
 from attnkit.functional.masks import ALIGNMENTS
@@ -491,7 +493,7 @@ def flash_attention(
         AttentionState(output, lse) with lse (..., Hq, L) in float64.
         A query row with no key allowed gets output 0 and lse -inf.
     """
-    squeeze = np.ndim(query) == 2
+    drop = max(3 - output_ndim(query, key, value), 0)  # (L, E) inputs run with a head axis of 1
     q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
                                window, score_mod, mask_mod, block_q, block_k, num_threads)
     shapes = plan.shapes
@@ -550,7 +552,7 @@ def flash_attention(
 
     out = out.reshape(*shapes.batch, Hq, L, shapes.Ev).astype(shapes.dtype, copy=False)
     lse = lse.reshape(*shapes.batch, Hq, L)
-    if squeeze:
+    if drop:
         out, lse = out[0], lse[0]
     return AttentionState(out, lse) if return_lse else out
 
@@ -662,7 +664,7 @@ def flash_attention_backward(
         AttentionGrads(grad_query, grad_key, grad_value) in the inputs' shapes
         and dtype. Rows with no key allowed give zero gradients.
     """
-    squeeze = np.ndim(query) == 2
+    drop = max(3 - output_ndim(query, key, value), 0)  # (L, E) inputs run with a head axis of 1
     q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
                                window, score_mod, mask_mod, block_q, block_k, num_threads)
     shapes = plan.shapes
@@ -670,7 +672,7 @@ def flash_attention_backward(
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     out_shape = (*shapes.batch, Hq, L, Ev)
     lse_shape = (*shapes.batch, Hq, L)
-    extra = 1 if squeeze else 0
+    extra = drop
     for arr, name, want in ((grad_output, "grad_output", out_shape), (output, "output", out_shape),
                             (lse, "lse", lse_shape)):
         arr = require_float_tensor(arr, name, 1)
@@ -730,8 +732,8 @@ def flash_attention_backward(
         grad_k.reshape(*shapes.batch, Hkv, S, E),
         grad_v.reshape(*shapes.batch, Hkv, S, Ev),
     )
-    if squeeze:
-        grads = tuple(x[0] for x in grads)
+    # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
+    grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
     return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
 
 

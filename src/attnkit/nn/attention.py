@@ -37,6 +37,35 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+class AttentionDims(NamedTuple):
+    """Checked sizes of a multi-head attention layer."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kdim: int
+    vdim: int
+
+
+def check_attention_dims(
+    d_model: Any, num_heads: Any, num_kv_heads: Any = None, kdim: Any = None, vdim: Any = None
+) -> AttentionDims:
+    """Validate a multi-head layer's sizes (shared by attnkit.nn and attnkit.torch)."""
+    d_model = _positive_int("d_model", d_model)
+    num_heads = _positive_int("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+    if d_model % num_heads:
+        raise ValueError(f"expected num_heads to divide d_model, got d_model={d_model} and num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"expected num_kv_heads to divide num_heads, got num_heads={num_heads} and num_kv_heads={num_kv_heads}"
+        )
+    kdim = d_model if kdim is None else _positive_int("kdim", kdim)
+    vdim = d_model if vdim is None else _positive_int("vdim", vdim)
+    return AttentionDims(d_model, num_heads, num_kv_heads, d_model // num_heads, kdim, vdim)
+
+
 def build_attention_mask(
     attn_mask: np.ndarray | None,
     key_mask: np.ndarray | None,
@@ -203,18 +232,9 @@ class MultiHeadAttention(Module):
         seed: int | np.random.Generator | None = None,
     ) -> None:
         super().__init__()
-        self.d_model = _positive_int("d_model", d_model)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"expected num_heads to divide d_model, got d_model={d_model} and num_heads={num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"expected num_kv_heads to divide num_heads, got num_heads={num_heads} and num_kv_heads={num_kv_heads}"
-            )
-        self.head_dim = self.d_model // self.num_heads
-        self.kdim = self.d_model if kdim is None else _positive_int("kdim", kdim)
-        self.vdim = self.d_model if vdim is None else _positive_int("vdim", vdim)
+        dims = check_attention_dims(d_model, num_heads, num_kv_heads, kdim, vdim)
+        self.d_model, self.num_heads, self.num_kv_heads = dims.d_model, dims.num_heads, dims.num_kv_heads
+        self.head_dim, self.kdim, self.vdim = dims.head_dim, dims.kdim, dims.vdim
         self.dropout = check_dropout(dropout)
         rng = make_rng(seed)
         kv_width = self.num_kv_heads * self.head_dim

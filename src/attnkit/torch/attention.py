@@ -9,13 +9,13 @@ the keys (bottom-right); a query whose keys are all masked outputs 0.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnkit.nn.attention import check_attention_dims
 from attnkit.torch.cache import KVCache
 from attnkit.torch.layers import Linear, _check_dropout, _init_from_numpy, _NumpyStateDict
 
@@ -38,12 +38,6 @@ def _aliases(base: torch.Tensor, parts: list[torch.Tensor]) -> bool:
             return False
         offset += part.numel() * part.element_size()
     return offset == base.data_ptr() + base.numel() * base.element_size()
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"expected {name} to be a positive int, got {value!r}")
-    return int(value)
 
 
 class _FusedQKVLinear(torch.autograd.Function):
@@ -113,18 +107,9 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        self.d_model = _positive_int("d_model", d_model)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"expected num_heads to divide d_model, got d_model={d_model} and num_heads={num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"expected num_kv_heads to divide num_heads, got num_heads={num_heads} and num_kv_heads={num_kv_heads}"
-            )
-        self.head_dim = self.d_model // self.num_heads
-        self.kdim = self.d_model if kdim is None else _positive_int("kdim", kdim)
-        self.vdim = self.d_model if vdim is None else _positive_int("vdim", vdim)
+        dims = check_attention_dims(d_model, num_heads, num_kv_heads, kdim, vdim)
+        self.d_model, self.num_heads, self.num_kv_heads = dims.d_model, dims.num_heads, dims.num_kv_heads
+        self.head_dim, self.kdim, self.vdim = dims.head_dim, dims.kdim, dims.vdim
         self.dropout = _check_dropout(dropout)
         kv_width = self.num_kv_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}

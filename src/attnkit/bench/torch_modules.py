@@ -34,6 +34,26 @@ GOAL_L, GOAL_RATIO = 1024, 0.95
 COLUMNS = ["L=S", "causal", "pass", "impl", "ms", "vs direct", "paired"]
 
 
+def _timed_call(fn, params, x, d_out, grad: bool) -> Callable[[], object]:
+    """A no-argument call of fn(x) to time: under no_grad for the forward, or
+    forward then backward of d_out with the gradients of params and x reset."""
+    import torch
+
+    if not grad:
+        def call():
+            with torch.no_grad():
+                return fn(x)
+        return call
+
+    def call():
+        for p in (*params, x):
+            p.grad = None
+        out = fn(x)
+        out.backward(d_out)
+        return out
+    return call
+
+
 def _contenders(L: int, causal: bool, passes: str, with_numpy: bool):
     import numpy as np
     import torch
@@ -82,19 +102,7 @@ def _contenders(L: int, causal: bool, passes: str, with_numpy: bool):
         return ref(x, x, x, need_weights=False)[0]
 
     def wrap(fn, params):
-        if not grad:
-            def call():
-                with torch.no_grad():
-                    return fn(x)
-            return call
-
-        def call():
-            for p in (*params, x):
-                p.grad = None
-            out = fn(x)
-            out.backward(d_out)
-            return out
-        return call
+        return _timed_call(fn, params, x, d_out, grad)
 
     fns = {
         "direct SDPA": wrap(direct, direct_params),
@@ -142,19 +150,7 @@ def _block_contenders(L: int, causal: bool, passes: str):
     inline_params = [w_qkv, b_qkv, *sd.values()]
 
     def wrap(fn, params):
-        if not grad:
-            def call():
-                with torch.no_grad():
-                    return fn(x)
-            return call
-
-        def call():
-            for p in (*params, x):
-                p.grad = None
-            out = fn(x)
-            out.backward(d_out)
-            return out
-        return call
+        return _timed_call(fn, params, x, d_out, grad)
 
     return {
         "inline block": wrap(inline, inline_params),

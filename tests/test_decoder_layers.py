@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
+from conftest import F32_EPS, assert_within_budget
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from attnkit.nn import CausalSelfAttention, Embedding, KVCache, RMSNorm, RotaryEmbedding, SwiGLU  # noqa: E402
-from attnkit.nn.decoder_layers import silu  # noqa: E402
+from attnkit.nn import CausalSelfAttention, Embedding, KVCache, RMSNorm, RotaryEmbedding, SwiGLU
+from attnkit.nn.decoder_layers import silu
 
 
-def test_rms_norm_matches_transformers():
+def test_rms_norm_matches_transformers(torch, transformers):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     rng = np.random.default_rng(0)
@@ -24,13 +24,23 @@ def test_rms_norm_matches_transformers():
         expected = ref(torch.from_numpy(x)).numpy()
     ours = RMSNorm(40, eps=1e-5)
     ours.weight = weight
-    np.testing.assert_allclose(ours(x), expected, atol=1e-6, rtol=1e-6)
     x64 = x.astype(np.float64)
-    plain = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * weight
+    plain = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * weight  # the float64 truth
+    assert_within_budget(ours(x), expected, plain, what="RMSNorm float32")
     np.testing.assert_allclose(ours.astype(np.float64)(x64), plain, atol=1e-12)
 
 
-def test_rotary_matches_transformers_and_is_relative():
+def _rotate_float64(x, positions, head_dim, base):
+    """Rotary embedding as the math says, in float64: pair (i, i + E/2) turned by p * base^(-2i/E)."""
+    angles = positions[..., None] * base ** (-np.arange(0, head_dim, 2) / head_dim)  # (B, T, E/2)
+    cos, sin = np.cos(angles), np.sin(angles)
+    x = np.asarray(x, np.float64)
+    first, second = x[..., : head_dim // 2], x[..., head_dim // 2 :]
+    rotated = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated, np.concatenate([cos, cos], axis=-1)
+
+
+def test_rotary_matches_transformers_and_is_relative(torch, transformers):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=100000.0)
@@ -43,10 +53,13 @@ def test_rotary_matches_transformers_and_is_relative():
     q_ref, k_ref = apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos_t, sin_t)
     rotary = RotaryEmbedding(16, base=100000.0)
     cos, sin = rotary.cos_sin(positions)
-    np.testing.assert_allclose(cos, cos_t.numpy(), atol=1e-6)
+    q_true, cos_true = _rotate_float64(q, positions[:, None], 16, 100000.0)
+    k_true, _ = _rotate_float64(k, positions[:, None], 16, 100000.0)
+    assert_within_budget(cos, cos_t.numpy(), cos_true[:, 0], what="rotary cos")
     q_ours = RotaryEmbedding.apply(q, cos[:, None], sin[:, None])
-    np.testing.assert_allclose(q_ours, q_ref.numpy(), atol=1e-5)
-    np.testing.assert_allclose(RotaryEmbedding.apply(k, cos[:, None], sin[:, None]), k_ref.numpy(), atol=1e-5)
+    assert_within_budget(q_ours, q_ref.numpy(), q_true, what="rotated query")
+    k_ours = RotaryEmbedding.apply(k, cos[:, None], sin[:, None])
+    assert_within_budget(k_ours, k_ref.numpy(), k_true, what="rotated key")
     # the score of a rotated query and key depends only on their distance
     a, b = rng.standard_normal(16), rng.standard_normal(16)
 
@@ -55,12 +68,15 @@ def test_rotary_matches_transformers_and_is_relative():
         cn, sn = rotary.cos_sin(np.array([n]))
         return RotaryEmbedding.apply(a, cm[0], sm[0]) @ RotaryEmbedding.apply(b, cn[0], sn[0])
 
-    assert score(3, 1) == pytest.approx(score(40, 38), abs=1e-5)
+    # Each of the 4 angles (at most 40 rad) is rounded to float32 (half an ulp of 40 = 1.9e-6)
+    # and so are its cos and sin (eps): the score moves by at most |a||b| times their sum.
+    bound = np.linalg.norm(a) * np.linalg.norm(b) * 4 * (0.5 * float(np.spacing(np.float32(40))) + F32_EPS)
+    assert score(3, 1) == pytest.approx(score(40, 38), abs=bound)
     with pytest.raises(ValueError, match="even head_dim"):
         RotaryEmbedding(15)
 
 
-def test_swiglu_matches_transformers_mlp():
+def test_swiglu_matches_transformers_mlp(torch, transformers):
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     config = transformers.LlamaConfig(hidden_size=24, intermediate_size=40, num_attention_heads=4)
@@ -71,7 +87,8 @@ def test_swiglu_matches_transformers_mlp():
     x = np.random.default_rng(2).standard_normal((3, 5, 24)).astype(np.float32)
     with torch.no_grad():
         expected = ref(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(ours(x), expected, atol=1e-6)
+        truth = copy.deepcopy(ref).double()(torch.from_numpy(x.astype(np.float64))).numpy()
+    assert_within_budget(ours(x), expected, truth, what="SwiGLU float32")
     # replacing a weight rebuilds the fused copy
     ours.up_proj.weight = np.zeros((40, 24), np.float32)
     np.testing.assert_array_equal(ours(x), 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from attnkit.cli import app
@@ -25,6 +26,9 @@ def test_walkthrough_matches_hand_computation():
     a = 1 / math.sqrt(2)
     row0 = np.array([math.exp(a), 1.0, math.exp(a)]) / (2 * math.exp(a) + 1)
     np.testing.assert_allclose(trace.heads[0].weights[0], row0, rtol=1e-14)
+    # Row 1 scaled: (0, a, a); softmax = (1, e^a, e^a) / (1 + 2 e^a).
+    e = math.exp(a)
+    np.testing.assert_allclose(trace.heads[0].weights[1], np.array([1, e, e]) / (1 + 2 * e), rtol=1e-14)
     # Row 2 scaled: (a, a, 2a); output = w0*(1,0) + w1*(0,1) + w2*(1,1).
     z = 2 * math.exp(a) + math.exp(2 * a)
     w = np.array([math.exp(a), math.exp(a), math.exp(2 * a)]) / z
@@ -32,6 +36,8 @@ def test_walkthrough_matches_hand_computation():
     # Head 1 reads columns 2-3: rows (1,0), (0,1), (0,0). Token 2 has a zero query,
     # so its scores are all 0 and its weights uniform 1/3.
     np.testing.assert_allclose(trace.heads[1].weights[2], [1 / 3] * 3, rtol=1e-15)
+    # Head 1, row 0: query (1,0) against keys (1,0), (0,1), (0,0): scaled (a, 0, 0).
+    np.testing.assert_allclose(trace.heads[1].weights[0], np.array([e, 1, 1]) / (e + 2), rtol=1e-14)
     np.testing.assert_allclose(trace.heads[1].output[2], [1 / 3, 1 / 3], rtol=1e-15)
     np.testing.assert_array_equal(trace.concatenated[:, :2], trace.heads[0].output)
     np.testing.assert_array_equal(trace.concatenated[:, 2:], trace.heads[1].output)
@@ -42,6 +48,9 @@ def test_walkthrough_command_prints_every_step():
     assert result.exit_code == 0, result.output
     for step in ("scores", "scaled scores", "softmax", "head 0 output", "concatenation", "0.7071", "0.4011"):
         assert step in result.output
+    # head 1, row 0, output column 0: weights (e^a, 1, 1) / (e^a + 2) over values (1, 0, 0)
+    e = math.exp(1 / math.sqrt(2))
+    assert f"{e / (e + 2):.4f}" in result.output
 
 
 def test_demo_runs_with_and_without_causal_mask():
@@ -57,7 +66,16 @@ def test_demo_runs_with_and_without_causal_mask():
     assert again.output == causal.output  # seeded: reproducible
 
 
-def test_demo_rejects_bad_heads():
-    result = runner.invoke(app, ["demo", "--heads", "5"])
-    assert result.exit_code == 2
-    assert "divide" in result.output
+def test_demo_smallest_model_runs_causal():
+    result = runner.invoke(app, ["demo", "--d-model", "2", "--heads", "2", "--no-color", "--causal", "--text", "a b c"])
+    assert result.exit_code == 0, result.output
+    assert "largest weight above the diagonal (on a future word): 0\n" in result.output
+
+
+@pytest.mark.parametrize("args,msg", [(["--d-model", "0"], "--d-model >= 2"), (["--d-model", "1", "--heads", "1"], "--d-model >= 2"),
+                                      (["--seed", "-1"], "non-negative --seed"), (["--heads", "0"], "divide"),
+                                      (["--heads", "5"], "divide")])
+def test_demo_rejects_bad_options_without_a_traceback(args, msg):
+    result = runner.invoke(app, ["demo", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert msg in result.output and "Traceback" not in result.output

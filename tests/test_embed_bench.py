@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("sentence_transformers")
-
-from attnkit.bench import SUITES, BenchReport, run_suite  # noqa: E402
-from attnkit.bench.encoder import benchmark_sentences, uniform_sentences  # noqa: E402
+from attnkit.bench import SUITES, BenchReport, run_suite
+from attnkit.bench.encoder import benchmark_sentences, uniform_sentences
 
 
 class Recorder:
@@ -29,6 +26,7 @@ def test_sentence_sets_are_deterministic():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("torch", "sentence_transformers", "minilm_folder")
 def test_encoder_suite_quick_run():
     assert "encoder" in SUITES
     progress = Recorder()
@@ -37,6 +35,15 @@ def test_encoder_suite_quick_run():
     assert progress.n == len(progress.steps) == 2
     (result,) = report.raw["results"]
     assert result["sentences"] == 64 and result["threads"] == 2
-    assert result["max_abs_diff"] <= 1e-6
-    assert result["attnkit_seconds"] > 0 and result["reference_seconds"] > 0
-    assert report.rows[0][0] == "64 varied" and "goal" in report.notes[0]
+    # The suite's fidelity check on unit-norm 384-d embeddings (entries about 0.05): a
+    # wrong weight, mask or pooling moves entries by 1e-2 or more, float32 rounding by
+    # about 1e-7 on any BLAS kernel; 1e-4 fails on the first and never on the second.
+    # (tests/test_bert.py holds the float64-grounded fidelity budget.)
+    assert result["max_abs_diff"] <= 1e-4
+    # the row is the two timed contenders as sentences per second, and their ratio
+    n = result["sentences"]
+    assert result["attnkit_per_second"] == pytest.approx(n / result["attnkit_seconds"])
+    assert result["reference_per_second"] == pytest.approx(n / result["reference_seconds"])
+    assert result["ratio"] == pytest.approx(result["reference_seconds"] / result["attnkit_seconds"])
+    row = report.rows[0]
+    assert row[0] == "64 varied" and row[6] == round(result["ratio"], 2) and "goal" in report.notes[0]

@@ -9,31 +9,47 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import attnkit
 from attnkit import masks
 from attnkit.functional import mods
-from conftest import assert_close, max_rel_err, reference_attention
+from conftest import assert_close, assert_within_budget, max_rel_err, optional, reference_attention
 
-F32_FLOOR = 4 * np.finfo(np.float32).eps  # errors this small are rounding of the result itself
-# Gradients: FlashAttention's D = rowsum(dO * O) rounds differently from the plain
-# path's rowsum(P * dP); where the exact gradient is 0 (one key) that alone shows.
-GRAD_FLOOR = 16 * np.finfo(np.float32).eps
+torch = optional("torch")  # tests that use it ask for the `torch` fixture
+
+# FlashAttention's rule through conftest.assert_within_budget. On the small random
+# cases below, the max error over a few outputs is a noisy statistic: the plain path
+# can round luckily while flash's scores, summed in another order, do not. With
+# conftest's epsilon (8 ulps of max|truth|) about 1 draw in 2,000 failed, 2% of
+# 40-example runs (flash 20 ulps vs plain 3 at scale 1.7, E=59; an lse near 0 needed
+# 225). So the epsilon here is taken at each quantity's natural size, set by the
+# conditioning: a float32 score q.k*scale is typically off by u*sqrt(E)*rms|q_e k_e|
+# = u*s_abs/sqrt(E), with s_abs = scale * max_ij sum_e |q_ie k_je| (rounding errors
+# add like a random walk), which moves the weights by that relative amount: the
+# output by ~max|v| * cond, the lse by ~cond and each gradient by its size times
+# cond, where cond = max(1, s_abs/sqrt(E)) (the 1 is the result's own rounding).
+# Measured over 16,000 forward and 6,000 backward random cases drawn like flash_case, with
+# OpenBLAS's own kernel and with OPENBLAS_CORETYPE=Haswell, what the rule needed
+# beyond its 2x (3x) part was at most 1.8 ulps of these sizes; 4 leaves 2x. The
+# factor itself is checked sharply, with conftest's epsilon, on the larger fixed
+# cases below.
+ULPS = 4.0
 
 
-def _err(actual, expected) -> float:
-    return max_rel_err(np.nan_to_num(actual), np.nan_to_num(expected))
+def _conditioning(q, k, scale, group: int) -> float:
+    """max(1, s_abs / sqrt(E)): the typical float32 error of a score, in ulps."""
+    E = q.shape[-1]
+    scale = 1.0 / np.sqrt(E) if scale is None else scale
+    k = np.repeat(np.abs(np.asarray(k, np.float64)), group, axis=-3)
+    s_abs = scale * float((np.abs(np.asarray(q, np.float64)) @ np.swapaxes(k, -1, -2)).max(initial=0.0))
+    return max(1.0, s_abs / np.sqrt(E))
 
 
-def _grad_err(actual, expected, natural_size: float) -> float:
-    """Max error of a gradient relative to the larger of its own size and its
-    natural size (a gradient can be ~0 where its inputs are not: plain relative
-    error would then measure rounding noise against nothing)."""
-    size = max(np.abs(expected).max(initial=0), natural_size, 1e-30)
-    return float(np.abs(np.asarray(actual, np.float64) - expected).max(initial=0) / size)
+def _assert_within(ours, oracle, truth, natural_size: float, what: str, factor: float = 2.0):
+    """assert_within_budget with its epsilon (ULPS) at the larger of max|truth| and
+    the problem's natural size."""
+    return assert_within_budget(ours, oracle, truth, what, factor=factor, ulps=ULPS, scale=natural_size)
 
 
 def _ref_grads(q, k, v, d_out, mask, scale, group):
@@ -100,25 +116,34 @@ def _build(case, dtype=np.float32):
 
 
 @given(flash_case())
-def test_forward_matches_float64_torch_and_twice_the_plain_error(case):
+def test_forward_within_twice_the_plain_float32_error(case):
     q, k, v, kw, dense, scale, group = _build(case)
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
     assert res.output.dtype == np.float32 and res.output.shape == (*q.shape[:-1], v.shape[-1])
     assert res.lse.shape == q.shape[:-1]
     ref_out, _, ref_lse = reference_attention(q, k, v, dense, scale, group)
-    plain = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=group > 1)
-    flash_err, plain_err = _err(res.output, ref_out), _err(plain, ref_out)
-    assert flash_err <= 2 * plain_err + F32_FLOOR, f"flash {flash_err:.2e} vs plain float32 {plain_err:.2e}"
+    plain = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=group > 1,
+                                                 return_lse=True)
+    cond = _conditioning(q, k, scale, group)
+    _assert_within(res.output, plain.output, ref_out, np.abs(v).max() * cond, "output vs plain float32")
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(res.lse), finite), "lse is -inf exactly on fully masked rows"
-    np.testing.assert_allclose(res.lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    _assert_within(res.lse[finite], plain.lse[finite], ref_lse[finite], cond, "lse vs plain float32")
     assert np.array_equal(res.output[~finite], np.zeros_like(res.output[~finite]))
 
+
+@given(case=flash_case())
+def test_forward_within_twice_torch_sdpa_float32_error(torch, case):
+    q, k, v, kw, dense, scale, group = _build(case)
+    out = attnkit.flash_attention(q, k, v, **kw)
+    ref_out = reference_attention(q, k, v, dense, scale, group)[0]
     tmask = None if dense is None else torch.tensor(dense)
-    expected = F.scaled_dot_product_attention(
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
         *(torch.tensor(x) for x in (q, k, v)), attn_mask=tmask, scale=scale, enable_gqa=group > 1
     ).numpy()
-    assert_close(res.output, np.nan_to_num(expected), 1e-5, "output vs torch SDPA")
+    # torch gives NaN on a fully masked row of a float mask; the truth there is 0
+    _assert_within(out, np.nan_to_num(sdpa), ref_out, np.abs(v).max() * _conditioning(q, k, scale, group),
+                   "output vs torch SDPA float32")
 
 
 @given(flash_case())
@@ -129,8 +154,8 @@ def test_float64_inputs_match_reference_to_1e_10(case):
     assert_close(out, reference_attention(q, k, v, dense, scale, group)[0], 1e-10, "float64 output")
 
 
-@given(flash_case())
-def test_backward_matches_torch_autograd_and_three_times_the_plain_error(case):
+@given(case=flash_case())
+def test_backward_matches_torch_autograd_and_three_times_the_plain_error(torch, case):
     q, k, v, kw, dense, scale, group = _build(case)
     d_out = np.random.default_rng(case[-1] + 1).standard_normal((*q.shape[:-1], v.shape[-1])).astype(np.float32)
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
@@ -139,15 +164,17 @@ def test_backward_matches_torch_autograd_and_three_times_the_plain_error(case):
         d_out, q, k, v, attn_mask=dense, scale=scale, enable_gqa=group > 1
     )
     expected = _ref_grads(q, k, v, d_out, dense, scale, group)
-    # each gradient's natural size: dQ ~ dO V K scale, dK ~ dO V Q scale, dV ~ dO
+    # each gradient's natural size: dQ ~ dP K scale, dK ~ dP Q scale, dV ~ dO, where
+    # dP = dO V^T is at most dp_abs = max_ij sum_e |dO_ie V_je|; times cond (above)
     sc = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-    d, big = np.abs(d_out).max(), (lambda x: float(np.abs(x).max()))
-    sizes = (d * big(v) * big(k) * sc, d * big(v) * big(q) * sc, d)
+    big = lambda x: float(np.abs(x).max())  # noqa: E731
+    dp_abs = float((np.abs(d_out.astype(np.float64)) @ np.swapaxes(np.abs(np.repeat(v, group, -3)), -1, -2)).max())
+    cond = _conditioning(q, k, scale, group)
+    sizes = (dp_abs * big(k) * sc * cond, dp_abs * big(q) * sc * cond, big(d_out) * cond)
     for name, ours, theirs, ref, size in zip(("query", "key", "value"), grads, plain, expected, sizes):
         assert ours.dtype == np.float32 and ours.shape == ref.shape, name
         assert np.isfinite(ours).all(), f"grad_{name} not finite"
-        flash_err, plain_err = _grad_err(ours, ref, size), _grad_err(theirs, ref, size)
-        assert flash_err <= 3 * plain_err + GRAD_FLOOR, f"grad_{name}: {flash_err:.2e} vs plain {plain_err:.2e}"
+        _assert_within(ours, theirs, ref, size, f"grad_{name} vs plain float32", factor=3.0)
 
     # float64 through the same tiles agrees with torch autograd to ~1e-10
     q64, k64, v64, d64 = (x.astype(np.float64) for x in (q, k, v, d_out))
@@ -182,6 +209,8 @@ def test_backward_matches_finite_differences_float64():
             up = loss(*args)
             args[which][idx] -= 2 * h
             numeric[idx] = (up - loss(*args)) / (2 * h)
+        # central differences in float64: truncation h^2 |f'''| ~ 1e-12, cancellation
+        # eps64 |loss| / h ~ 1e-16 * 10 / 1e-6 = 1e-9; 1e-7 leaves 100x for both
         assert max_rel_err(g, numeric) < 1e-7, f"input {which}: {max_rel_err(g, numeric):.2e}"
 
 
@@ -255,18 +284,18 @@ def test_scores_that_jump_between_tiles_stay_exact():
     k[0, :, 0] = np.repeat([0.0, 60.0, 160.0], 4)  # tiles of 4 keys
     k[0, :, 1] = np.linspace(0, 1, S)
     v = np.random.default_rng(0).standard_normal((1, S, 5)).astype(np.float32)
+    ref_out, _, ref_lse = reference_attention(q, k, v, scale=1.0)
+    plain = attnkit.scaled_dot_product_attention(q, k, v, scale=1.0, return_lse=True)
     for block_k in (4, 2, 5):
         res = attnkit.flash_attention(q, k, v, scale=1.0, block_k=block_k, return_lse=True)
-        ref_out, _, ref_lse = reference_attention(q, k, v, scale=1.0)
-        plain = attnkit.scaled_dot_product_attention(q, k, v, scale=1.0)
-        assert _err(res.output, ref_out) <= 2 * _err(plain, ref_out) + F32_FLOOR
-        np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-6)
+        assert_within_budget(res.output, plain.output, ref_out, f"output, block_k={block_k}")
+        assert_within_budget(res.lse, plain.lse, ref_lse, f"lse, block_k={block_k}")
     # and the other way round: falling scores underflow harmlessly
     k[0, :, 0] = k[0, ::-1, 0]
     res = attnkit.flash_attention(q, k, v, scale=1.0, block_k=4)
     ref_out = reference_attention(q, k, v, scale=1.0)[0]
     plain = attnkit.scaled_dot_product_attention(q, k, v, scale=1.0)
-    assert _err(res, ref_out) <= 2 * _err(plain, ref_out) + F32_FLOOR
+    assert_within_budget(res, plain, ref_out, "output, falling scores")
 
 
 def test_decode_splits_keys_across_threads_and_merges():
@@ -275,14 +304,15 @@ def test_decode_splits_keys_across_threads_and_merges():
     k = rng.standard_normal((1, 1, 1000, 16)).astype(np.float32)
     v = rng.standard_normal((1, 1, 1000, 16)).astype(np.float32)
     ref = reference_attention(q, k, v)[0]
+    plain = attnkit.scaled_dot_product_attention(q, k, v)
     for threads in (1, 2, 3):
         out = attnkit.flash_attention(q, k, v, block_k=64, num_threads=threads)
-        assert _err(out, ref) <= 1e-5, threads
+        assert_within_budget(out, plain, ref, f"split keys, {threads} threads")
     cached = attnkit.flash_attention(q, k, v, is_causal=True, causal_align="bottom_right", block_k=64, num_threads=2)
-    assert _err(cached, ref) <= 1e-5  # a decode step sees the whole cache
+    assert_within_budget(cached, plain, ref, "decode step over the whole cache")
 
 
-def test_peaked_rows_keep_gradients_as_exact_as_the_plain_path():
+def test_peaked_rows_keep_gradients_as_exact_as_the_plain_path(torch):
     """Large scores make near-one-hot rows; the backward's exp(s - lse) must then
     give the top weight 1 to rounding, which needs bitwise the forward's scores
     (a version that shifted by a stale max got grad_value 3.2x the plain error here)."""
@@ -299,9 +329,9 @@ def test_peaked_rows_keep_gradients_as_exact_as_the_plain_path():
             res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
             grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
             for name, ours, base, ref in zip(("query", "key", "value"), grads, plain, expected):
-                size = np.abs(ref).max()
-                flash_err, plain_err = _grad_err(ours, ref, size), _grad_err(base, ref, size)
-                assert flash_err <= 3 * plain_err, f"grad_{name} {bq}x{bk}: {flash_err:.2e} vs {plain_err:.2e}"
+                # no epsilon: the plain errors here are far above rounding, and the
+                # regression this guards against sat at 3.2x
+                assert_within_budget(ours, base, ref, f"grad_{name} {bq}x{bk}", factor=3.0, ulps=0.0)
 
 
 def test_threads_do_not_change_results_and_default_tiles_work():
@@ -312,7 +342,7 @@ def test_threads_do_not_change_results_and_default_tiles_work():
     np.testing.assert_array_equal(one, two)  # same tiles, same order per row: bitwise equal
     plain = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref = reference_attention(q, k, v, masks.causal_mask(1025))[0]
-    assert _err(two, ref) <= 2 * _err(plain, ref) + F32_FLOOR
+    assert_within_budget(two, plain, ref, "default tiles")
 
 
 def test_float16_and_2d_inputs():
@@ -322,7 +352,10 @@ def test_float16_and_2d_inputs():
     assert res.output.dtype == np.float16 and res.output.shape == (6, 8)
     assert res.lse.dtype == np.float64 and res.lse.shape == (6,)
     plain = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
-    np.testing.assert_allclose(res.output.astype(np.float32), plain.astype(np.float32), atol=2e-3)
+    truth = reference_attention(q[None], k[None], v[None], masks.causal_mask(6))[0][0]  # it wants a head axis
+    # float16 results: the epsilon is one float16 ulp (2^-10 = 8192 float32 ulps) at the largest
+    # output, half for storing in float16 and half for the float32 compute nudging across a tie
+    assert_within_budget(res.output, plain, truth, "float16 output vs plain float16", ulps=8192)
     g = attnkit.flash_attention_backward(q, q, k, v, res.output, res.lse, is_causal=True)
     assert all(x.dtype == np.float16 and x.shape == (6, 8) for x in g)
 

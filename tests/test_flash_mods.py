@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, strategies as st
 
 import attnkit
 from attnkit import masks
 from attnkit.functional import mods
-from conftest import assert_close, max_rel_err, reference_attention
+from conftest import assert_close, assert_within_budget, optional, reference_attention
+
+torch = optional("torch")  # the softcap test asks for the `torch` fixture
 
 B, H, E = 2, 4, 8
 
@@ -112,7 +113,8 @@ def test_alibi_equals_its_dense_bias(L, S, seed, causal):
 
 
 def _softcap_reference(q, k, v, d_out, cap, mask):
-    """float64 softcapped attention and its gradients through torch autograd."""
+    """Softcapped attention and its gradients through torch autograd, in the inputs'
+    dtype: float64 is the truth, float32 the outside oracle."""
     tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     s = tq @ tk.transpose(-1, -2) / np.sqrt(q.shape[-1])
     s = cap * torch.tanh(s / cap)
@@ -124,7 +126,7 @@ def _softcap_reference(q, k, v, d_out, cap, mask):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_softcap_matches_dense_reference_forward_and_backward(dtype):
+def test_softcap_matches_dense_reference_forward_and_backward(torch, dtype):
     L, S = 13, 17
     q, k, v, d_out = _inputs(L, S, 3, dtype)
     q *= 3  # scores well past the cap
@@ -133,17 +135,24 @@ def test_softcap_matches_dense_reference_forward_and_backward(dtype):
     kw = dict(score_mod=mods.softcap(cap), is_causal=True, causal_align="bottom_right", block_q=4, block_k=5)
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
     ref_out, ref_grads = _softcap_reference(*(x.astype(np.float64) for x in (q, k, v, d_out)), cap, mask)
-    tol = 1e-10 if dtype == np.float64 else 2e-5
-    assert_close(res.output, ref_out, tol, "softcap output")
     grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
-    for name, ours, theirs in zip(("query", "key", "value"), grads, ref_grads):
-        assert_close(ours, theirs, tol * 5, f"softcap grad_{name}")
-    # the plain path on pre-capped scores says the same: scores -> capped scores -> softmax
+    # the plain path on pre-capped scores: scores -> capped scores -> softmax, in float64
     scores = np.einsum("bhle,bhse->bhls", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(E)
     capped = mods.apply_score_mod(mods.softcap(cap), scores)
     assert np.abs(capped).max() < cap
-    weights = attnkit.softmax(np.where(mask, capped, -np.inf))
-    assert_close(res.output, weights @ v.astype(np.float64), tol, "softcap vs dense softmax")
+    dense_out = attnkit.softmax(np.where(mask, capped, -np.inf)) @ v.astype(np.float64)
+    if dtype == np.float64:
+        assert_close(res.output, ref_out, 1e-10, "softcap output")
+        for name, ours, theirs in zip(("query", "key", "value"), grads, ref_grads):
+            assert_close(ours, theirs, 5e-10, f"softcap grad_{name}")
+        assert_close(res.output, dense_out, 1e-10, "softcap vs dense softmax")
+        return
+    # float32: FlashAttention's rule against torch autograd run in float32 on the same inputs
+    out32, grads32 = _softcap_reference(q, k, v, d_out, cap, mask)
+    assert_within_budget(res.output, out32, ref_out, "softcap output vs torch float32")
+    for name, ours, theirs, truth in zip(("query", "key", "value"), grads, grads32, ref_grads):
+        assert_within_budget(ours, theirs, truth, f"softcap grad_{name} vs torch float32", factor=3.0)
+    assert_within_budget(res.output, out32, dense_out, "softcap vs dense softmax (float64)")
 
 
 def test_custom_mods_in_flex_style():

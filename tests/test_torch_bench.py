@@ -18,7 +18,7 @@ def test_round_robin_timing_pairs_rounds():
         torch_modules.time_round_robin({"a": lambda: None}, rounds=1, clock="sundial")
 
 
-def test_suite_reports_every_contender_and_the_goal(monkeypatch):
+def test_suite_reports_every_contender_and_the_goal(monkeypatch, torch):
     assert SUITES["torch_modules"] == "attnkit.bench.torch_modules"
     monkeypatch.setattr(torch_modules, "D_MODEL", 32)
     monkeypatch.setattr(torch_modules, "HEADS", 4)
@@ -29,6 +29,16 @@ def test_suite_reports_every_contender_and_the_goal(monkeypatch):
     assert {"direct SDPA", "attnkit.torch MHA", "torch.nn.MultiheadAttention",
             "SDPA (attention only)", "attnkit.torch flash_attention"} <= impls
     assert len(report.rows) == 4 * 3 + 2 * 2  # 4 MHA cases x 3 contenders, 2 flash cases x 2 (threads=1: once)
-    assert all(row[4] > 0 and row[5] > 0 for row in report.rows)
+    # each row is its measurement: ms, then the ratio of the baseline's best time to this
+    # contender's (the baseline of its group: direct SDPA, or SDPA attention-only)
+    assert report.columns == ["L=S", "causal", "pass", "impl", "ms", "vs direct", "paired"]
+    assert len(report.rows) == len(report.raw["measurements"])
+    for row, m in zip(report.rows, report.raw["measurements"]):
+        assert row[4] == pytest.approx(m["best_s"] * 1e3) and row[4] > 0
+        base = "direct SDPA" if m["kind"] == "mha" else "SDPA (attention only)"
+        (baseline,) = [b for b in report.raw["measurements"] if b["impl"] == base and b["kind"] == m["kind"]
+                       and (b["L"], b["causal"], b["passes"], b["threads"]) == (m["L"], m["causal"], m["passes"], m["threads"])]
+        assert row[5] == pytest.approx(baseline["best_s"] / m["best_s"]) == m["vs_direct"]
+        assert row[6] == m["paired_median"] > 0
     assert report.raw["goal"]["L"] == 48 and isinstance(report.raw["goal"]["met"], bool)
     assert any(note.startswith(("PASS", "MISS")) for note in report.notes)

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from attnkit.cli import app
-from attnkit.torch.induction import (
-    InductionConfig,
-    InductionModel,
-    evaluate,
-    find_copy_head,
-    make_batch,
-    train_induction,
-)
+from conftest import optional
+
+torch = optional("torch")
+# attnkit.torch needs torch; without it every test here skips (or fails under
+# ATTNKIT_REQUIRE_ORACLES=1) through the fixture below, and the file still collects
+if torch is not None:
+    from attnkit.torch.induction import (
+        InductionConfig,
+        InductionModel,
+        evaluate,
+        find_copy_head,
+        make_batch,
+        train_induction,
+    )
+
+pytestmark = pytest.mark.usefixtures("torch")  # every test here trains or runs `attnkit train`, which needs torch
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(torch):
     """The small model trains fastest on one thread (and CI has two cores for two workers)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

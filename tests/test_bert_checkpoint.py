@@ -242,9 +242,15 @@ def test_generic_helpers():
         check_shapes(mapped, {"x.w": (2, 3), "x.b": (2,), "x.c": (1,)})
 
 
-def test_config_defaults_and_unknown_keys_ignored():
-    config = BertConfig.from_dict({"model_type": "bert", "hidden_size": 64, "num_attention_heads": 4, "foo": 1})
+def test_config_defaults_and_unknown_keys_refused():
+    sizes = {"model_type": "bert", "vocab_size": 30, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 32}
+    config = BertConfig.from_dict(sizes)
     assert config.hidden_size == 64 and config.head_dim == 16 and config.layer_norm_eps == 1e-12
+    assert config.type_vocab_size == 2
+    # a key attnkit does not know may change the math: refused by name, never ignored
+    with pytest.raises(CheckpointError, match=r"does not know the key\(s\) 'foo'"):
+        BertConfig.from_dict({**sizes, "foo": 1})
 
 
 # ----------------------------------------------------------------------------- embedded packages
@@ -310,9 +316,12 @@ def test_sentence_transformers_files_choose_pooling(tiny_folder, tiny_hf, tmp_pa
         truth = hf64(input_ids=torch.tensor([ids])).last_hidden_state[0, 0].numpy()
     assert_within_budget(encoder.encode([text])[0], theirs, truth, what="cls pooling, encode()")
     assert_within_budget(encoder.model(np.array([ids])).last_hidden_state[0, 0], theirs, truth, what="cls, reference")
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
-    with pytest.raises(CheckpointError, match="unsupported pooling .*pooling_mode_max_tokens"):
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_median_tokens": True}))
+    with pytest.raises(CheckpointError, match=r"unsupported key\(s\) \['pooling_mode_median_tokens'\]"):
         SentenceEncoder.from_pretrained(folder)
-    (folder / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Dense"}]))
-    with pytest.raises(CheckpointError, match=r"unsupported sentence-transformers module\(s\) \['Dense'\]"):
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
+    modules = json.loads((folder / "modules.json").read_text())[:2]
+    modules.append({"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(CheckpointError, match="unsupported sentence-transformers module 'sentence_transformers.models.LayerNorm'"):
         SentenceEncoder.from_pretrained(folder)

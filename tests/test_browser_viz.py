@@ -237,3 +237,41 @@ def test_served_page_with_minilm(browser, server_url, minilm_folder):
     w.page.screenshot(path=str(ARTIFACTS / "served-minilm.png"), full_page=True)
     w.check_clean(server_url.rstrip("/"))
     w.page.close()
+
+
+@pytest.mark.slow
+def test_served_on_ipv6_loopback_end_to_end(browser, tmp_path):
+    """`attnkit serve --host ::1` as a user runs it: the browser's Host header is '[::1]:PORT'."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "attnkit", "serve", "--host", "::1", "--port", str(port), "-m", "random"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+    )
+    try:
+        assert server.stdout.readline().decode() == f"attnkit: open http://[::1]:{port}/ (Ctrl+C to stop)\n"
+        for _ in range(200):  # the socket listens once uvicorn has started
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as client:
+                if client.connect_ex(("::1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        url = f"http://[::1]:{port}/"
+        w = Watched(browser)
+        w.page.goto(url)
+        w.page.wait_for_selector("#input-form:not([hidden])")
+        w.page.fill("#text", "the cat sat on the mat")
+        w.page.select_option("#model", "random")
+        w.page.click("#submit")
+        wait_ready(w.page)
+        assert w.page.locator(".col.left .tok").all_text_contents() == "the cat sat on the mat".split()
+        w.check_clean(url.rstrip("/"))
+        w.page.close()
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, errors = server.communicate(timeout=30)
+    assert server.returncode == 130 and b"Traceback" not in errors  # stopped by Ctrl+C, as a shell reports it

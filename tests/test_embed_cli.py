@@ -93,19 +93,53 @@ def test_similarity(encoder, model64):
 
 
 @pytest.mark.parametrize(
-    "args, words",
+    "args, code, words",
     [
-        (["embed"], "expected at least one sentence"),
-        (["similarity", "only one"], "expected at least two sentences to compare, got 1"),
-        (["embed", "x", "--model", "/no/such/folder"], "does not exist"),
-        (["embed", "--file", "/no/such/file.txt"], "cannot read --file"),
-        (["embed", "x", "--batch-size", "0"], "--batch-size"),
+        (["embed"], 2, "expected at least one sentence"),
+        (["similarity", "only one"], 2, "expected at least two sentences to compare, got 1"),
+        (["embed", "x", "--batch-size", "0"], 2, "expected --batch-size >= 1, got 0"),
+        (["embed", "x", "--threads", "0"], 2, "expected --threads in 1..256, got 0"),
+        (["embed", "-", "--file", "f.txt"], 2, "expected sentences from '-' (stdin) or from --file, got both"),
+        (["embed", "x\udcff"], 2, "TEXT is not valid UTF-8: byte 0xff at offset 1"),
+        (["embed", "x", "--model", "/no/such/folder"], 1, "does not exist"),
+        (["embed", "--file", "/no/such/file.txt"], 1, "cannot read --file /no/such/file.txt: no such file or directory"),
     ],
 )
-def test_cli_errors(args, words):
+def test_cli_errors(args, code, words):
+    """Checked before the model loads: one line on stderr, nothing on stdout (docs/conventions.md)."""
     result = runner.invoke(app, args)
-    assert result.exit_code == 2
-    assert words in " ".join(result.output.split())
+    assert result.exit_code == code, result.output
+    assert result.stdout == "" and result.stderr == f"error: {result.stderr[7:]}" and result.stderr.count("\n") == 1
+    assert words in result.stderr
+
+
+def test_invalid_utf8_in_a_file_or_stdin_is_refused_with_its_offset(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes("fine\ncaf\u00e9 \xff".encode("latin-1"))
+    result = runner.invoke(app, ["embed", "--file", str(path)])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr == f"error: --file {path} is not valid UTF-8: byte 0xe9 at offset 8\n"
+    result = runner.invoke(app, ["similarity", "-"], input=b"ok\n\xfe\xff\n")
+    assert result.exit_code == 1 and result.stderr == "error: stdin is not valid UTF-8: byte 0xfe at offset 3\n"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("minilm_folder")
+def test_user_text_is_shown_as_data(tmp_path):
+    """Markup is printed as typed; escape sequences from a file are shown escaped, never sent."""
+    result = runner.invoke(app, ["similarity", "[red]b", "[link=https://evil.example]click[/link]", "c"],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "[red]b" in result.stdout and "[link=https://evil.example]click[/link]" in result.stdout
+    assert "\x1b" not in result.stdout
+    result = runner.invoke(app, ["embed", "[/]", "x\x1b]0;PWNED\x07"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "[/]" in result.stdout and "x\\x1b]0;PWNED\\x07" in result.stdout
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"x\x1b]0;PWNED\x07\n")
+    result = runner.invoke(app, ["embed", "--file", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "x\\x1b]0;PWNED\\x07" in result.stdout and "\x1b" not in result.stdout
 
 
 def test_importing_the_encoder_stays_light():

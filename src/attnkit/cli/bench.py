@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.text import Text
 
 from attnkit.bench import SUITES  # a name table only: nothing heavy is imported
-from attnkit.cli._app import app, console, err_console, fail
+from attnkit.cli._app import app, check_int, console, err_console, say, usage
+from attnkit.cli._output import plan, write_all
+
+MAX_THREADS = 256
+"""The most threads `bench --threads` takes."""
 
 
 class _RichProgress:
@@ -46,8 +50,12 @@ def _cell(value) -> str:
 def bench(
     suite: str = typer.Argument("attention", help=f"Which suite: {', '.join(SUITES)}."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, few repeats: well under a minute."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write every measurement to this JSON file."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Threads for every contender (default: all CPUs)."),
+    json_path: Optional[str] = typer.Option(
+        None, "--json", metavar="FILE.json", help="Also write every measurement to this JSON file."
+    ),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help=f"Threads for every contender (default: all CPUs; at most {MAX_THREADS})."
+    ),
 ) -> None:
     """Benchmark attnkit against its peers, side by side in one run."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -58,9 +66,11 @@ def bench(
     from attnkit.bench.measure import blas_summary, system_info
 
     if suite not in SUITES:
-        fail(f"unknown suite {suite!r}; expected one of {', '.join(sorted(SUITES))}")
+        usage(f"unknown suite {suite!r}; expected one of {', '.join(sorted(SUITES))}")
+    check_int("--threads", threads, 1, MAX_THREADS)
+    output = plan("--json", json_path, (".json",)) if json_path is not None else None
     module = get_suite(suite)
-    console.print(f"[bold]attnkit bench {suite}[/]{' --quick' if quick else ''}  BLAS: {blas_summary()}")
+    console.print(Text.assemble((f"attnkit bench {suite}", "bold"), f"{' --quick' if quick else ''}  BLAS: {blas_summary()}"))
     with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as bar:
         progress = _RichProgress(bar)
@@ -70,18 +80,16 @@ def bench(
     table = Table(title=report.title, title_justify="left", box=box.SIMPLE_HEAD)
     for i, name in enumerate(report.columns):
         numeric = any(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in report.rows)
-        table.add_column(name, justify="right" if numeric else "left", no_wrap=True)
+        table.add_column(Text(name), justify="right" if numeric else "left", no_wrap=True)
     for row in report.rows:
-        table.add_row(*(_cell(v) for v in row))
+        table.add_row(*(Text(_cell(v)) for v in row))
     console.print(table)
     for note in report.notes:
         style = "green" if note.startswith("PASS") else "red" if note.startswith("MISS") else "dim"
-        console.print(f"[{style}]{note}[/]")
+        console.print(Text(note, style=style))
 
-    if json_path is not None:
+    if output is not None:
         payload = {"suite": suite, "quick": quick, "report": report.as_dict(), "system": system_info()}
-        try:
-            json_path.write_text(json.dumps(payload, indent=2, default=str))
-        except OSError as e:
-            fail(f"could not write {json_path}: {e.strerror}")
-        console.print(f"wrote {json_path}")
+        text = json.dumps(payload, indent=2, default=str)
+        write_all([(output, lambda path: path.write_text(text, encoding="utf-8"))])
+        say(f"wrote {output.path}")

@@ -8,18 +8,27 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from attnkit.cli._app import app, console, fail
+from attnkit.cli._app import app, check_int, check_text, console, usage, use_color
+from attnkit.viz.text import printable
 
 DEMO_SENTENCE = "The cat sat on the mat"
+MAX_WORDS = 64
+"""The most words `demo --text` takes (it prints a table with a column per word)."""
+MAX_TEXT_CHARS = 2000
+"""The most characters `demo --text` takes."""
+MAX_D_MODEL = 1024
+"""The largest `demo --d-model`."""
+MAX_HEADS = 64
+"""The most `demo --heads` (it prints a heatmap per head)."""
 
 
 def _weight_table(weights: np.ndarray, tokens: list[str], title: str) -> Group:
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("", style="bold")
     for token in tokens:
-        table.add_column(token, justify="right")
+        table.add_column(Text(printable(token)), justify="right")
     for token, row in zip(tokens, weights):
-        table.add_row(token, *(f"{w:.3f}" for w in row))
+        table.add_row(Text(printable(token)), *(f"{w:.3f}" for w in row))
     return Group(Text(title, style="italic"), table)
 
 
@@ -33,28 +42,45 @@ def _matrix_table(matrix: np.ndarray, title: str, labels: list[str] | None = Non
     return Group(Text(title, style="italic"), table)
 
 
+def _heading(title: str, rest: str) -> None:
+    """A bold title and its details on one line (never wrapped), then a blank line."""
+    console.print(Text.assemble((title, "bold"), " " + rest), soft_wrap=True)
+    console.print()
+
+
 @app.command()
 def demo(
-    text: str = typer.Option(DEMO_SENTENCE, "--text", help="Words to attend over (split on spaces)."),
-    seed: int = typer.Option(42, help="Seed for the embeddings and weights."),
+    text: str = typer.Option(
+        DEMO_SENTENCE, "--text", help=f"Words to attend over (split on spaces; at most {MAX_WORDS} words, {MAX_TEXT_CHARS} characters)."
+    ),
+    seed: int = typer.Option(42, help="Seed for the embeddings and weights (>= 0)."),
     causal: bool = typer.Option(False, "--causal", help="Apply a causal mask: each word sees only earlier words."),
-    d_model: int = typer.Option(16, help="Embedding size."),
-    heads: int = typer.Option(4, help="Heads in the multi-head layer (must divide d_model)."),
-    color: bool = typer.Option(True, "--color/--no-color", help="Truecolor heatmaps, or ░▒▓█ shading."),
+    d_model: int = typer.Option(16, help=f"Embedding size (2 to {MAX_D_MODEL})."),
+    heads: int = typer.Option(4, help=f"Heads in the multi-head layer (must divide d_model; at most {MAX_HEADS})."),
+    no_color: bool = typer.Option(
+        False, "--no-color", help="Shade with ░▒▓█ instead of colour (the default when the output is not a colour terminal)."
+    ),
 ) -> None:
     """A seeded single head and a multi-head layer over a sentence, with random weights."""
     from attnkit.nn import MultiHeadAttention, SingleHeadSelfAttention
     from attnkit.viz.terminal import heatmap
 
+    check_text("--text", text)
     tokens = text.split()
     if not tokens:
-        fail("expected some words in --text, got an empty string")
-    if d_model < 2:
-        fail(f"expected --d-model >= 2 (the single head has d_model // 2 dimensions), got {d_model}")
+        usage("expected some words in --text, got an empty string")
+    if len(text) > MAX_TEXT_CHARS:
+        usage(f"expected --text of at most {MAX_TEXT_CHARS} characters (demo's limit), got {len(text)}")
+    if len(tokens) > MAX_WORDS:
+        usage(f"expected --text of at most {MAX_WORDS} words (demo's limit), got {len(tokens)}")
+    check_int("--d-model", d_model, 2, None, "the single head has d_model // 2 dimensions")
+    check_int("--d-model", d_model, None, MAX_D_MODEL, "demo's limit")
+    check_int("--heads", heads, None, MAX_HEADS, "demo's limit")
     if heads < 1 or d_model % heads:
-        fail(f"expected --heads to divide --d-model={d_model}, got {heads}")
+        usage(f"expected --heads to divide --d-model={d_model}, got {heads}")
     if seed < 0:
-        fail(f"expected a non-negative --seed, got {seed}")
+        usage(f"expected a non-negative --seed, got {seed}")
+    color = use_color(no_color)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((len(tokens), d_model)).astype(np.float32)  # (T, d_model) random embeddings
     width = min(console.width, 100)
@@ -62,7 +88,7 @@ def demo(
 
     head = SingleHeadSelfAttention(d_model, d_model // 2, seed=seed)
     _, weights = head(x, is_causal=causal)  # (T, T)
-    console.print(f"[bold]One self-attention head[/] (d_model={d_model}, d_head={d_model // 2}, seed={seed}; {mask_note})\n")
+    _heading("One self-attention head", f"(d_model={d_model}, d_head={d_model // 2}, seed={seed}; {mask_note})")
     console.print(_weight_table(weights, tokens, "Attention weights: row = the word that looks, column = where it looks"))
     console.print()
     console.print(heatmap(weights, tokens, color=color, width=width))
@@ -74,7 +100,8 @@ def demo(
 
     mha = MultiHeadAttention(d_model, heads, seed=seed)
     _, per_head = mha(x[None], is_causal=causal, need_weights=True, average_attn_weights=False)  # (1, H, T, T)
-    console.print(f"\n[bold]Multi-head attention[/] ({heads} heads of size {d_model // heads}): each head looks differently\n")
+    console.print()
+    _heading("Multi-head attention", f"({heads} heads of size {d_model // heads}): each head looks differently")
     for h in range(heads):
         console.print(heatmap(per_head[0, h], tokens, color=color, width=width, title=f"head {h}"))
 

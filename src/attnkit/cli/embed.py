@@ -9,50 +9,58 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.text import Text
 
-from attnkit.cli._app import app, console, err_console, fail
+from attnkit.cli._app import app, check_int, check_text, console, err_console, fail, usage
+from attnkit.cli._input import read_stdin, read_text_file
+from attnkit.cli.models import ENCODER, model_option
+from attnkit.viz.text import printable
 
-_MODEL_HELP = "A BERT-family model folder (config.json, model.safetensors, tokenizer.json or vocab.txt). Default: the embedded all-MiniLM-L6-v2."
+_MODEL_HELP = "minilm (the embedded all-MiniLM-L6-v2, the default) or a BERT-family model folder (config.json, model.safetensors, tokenizer.json or vocab.txt)."
+MAX_THREADS = 256
+"""The most worker threads --threads takes."""
 
 
 def _read_texts(texts: list[str], file: Optional[str]) -> list[str]:
-    """TEXT arguments, then the lines of --file (or of stdin for '-'); blank lines skipped."""
-    lines: list[str] = []
-    from_stdin = file == "-" or texts == ["-"]
-    if from_stdin:
-        texts = [] if texts == ["-"] else texts
-        lines = sys.stdin.read().splitlines()
+    """TEXT arguments, then the lines of --file (or of stdin for '-'); blank lines skipped.
+
+    A single TEXT '-' reads stdin. Text arguments, files and stdin must be UTF-8.
+    """
+    stdin_text = texts == ["-"]
+    if stdin_text and file is not None:
+        usage("expected sentences from '-' (stdin) or from --file, got both")
+    for text in texts:
+        check_text("TEXT", text)
+    if stdin_text:
+        texts, lines = [], read_stdin().splitlines()
     elif file is not None:
-        try:
-            lines = Path(file).read_text(encoding="utf-8").splitlines()
-        except OSError as error:
-            fail(f"cannot read --file {file}: {error.strerror or error}")
-        except UnicodeDecodeError:
-            fail(f"expected a UTF-8 text file for --file, got undecodable bytes in {file}")
+        lines = read_text_file("--file", file).splitlines()
+    else:
+        lines = []
     return list(texts) + [line for line in lines if line.strip()]
 
 
-def _load_encoder(model: Optional[str], threads: Optional[int]) -> Any:
+def _check_sizes(batch_size: int, threads: Optional[int]) -> None:
+    check_int("--batch-size", batch_size, 1)
+    check_int("--threads", threads, 1, MAX_THREADS)
+
+
+def _load_encoder(model: Optional[str], threads: Optional[int], command: str) -> Any:
     from attnkit.models.bert import SentenceEncoder
-    from attnkit.models.checkpoint import CheckpointError
     from attnkit.models.embedded import ModelPackageNotFoundError
 
-    if threads is not None and threads < 1:
-        fail(f"expected --threads to be a positive int, got {threads}")
+    model = model_option(model, ENCODER, command)
     try:
         return SentenceEncoder.from_pretrained(model, num_threads=threads)
-    except (CheckpointError, ModelPackageNotFoundError) as error:
+    except (ModelPackageNotFoundError, ValueError, OSError, KeyError) as error:
         fail(str(error))
 
 
 def _encode(encoder: Any, texts: list[str], batch_size: int) -> Any:
     """encoder.encode with a progress bar on stderr when there are many sentences."""
-    if batch_size < 1:
-        fail(f"expected --batch-size to be a positive int, got {batch_size}")
     if len(texts) <= batch_size:
         return encoder.encode(texts, batch_size=batch_size)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -65,9 +73,10 @@ def _encode(encoder: Any, texts: list[str], batch_size: int) -> Any:
         )
 
 
-def _short(text: str, width: int = 48) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
+def _short(text: str, width: int = 48) -> Text:
+    """A sentence as one table cell: plain text (never markup), control characters escaped."""
+    text = printable(" ".join(text.split()))
+    return Text(text if len(text) <= width else text[: width - 1] + "…")
 
 
 @app.command()
@@ -83,10 +92,11 @@ def embed(
     import numpy as np
     from rich.table import Table
 
+    _check_sizes(batch_size, threads)
     sentences = _read_texts(texts or [], file)
     if not sentences:
-        fail("expected at least one sentence: give TEXT arguments, --file F, or '-' for stdin")
-    encoder = _load_encoder(model, threads)
+        usage("expected at least one sentence: give TEXT arguments, --file F, or '-' for stdin")
+    encoder = _load_encoder(model, threads, "embed")
     embeddings = _encode(encoder, sentences, batch_size)
     if as_json:
         payload = {
@@ -109,7 +119,7 @@ def embed(
             head = " ".join(f"{v:+.4f}" for v in row[:4]) + " …"
             table.add_row(str(index), _short(text), head, f"{np.linalg.norm(row):.4f}")
     console.print(table)
-    console.print("[dim]use --json for the full vectors[/]")
+    console.print("use --json for the full vectors", style="dim")
 
 
 @app.command()
@@ -125,10 +135,11 @@ def similarity(
     import numpy as np
     from rich.table import Table
 
+    _check_sizes(batch_size, threads)
     sentences = _read_texts(texts or [], file)
     if len(sentences) < 2:
-        fail(f"expected at least two sentences to compare, got {len(sentences)}")
-    encoder = _load_encoder(model, threads)
+        usage(f"expected at least two sentences to compare, got {len(sentences)}")
+    encoder = _load_encoder(model, threads, "similarity")
     embeddings = _encode(encoder, sentences, batch_size)
     norms = np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), np.float32(1e-12))
     unit = embeddings / norms
@@ -138,8 +149,8 @@ def similarity(
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     if len(sentences) == 2:
-        console.print(f"cosine similarity: [bold]{matrix[0, 1]:.4f}[/]")
-        console.print(f"  A: {_short(sentences[0], 70)}\n  B: {_short(sentences[1], 70)}")
+        console.print(Text.assemble("cosine similarity: ", (f"{matrix[0, 1]:.4f}", "bold")))
+        console.print(Text.assemble("  A: ", _short(sentences[0], 70), "\n  B: ", _short(sentences[1], 70)))
         return
     table = Table(title="cosine similarity", show_edge=False)
     table.add_column("#", justify="right")
@@ -152,7 +163,7 @@ def similarity(
         cells = []
         for j, value in enumerate(row):
             cell = "—" if j == index else f"{value:.3f}"
-            cells.append(f"[bold]{cell}[/]" if j == closest else cell)
+            cells.append(Text(cell, style="bold" if j == closest else ""))
         table.add_row(str(index), _short(text, 40), *cells)
     console.print(table)
-    console.print("[dim]bold: each sentence's closest match[/]")
+    console.print("bold: each sentence's closest match", style="dim")

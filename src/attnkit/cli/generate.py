@@ -2,40 +2,48 @@
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from attnkit.cli._app import app, console, err_console, fail
+from attnkit.cli._app import app, check_float, check_int, check_text, console, err_console, fail, usage, warn
+from attnkit.cli._input import StdinLines, read_text_file
+from attnkit.viz.text import printable
 
-MODEL_HELP = "A .gguf file or a Hugging Face Llama/GPT-2 folder (default: the embedded SmolLM2-135M-Instruct)."
+MODEL_HELP = "smollm2 (the embedded SmolLM2-135M-Instruct, the default), a .gguf file or a Hugging Face Llama/GPT-2 folder."
+TEMPERATURE_HELP = "0 = greedy; else between 0.0001 and 100 (higher = more random)."
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+"""Sampling temperatures other than 0 (greedy) lie in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
 
 
-def _load(model_path: Optional[Path]):
+def _load(model_path: Optional[str]):
     from attnkit.models.embedded import ModelPackageNotFoundError
     from attnkit.models.generation import CausalLM
 
     try:
         with err_console.status("loading the model..."):
             model = CausalLM.from_pretrained(model_path)
-    except (ModelPackageNotFoundError, ValueError, OSError) as error:
+    except (ModelPackageNotFoundError, ValueError, OSError, KeyError) as error:
         fail(str(error))
     if model.tokenizer is None:
         fail(f"{model_path} has no tokenizer.json; attnkit generate needs one to turn text into tokens")
     return model
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
-    if max_new_tokens < 0:
-        fail(f"expected --max-new-tokens >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        fail(f"expected --temperature >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        fail(f"expected --top-k >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        fail(f"expected --top-p in (0, 1], got {top_p}")
+def _check_sampling(
+    max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float], seed: Optional[int]
+) -> None:
+    """Usage errors for sampling options out of range, before the model loads."""
+    check_int("--max-new-tokens", max_new_tokens, 0)
+    if temperature != 0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        usage(f"expected --temperature 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature}")
+    check_int("--top-k", top_k, 1)
+    check_float("--top-p", top_p, 0.0, 1.0, low_open=True)
+    check_int("--seed", seed, 0)
 
 
 class _Printer:
@@ -47,8 +55,8 @@ class _Printer:
 
     def __call__(self, token: int) -> None:
         piece = self.decoder.step(self.tokenizer.tokenizer, int(token))
-        if piece:
-            console.out(piece, end="", highlight=False)
+        if piece:  # a model can produce escape sequences too: shown, never sent raw
+            console.out(printable(piece, lines=True), end="", highlight=False)
             console.file.flush()
 
 
@@ -72,24 +80,26 @@ def _run(model, prompt_ids, printer, *, cache=None, **sampling) -> tuple[list[in
 def _report(prompt_tokens: int, new_tokens: int, seconds: float) -> None:
     rate = new_tokens / seconds if seconds > 0 else float("inf")
     err_console.print(
-        f"[dim]{new_tokens} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
-        f"(after a prompt of {prompt_tokens} tokens; the time includes its prefill)[/]"
+        f"{new_tokens} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
+        f"(after a prompt of {prompt_tokens} tokens; the time includes its prefill)",
+        style="dim", markup=False, soft_wrap=True,
     )
 
 
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue."),
-    model_path: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model_path: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; higher = more random."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help=TEMPERATURE_HELP),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample among the most likely tokens up to this probability."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (>= 0)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as one user message with the chat template."),
 ) -> None:
     """Continue PROMPT, printing the text as it is generated, then tokens/s."""
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_text("PROMPT", prompt)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     model = _load(model_path)
     tokenizer = model.tokenizer
     if chat:
@@ -99,11 +109,12 @@ def generate(
             fail(str(error))
     else:
         ids = tokenizer.encode(prompt)
-        console.out(prompt, end="", highlight=False)
     if not ids:
         fail("expected a prompt with at least one token, got an empty prompt")
     if len(ids) > model.context_length:
         fail(f"the prompt has {len(ids)} tokens, more than the model's context of {model.context_length}")
+    if not chat:
+        console.out(printable(prompt, lines=True), end="", highlight=False)
     max_new_tokens = min(max_new_tokens, model.context_length - len(ids))
     printer = _Printer(tokenizer)
     new, seconds, interrupted = _run(
@@ -112,35 +123,37 @@ def generate(
     )
     console.out("")
     if interrupted:
-        err_console.print("[yellow]interrupted[/]")
+        err_console.print("interrupted", style="yellow")
     _report(len(ids), len(new), seconds)
 
 
 @app.command()
 def chat(
-    model_path: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model_path: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    system_file: Optional[Path] = typer.Option(None, "--system-file", help="Read the system prompt from a file."),
+    system_file: Optional[str] = typer.Option(
+        None, "--system-file", metavar="FILE", help="Read the system prompt from a UTF-8 text file."
+    ),
     explain_attention: bool = typer.Option(
         False, "--explain-attention", help="Use attnkit's attention-explainer prompt as the system prompt."
     ),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Tokens per reply at most."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; higher = more random."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help=TEMPERATURE_HELP),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample among the most likely tokens up to this probability."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (>= 0)."),
 ) -> None:
     """A multi-turn chat in the terminal. Ctrl-C stops a reply; Ctrl-D (or Ctrl-C at the prompt) quits."""
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_text("--system", system)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     chosen = [name for name, on in (("--system", system is not None), ("--system-file", system_file is not None),
                                     ("--explain-attention", explain_attention)) if on]
     if len(chosen) > 1:
-        fail(f"expected at most one of --system, --system-file, --explain-attention, got {', '.join(chosen)}")
+        usage(f"expected at most one of --system, --system-file, --explain-attention, got {', '.join(chosen)}")
+    if system_file == "-":
+        usage("expected --system-file to name a file: chat reads your messages from stdin")
     if system_file is not None:
-        try:
-            system = system_file.read_text(encoding="utf-8")
-        except OSError as error:
-            fail(f"cannot read --system-file {system_file}: {error}")
+        system = read_text_file("--system-file", system_file)
     if explain_attention:
         from attnkit.models.chat import load_prompt
 
@@ -154,17 +167,30 @@ def chat(
     cache = model.new_cache(1, model.context_length)
     cached: list[int] = []  # the token ids whose keys and values are in `cache`
     total_new, total_seconds = 0, 0.0
-    err_console.print("[dim]Chat with the model. Ctrl-C stops a reply, Ctrl-D quits.[/]")
+    if sys.stdin is not None and sys.stdin.isatty():
+        err_console.print("Chat with the model. Ctrl-C stops a reply, Ctrl-D quits.", style="dim")
+    lines = StdinLines()
+
+    def prompt() -> None:
+        console.out("you> ", end="", style="bold green", highlight=False)
+        console.file.flush()
+
     while True:
         try:
-            text = console.input("[bold green]you>[/] ")
-        except (EOFError, KeyboardInterrupt):
+            prompt()
+            text = lines.read()
+        except KeyboardInterrupt:
+            text = None
+        if text is None:
             console.out("")
             break
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        ids = tokenizer.encode_chat(messages)
+        try:
+            ids = tokenizer.encode_chat(messages)
+        except ValueError as error:
+            fail(str(error))
         # Reuse the cache for the conversation so far: only the new turn is prefilled.
         common = 0
         while common < min(len(ids) - 1, len(cached)) and ids[common] == cached[common]:
@@ -173,7 +199,7 @@ def chat(
         cached = cached[:common]
         room = model.context_length - len(ids)
         if room <= 0:
-            err_console.print("[yellow]the conversation is longer than the context; start a new chat[/]")
+            warn("the conversation is longer than the context; start a new chat")
             break
         console.out("model> ", end="", style="bold cyan", highlight=False)
         printer = _Printer(tokenizer)
@@ -183,7 +209,7 @@ def chat(
         )
         console.out("")
         if interrupted:
-            err_console.print("[yellow]reply stopped[/]")
+            err_console.print("reply stopped", style="yellow")
         total_new += len(new)
         total_seconds += seconds
         # The cache holds the prompt and every new token but the last (never fed back). After
@@ -195,4 +221,4 @@ def chat(
         messages.append({"role": "assistant", "content": reply.strip()})
     if total_new:
         rate = total_new / total_seconds if total_seconds > 0 else float("inf")
-        err_console.print(f"[dim]{total_new} tokens in {total_seconds:.2f} s: {rate:.1f} tokens/s[/]")
+        err_console.print(f"{total_new} tokens in {total_seconds:.2f} s: {rate:.1f} tokens/s", style="dim")

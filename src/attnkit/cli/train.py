@@ -2,30 +2,38 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
+from rich.text import Text
 
-from attnkit.cli._app import app, console, err_console, fail
+from attnkit.cli._app import app, check_float, check_int, console, err_console, fail, say, usage
+from attnkit.cli._output import plan, write_all
+
+# Sizes that keep one training run on a laptop CPU (each is named in its error).
+LIMITS = {
+    "--steps": 1_000_000, "--vocab-size": 100_000, "--half-len": 1024, "--layers": 16, "--d-model": 1024,
+    "--heads": 64, "--d-ff": 8192, "--batch-size": 4096, "--threads": 256,
+}
 
 
 @app.command()
 def train(
-    out: Path = typer.Option(Path("induction_head.png"), "--out", "-o", help="Where to save the copying head's PNG."),
-    steps: int = typer.Option(400, "--steps", min=1, help="Optimizer steps (one fresh batch each)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for the initial weights and the data."),
-    vocab_size: int = typer.Option(24, "--vocab-size", min=2, help="Tokens in the vocabulary."),
-    half_len: int = typer.Option(12, "--half-len", min=2, help="n: n random tokens, then the same n again."),
-    min_half_len: int = typer.Option(
-        6, "--min-half-len", min=2, help="Training draws the repeat period from [min-half-len, half-len]."
+    out: str = typer.Option(
+        "induction_head.png", "--out", "-o", metavar="FILE.png", help="Where to save the copying head's PNG."
     ),
-    layers: int = typer.Option(2, "--layers", min=1, help="TransformerBlocks (an induction head needs 2)."),
-    d_model: int = typer.Option(64, "--d-model", min=1, help="Model width."),
-    heads: int = typer.Option(4, "--heads", min=1, help="Attention heads per layer."),
-    d_ff: int = typer.Option(128, "--d-ff", min=1, help="Feed-forward hidden size."),
-    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Sequences per step."),
-    lr: float = typer.Option(3e-3, "--lr", min=0.0, help="Peak AdamW learning rate."),
-    threads: int = typer.Option(1, "--threads", min=1, help="torch threads (one is fastest for this small model)."),
+    steps: int = typer.Option(400, "--steps", help="Optimizer steps (one fresh batch each)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the initial weights and the data (>= 0)."),
+    vocab_size: int = typer.Option(24, "--vocab-size", help="Tokens in the vocabulary."),
+    half_len: int = typer.Option(12, "--half-len", help="n: n random tokens, then the same n again."),
+    min_half_len: int = typer.Option(
+        6, "--min-half-len", help="Training draws the repeat period from [min-half-len, half-len]."
+    ),
+    layers: int = typer.Option(2, "--layers", help="TransformerBlocks (an induction head needs 2)."),
+    d_model: int = typer.Option(64, "--d-model", help="Model width."),
+    heads: int = typer.Option(4, "--heads", help="Attention heads per layer."),
+    d_ff: int = typer.Option(128, "--d-ff", help="Feed-forward hidden size."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Sequences per step."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate, in (0, 1]."),
+    threads: int = typer.Option(1, "--threads", help="torch threads (one is fastest for this small model)."),
 ) -> None:
     """Train a small attnkit.torch decoder to continue repeated random tokens.
 
@@ -34,6 +42,15 @@ def train(
     accuracy as it trains, then saves a PNG of the head that learned to copy
     (its off-diagonal stripe).
     """
+    minimum = {"--vocab-size": 2, "--half-len": 2, "--min-half-len": 2}
+    for option, value in (("--steps", steps), ("--vocab-size", vocab_size), ("--half-len", half_len),
+                          ("--min-half-len", min_half_len), ("--layers", layers), ("--d-model", d_model),
+                          ("--heads", heads), ("--d-ff", d_ff), ("--batch-size", batch_size),
+                          ("--threads", threads)):
+        check_int(option, value, minimum.get(option, 1), LIMITS.get(option), "attnkit train's limit")
+    check_int("--seed", seed, 0)
+    check_float("--lr", lr, 0.0, 1.0, low_open=True)
+    output = plan("--out", out, (".png",))
     try:
         import torch
     except ImportError:
@@ -50,32 +67,32 @@ def train(
             warmup_steps=min(50, max(1, steps // 8)), seed=seed,
         )
     except ValueError as e:
-        fail(str(e))
-    if out.parent and not out.parent.exists():
-        fail(f"cannot save {out}: directory {out.parent} does not exist")
+        usage(str(e))
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    console.print(
-        f"[bold]attnkit train[/]: {layers}-layer decoder (d_model={d_model}, {heads} heads), "
-        f"vocab {vocab_size}, sequences of {half_len} random tokens then the same again, "
-        f"{steps} steps, seed {seed}"
-    )
+    console.print(Text.assemble(
+        ("attnkit train", "bold"),
+        f": {layers}-layer decoder (d_model={d_model}, {heads} heads), vocab {vocab_size}, sequences of "
+        f"{half_len} random tokens then the same again, {steps} steps, seed {seed}",
+    ), soft_wrap=True)
     try:
         with Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}  repeat-half accuracy {task.fields[accuracy]:6.1%}"),
+            TextColumn("loss {task.fields[loss]}  repeat-half accuracy {task.fields[accuracy]}"),
             TimeElapsedColumn(), console=err_console, transient=False,
         ) as bar:
-            task = bar.add_task("train", total=steps, loss=float("nan"), accuracy=0.0)
+            # No number before the first step has been measured (not "nan").
+            task = bar.add_task("train", total=steps, loss="  –   ", accuracy="  –   ")
 
             def report(metrics) -> None:
-                bar.update(task, completed=metrics.step, loss=metrics.loss, accuracy=metrics.accuracy)
+                bar.update(task, completed=metrics.step, loss=f"{metrics.loss:.4f}",
+                           accuracy=f"{metrics.accuracy:6.1%}")
 
             result = train_induction(config, callback=report)
         variable_loss, variable_accuracy = evaluate(result.model, fixed_period=False)
         head = find_copy_head(result.model)
-        plot_copy_head(head, out, config.half_len)
+        write_all([(output, lambda path: plot_copy_head(head, path, config.half_len))])
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -85,5 +102,5 @@ def train(
     table.add_row("held-out loss", f"{result.eval_loss:.4f}")
     table.add_row("training time", f"{result.seconds:.1f} s")
     table.add_row("copying head", f"layer {head.layer}, head {head.head} (stripe score {head.score:.2f})")
-    table.add_row("picture", str(out))
     console.print(table)
+    say(f"wrote {output.path}")

@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import ipaddress
+import socket
 from typing import Optional
 
 import typer
 
-from attnkit.cli._app import app, console, err_console, fail as _fail
-
-def fail(message: str) -> None:
-    """Exit with an error; the message is shown as text (brackets are not rich markup)."""
-    from rich.markup import escape
-
-    _fail(escape(message))
-
+from attnkit.cli._app import app, check_int, check_text, console, fail, say, usage, use_color, warn
+from attnkit.cli._output import Output, beside, plan, write_all
+from attnkit.cli.models import ANY, model_option
 
 _MODEL_HELP = "minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path."
+MAX_TOKENS = 1024
+"""The largest --max-tokens: weights are layers x heads x T x T (SmolLM2 at 1024 tokens: 1.1 GB)."""
+MAX_SERVE_CHARS = 100_000
+"""The largest `serve --max-chars`."""
 
 
-def _use_color(no_color: bool) -> bool:
-    return not no_color and not console.no_color and console.color_system in ("truecolor", "256")
+def _check_texts(max_tokens: int, *texts: tuple[str, str]) -> None:
+    """Usage errors for the text arguments and --max-tokens, before anything runs."""
+    for name, text in texts:
+        check_text(name, text)
+        if not text.strip():
+            usage(f"expected a non-empty text for {name}, got {text!r}")
+    check_int("--max-tokens", max_tokens, 1, MAX_TOKENS)
 
 
 def _compute(text: str, model: str, max_tokens: int):
@@ -29,13 +34,11 @@ def _compute(text: str, model: str, max_tokens: int):
 
     try:
         maps = get_provider(model, max_tokens=max_tokens).attention(text)
-    except ModelNotAvailableError as error:
-        fail(str(error))
-    except (ValueError, TypeError) as error:
+    except (ModelNotAvailableError, ValueError, TypeError) as error:
         fail(str(error))
     if maps.truncated_from:
-        err_console.print(
-            f"[yellow]warning:[/] the text has {maps.truncated_from} tokens; "
+        warn(
+            f"the text has {maps.truncated_from} tokens; "
             f"showing the first {maps.num_tokens} (the most this view takes is {max_tokens})"
         )
     return maps
@@ -49,20 +52,39 @@ def _selection(maps, layer: int, head: int, mean: bool) -> tuple[int, int | None
         fail(str(error))
 
 
-def _write_files(maps, layer: int, head: int | None, png: Optional[Path], html: Optional[Path]) -> None:
+def _plan_views(png: Optional[str], html: Optional[str]) -> dict[str, Output]:
+    """Every file the command will write, checked before any work (see cli/_output.py)."""
+    outputs = {}
     if png is not None:
+        outputs["png"] = plan("--png", png, (".png",))
+        outputs["grid"] = beside(outputs["png"], outputs["png"].path.stem + "-grid.png")
+    if html is not None:
+        outputs["html"] = plan("--html", html, (".html", ".htm"))
+    return outputs
+
+
+def _write_views(outputs: dict[str, Output], maps, layer: int, head: int | None) -> None:
+    """Write the planned files all or none, then say exactly which were written."""
+    from attnkit.viz.html import save_html
+
+    jobs = []
+    if "png" in outputs:
         from attnkit.viz.png import save_grid_png, save_head_png
 
-        size = save_head_png(maps, png, layer, head)
-        grid_path = png.with_name(png.stem + "-grid" + (png.suffix or ".png"))
-        grid_size = save_grid_png(maps, grid_path)
-        console.print(f"wrote {png} ({size[0]}x{size[1]}) and {grid_path} ({grid_size[0]}x{grid_size[1]})",
-                      markup=False)
-    if html is not None:
-        from attnkit.viz.html import save_html
+        jobs.append((outputs["png"], lambda path: save_head_png(maps, path, layer, head)))
+        jobs.append((outputs["grid"], lambda path: save_grid_png(maps, path)))
+    if "html" in outputs:
+        jobs.append((outputs["html"], lambda path: save_html(maps, path, layer=layer, head=head)))
+    sizes = write_all(jobs)
+    if "png" in outputs:
+        (w, h), (gw, gh) = sizes[0], sizes[1]
+        _wrote(f"{outputs['png'].path} ({w}x{h}) and {outputs['grid'].path} ({gw}x{gh})")
+    if "html" in outputs:
+        _wrote(f"{outputs['html'].path} (self-contained; open it in a browser)")
 
-        save_html(maps, html, layer=layer, head=head)
-        console.print(f"wrote {html} (self-contained; open it in a browser)", markup=False)
+
+def _wrote(what: str) -> None:
+    say("wrote " + what)
 
 
 @app.command()
@@ -72,25 +94,34 @@ def show(
     layer: int = typer.Option(0, "--layer", "-l", help="Layer to show (0-based; negative counts from the end)."),
     head: int = typer.Option(0, "--head", help="Head to show (0-based)."),
     mean: bool = typer.Option(False, "--mean", help="Show the mean of the layer's heads instead of one head."),
-    png: Optional[Path] = typer.Option(None, "--png", help="Also write this head as a PNG, and all heads as FILE-grid.png."),
-    html: Optional[Path] = typer.Option(None, "--html", help="Also write a self-contained interactive HTML file."),
+    png: Optional[str] = typer.Option(
+        None, "--png", metavar="FILE.png", help="Also write this head as FILE.png, and all heads as FILE-grid.png."
+    ),
+    html: Optional[str] = typer.Option(
+        None, "--html", metavar="FILE.html", help="Also write a self-contained interactive HTML file."
+    ),
     values: bool = typer.Option(False, "--values", help="Print the weights in the heatmap's cells."),
     no_color: bool = typer.Option(False, "--no-color", help="Shade with ░▒▓█ instead of colour."),
     summary: bool = typer.Option(True, "--summary/--no-summary", help="Show what every head does (layers x heads)."),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Truncate longer texts to this many tokens."),
+    max_tokens: int = typer.Option(
+        512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
+    ),
 ) -> None:
     """Show where a model's attention goes on TEXT: heatmap of one head and a summary of all."""
     from attnkit.viz.summary import summarize_heads
     from attnkit.viz.terminal import maps_heatmap, summary_table
 
+    _check_texts(max_tokens, ("TEXT", text))
+    model_option(model, ANY, "show")
+    outputs = _plan_views(png, html)
     maps = _compute(text, model, max_tokens)
     layer, chosen = _selection(maps, layer, head, mean)
-    color = _use_color(no_color)
+    color = use_color(no_color)
     console.print(maps_heatmap(maps, layer, chosen, color=color, values=values, width=console.width))
     if summary:
         console.print()
         console.print(summary_table(summarize_heads(maps), color=color))
-    _write_files(maps, layer, chosen, png, html)
+    _write_views(outputs, maps, layer, chosen)
 
 
 @app.command()
@@ -101,10 +132,14 @@ def compare(
     layer: int = typer.Option(0, "--layer", "-l", help="Layer to show side by side."),
     head: int = typer.Option(0, "--head", help="Head to show side by side."),
     mean: bool = typer.Option(False, "--mean", help="Show the mean of the layer's heads."),
-    top: int = typer.Option(8, "--top", help="How many of the most different heads to list."),
-    html: Optional[Path] = typer.Option(None, "--html", help="Also write both as one interactive HTML file."),
+    top: int = typer.Option(8, "--top", help="How many of the most different heads to list (>= 0)."),
+    html: Optional[str] = typer.Option(
+        None, "--html", metavar="FILE.html", help="Also write both as one interactive HTML file."
+    ),
     no_color: bool = typer.Option(False, "--no-color", help="Shade with ░▒▓█ instead of colour."),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Truncate longer texts to this many tokens."),
+    max_tokens: int = typer.Option(
+        512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
+    ),
 ) -> None:
     """The same model on two sentences, side by side, and the heads whose patterns differ most."""
     import numpy as np
@@ -113,10 +148,14 @@ def compare(
     from attnkit.viz.summary import pattern_difference, summarize_heads
     from attnkit.viz.terminal import maps_heatmap, side_by_side
 
+    _check_texts(max_tokens, ("A", text_a), ("B", text_b))
+    check_int("--top", top, 0)
+    model_option(model, ANY, "compare")
+    outputs = {"html": plan("--html", html, (".html", ".htm"))} if html is not None else {}
     maps_a = _compute(text_a, model, max_tokens)
     maps_b = _compute(text_b, model, max_tokens)
     layer, chosen = _selection(maps_a, layer, head, mean)
-    color = _use_color(no_color)
+    color = use_color(no_color)
     half = max(30, (console.width - 3) // 2)
     left = maps_heatmap(maps_a, layer, chosen, color=color, width=half)
     right = maps_heatmap(maps_b, layer, chosen, color=color, width=half)
@@ -137,7 +176,7 @@ def compare(
         )
         return f"{summary.pattern[ly, h]:<8} {scores} {summary.entropy[ly, h]:.1f}b"
 
-    for value, (ly, h) in order[: max(0, top)]:
+    for value, (ly, h) in order[:top]:
         table.add_row(str(ly), str(h), f"{value:.3f}", describe(sa, ly, h), describe(sb, ly, h))
     console.print()
     console.print(table)
@@ -149,45 +188,88 @@ def compare(
     console.print(how, style="dim")
     console.print("P, F, S: % of weight on the previous token, first token, itself; b: bits", style="dim")
     console.print(f"mean difference over all heads: {float(diff.mean()):.3f}", style="dim")
-    if html is not None:
+    if outputs:
         from attnkit.viz.html import save_html
 
-        save_html([maps_a, maps_b], html, layer=layer, head=chosen)
-        console.print(f"wrote {html}", markup=False)
+        write_all([(outputs["html"], lambda path: save_html([maps_a, maps_b], path, layer=layer, head=chosen))])
+        _wrote(f"{outputs['html'].path} (self-contained; open it in a browser)")
+
+
+def _listen(host: str, port: int) -> tuple[socket.socket, str]:
+    """A socket bound to host:port (so the port is known free before anything is printed),
+    and the address it is bound to."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as error:
+        fail(f"cannot listen on --host {host}: {getattr(error, 'strerror', None) or error}")
+    family, kind, proto, _, address = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        fail(f"cannot listen on {_url_host(name)}:{port}: {(error.strerror or str(error)).lower()}")
+    return sock, sock.getsockname()[0]
+
+
+def _url_host(name: str) -> str:
+    return f"[{name}]" if ":" in name else name
+
+
+def _run_server(application, sock: socket.socket) -> None:
+    """Serve `application` on the bound socket until Ctrl+C."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(application, log_level="warning"))
+    server.run(sockets=[sock])
 
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)."),
-    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only; IPv6 too, as ::1)."),
+    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (1-65535)."),
     model: list[str] = typer.Option(["minilm", "smollm2", "random"], "--model", "-m", help=_MODEL_HELP + " Repeat to offer several."),
-    max_chars: int = typer.Option(2000, "--max-chars", help="Refuse longer texts."),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Truncate longer texts to this many tokens."),
+    max_chars: int = typer.Option(2000, "--max-chars", help=f"Refuse longer texts (at most {MAX_SERVE_CHARS})."),
+    max_tokens: int = typer.Option(
+        512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
+    ),
 ) -> None:
     """A local web page: type a sentence, pick a model, explore its attention."""
+    from attnkit.viz.providers import ModelNotAvailableError, check_model_name
+
+    check_text("--host", host)
+    if not host.strip():
+        usage("expected --host to be an address or a host name, got ''")
+    check_int("--port", port, 1, 65535)
+    check_int("--max-chars", max_chars, 1, MAX_SERVE_CHARS)
+    check_int("--max-tokens", max_tokens, 1, MAX_TOKENS)
+    models = list(dict.fromkeys(model))  # once each, in order
+    for name in models:
+        try:
+            check_model_name(name)
+        except ModelNotAvailableError as error:
+            fail(str(error))
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as error:
         fail(f"`attnkit serve` needs FastAPI and uvicorn ({error.name} is missing); "
              "install them with: pip install 'attnkit[serve]'")
-    from rich.markup import escape
-
     from attnkit.viz.server import create_app
 
-    loopback = host in ("127.0.0.1", "localhost", "::1")
+    sock, address = _listen(host, port)
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
+    # On this machine only, answer only requests addressed to it (no DNS rebinding).
+    allowed = sorted({"127.0.0.1", "localhost", "::1", address, name.lower()}) if loopback else None
     try:
-        application = create_app(
-            models=model,
-            max_chars=max_chars,
-            max_tokens=max_tokens,
-            # On this machine only, answer only requests addressed to it (no DNS rebinding).
-            allowed_hosts=["127.0.0.1", "localhost", "::1", "[::1]"] if loopback else None,
-        )
+        application = create_app(models=models, max_chars=max_chars, max_tokens=max_tokens, allowed_hosts=allowed)
     except ValueError as error:
+        sock.close()
         fail(str(error))
     if not loopback:
-        err_console.print(f"[yellow]warning:[/] binding {escape(host)}: other machines can reach this page")
-    shown = f"[{host}]" if ":" in host else host
-    console.print(f"attnkit: open http://{shown}:{port}/ (Ctrl+C to stop)", markup=False)
-    uvicorn.run(application, host=host, port=port, log_level="warning")
+        warn(f"binding {host}: other machines can reach this page")
+    say(f"attnkit: open http://{_url_host(name)}:{port}/ (Ctrl+C to stop)")
+    _run_server(application, sock)

@@ -12,15 +12,15 @@ The model (Hugging Face `BertModel` without the pooler):
         x = LayerNorm(x + fc2(gelu(fc1(x))))                              # exact (erf) GELU
 
 Padding is excluded by a boolean key mask (True = real token), never by a
-large negative number. A sentence embedding is the mean of the last hidden
-states over real tokens, L2-normalized (sentence-transformers' Pooling and
-Normalize modules), with inputs truncated to the model's max_seq_length.
+large negative number. A sentence embedding is what the folder's
+sentence-transformers modules make of the last hidden states over the real
+tokens (attnkit.models.sentence: Pooling, Dense, Normalize; for a plain folder
+the mean, L2-normalized), with inputs truncated to the folder's max_seq_length.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -33,15 +33,57 @@ import numpy as np
 
 from attnkit.functional import get_attention
 from attnkit.models.checkpoint import (
+    FLOAT_DTYPES,
+    HARMLESS_CONFIG_KEYS,
     CheckpointError,
+    ConfigReader,
     check_folder,
+    check_shapes,
+    find_safetensors,
     load_state_dict,
+    map_names,
     read_config,
+    read_header,
     read_json,
+)
+from attnkit.models.sentence import (
+    SentenceHead,
+    read_head,
+    read_max_seq_length,
+    read_modules,
+    read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
 
 # ----------------------------------------------------------------------------- config
+
+
+# config.json keys a BERT config must have: they define the shapes and the heads.
+_REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size", "max_position_embeddings",
+)
+# Math-changing keys attnkit implements at one value only: (key, allowed values with
+# Hugging Face's default first, why the others are refused).
+_REFUSED_KEYS = (
+    ("position_embedding_type", ("absolute",), "relative position embeddings are not implemented"),
+    ("hidden_act", ("gelu",), "attnkit's BERT implements exact (erf) GELU only"),
+    ("is_decoder", (False,), "a decoder BERT attends causally"),
+    ("add_cross_attention", (False,), "cross-attention layers are not implemented"),
+    ("quantization_config", (None,), "quantized weights are not implemented"),
+)
+
+# Keys BERT configs carry that change nothing an encoder computes at inference:
+# dropouts, the pooler and pre-training heads (ignored, see BERT_IGNORED), token ids.
+_HARMLESS_BERT_KEYS = frozenset(
+    {
+        "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
+        "gradient_checkpointing", "tie_word_embeddings", "output_past", "use_return_dict",
+        "bos_token_id", "eos_token_id", "unk_token_id", "mask_token_id", "cls_token_id",
+        "directionality", "pooler_fc_size", "pooler_num_attention_heads", "pooler_num_fc_layers",
+        "pooler_size_per_head", "pooler_type", "_attn_implementation",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -62,10 +104,18 @@ class BertConfig:
     def from_dict(cls, config: dict, source: str | Path = "config.json") -> BertConfig:
         """Build from a config.json dict; rejects what this encoder does not implement.
 
+        The sizes and the head count are required (a missing one is refused, not
+        guessed); `type_vocab_size`, `layer_norm_eps` and `pad_token_id` default to
+        Hugging Face's values. Keys that change the math are implemented or
+        refused by name (`_REFUSED_KEYS`); the others (dropout, initializer
+        range, `id2label`, ...) change nothing at inference.
+
         Raises:
-            CheckpointError: not a BERT model, a relative position embedding, an
-                activation other than exact GELU, or inconsistent sizes.
+            CheckpointError: not a BERT model, a missing or malformed key, zero or
+                non-dividing heads, or a math-changing setting attnkit does not implement.
         """
+        if not isinstance(config, dict):
+            raise CheckpointError(f"expected a JSON object in {source}, got {type(config).__name__}")
         model_type = config.get("model_type")
         if model_type != "bert":
             architectures = config.get("architectures") or []
@@ -74,16 +124,12 @@ class BertConfig:
                 f"encoder such as BertModel), got model_type={model_type!r}, "
                 f"architectures={architectures!r}"
             )
-        position = config.get("position_embedding_type", "absolute")
-        if position != "absolute":
-            raise CheckpointError(
-                f"unsupported position_embedding_type {position!r} in {source}; expected 'absolute'"
-            )
-        activation = config.get("hidden_act", "gelu")
-        if activation != "gelu":
-            raise CheckpointError(
-                f"unsupported hidden_act {activation!r} in {source}; expected 'gelu' (exact, erf)"
-            )
+        for key, allowed, why in _REFUSED_KEYS:
+            value = config.get(key, allowed[0])
+            if value not in allowed:
+                raise CheckpointError(
+                    f"unsupported {key} {value!r} in {source}; expected {allowed[0]!r}: {why}"
+                )
         values = {}
         for field in fields(cls):
             value = config.get(field.name)
@@ -91,16 +137,32 @@ class BertConfig:
                 continue
             if field.name == "layer_norm_eps":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
-            else:
+                expected = "a number in [0, 1)"
+            elif field.name in ("num_hidden_layers", "pad_token_id"):
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                expected = "an int >= 0"
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+                expected = "a positive int"
             if not ok:
-                raise CheckpointError(f"unexpected {field.name}={value!r} in {source}")
+                raise CheckpointError(f"unexpected {field.name}={value!r} in {source}; expected {expected}")
             values[field.name] = value
+        ConfigReader(config, source).check_keys(
+            [field.name for field in fields(cls)] + [key for key, _, _ in _REFUSED_KEYS],
+            harmless=HARMLESS_CONFIG_KEYS | _HARMLESS_BERT_KEYS,
+            what="attnkit's BERT",
+        )
+        missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
+        if missing:
+            raise CheckpointError(
+                f"missing key(s) {missing} in {source}: a BERT config needs {list(_REQUIRED_KEYS)}"
+            )
         self = cls(**values)
         if self.hidden_size % self.num_attention_heads:
             raise CheckpointError(
                 f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads} in {source}"
+                f"num_attention_heads={self.num_attention_heads} in {source}: expected a head "
+                "count that divides the width"
             )
         return self
 
@@ -132,23 +194,67 @@ class BertTokenizer:
     """Word-piece tokenization through the `tokenizers` library.
 
     Reads a folder's tokenizer.json, or builds the standard BERT pipeline from
-    vocab.txt (lower-casing as tokenizer_config.json's `do_lower_case` says).
-    Inputs longer than `max_length` tokens (special tokens included) are cut;
-    nothing is padded here: the model pads per batch.
+    vocab.txt. As transformers' BertTokenizer does, the normalizer follows
+    tokenizer_config.json (`do_lower_case`, default true; `strip_accents`;
+    `tokenize_chinese_chars`), whatever tokenizer.json says. Inputs longer than
+    `max_length` tokens (special tokens included) are cut on the side
+    `truncation_side` names; nothing is padded here: the model pads per batch.
     """
 
-    def __init__(self, tokenizer: Any, max_length: int) -> None:
+    def __init__(self, tokenizer: Any, max_length: int, *, truncation_side: str = "right") -> None:
+        if truncation_side not in ("right", "left"):
+            raise ValueError(f"expected truncation_side 'right' or 'left', got {truncation_side!r}")
         self.max_length = int(max_length)
+        self.truncation_side = truncation_side
         tokenizer.no_padding()
-        tokenizer.enable_truncation(max_length=self.max_length)
+        tokenizer.enable_truncation(max_length=self.max_length, direction=truncation_side)
         self._tokenizer = tokenizer
 
     @classmethod
-    def from_folder(cls, folder: str | Path, max_length: int) -> BertTokenizer:
-        """Load the tokenizer of a model folder (tokenizer.json, else vocab.txt)."""
-        from tokenizers import Tokenizer
+    def from_folder(cls, folder: str | Path, max_length: int, *, lowercase: bool = False) -> BertTokenizer:
+        """Load the tokenizer of a model folder (tokenizer.json, else vocab.txt).
+
+        Arguments:
+            folder: the folder with tokenizer.json or vocab.txt (and tokenizer_config.json).
+            max_length: the longest input in tokens.
+            lowercase: lower-case every text first (sentence_bert_config.json's
+                `do_lower_case`, which sentence-transformers applies on top of the tokenizer).
+
+        Raises:
+            CheckpointError: no tokenizer, an unreadable one, a tokenizer class other
+                than BERT's, or left padding (which shifts BERT's absolute positions).
+        """
+        from tokenizers import Tokenizer, normalizers
 
         folder = check_folder(folder)
+        config_path = folder / "tokenizer_config.json"
+        settings = read_json(config_path) if config_path.is_file() else {}
+        tokenizer_class = settings.get("tokenizer_class")
+        if tokenizer_class not in (None, "BertTokenizer", "BertTokenizerFast", "PreTrainedTokenizerFast"):
+            raise CheckpointError(
+                f"unsupported tokenizer_class {tokenizer_class!r} in {config_path}; expected "
+                "BertTokenizer, BertTokenizerFast or PreTrainedTokenizerFast (tokenizer.json as written)"
+            )
+        padding_side = settings.get("padding_side", "right")
+        if padding_side != "right":
+            raise CheckpointError(
+                f"unsupported padding_side {padding_side!r} in {config_path}; expected 'right' "
+                "(left padding shifts BERT's absolute positions, so results depend on the batch)"
+            )
+        truncation_side = settings.get("truncation_side", "right")
+        if truncation_side not in ("right", "left"):
+            raise CheckpointError(
+                f"unsupported truncation_side {truncation_side!r} in {config_path}; expected 'right' or 'left'"
+            )
+        for key in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
+            if not isinstance(settings.get(key, False), bool) and settings.get(key) is not None:
+                raise CheckpointError(f"unexpected {key}={settings[key]!r} in {config_path}; expected true or false")
+        bert_normalizer = dict(
+            clean_text=True,
+            handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
+            strip_accents=settings.get("strip_accents"),
+            lowercase=bool(settings.get("do_lower_case", True)),
+        )
         if (folder / "tokenizer.json").is_file():
             try:
                 tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -156,21 +262,28 @@ class BertTokenizer:
                 raise CheckpointError(
                     f"cannot read {folder / 'tokenizer.json'}: {error}"
                 ) from None
-            return cls(tokenizer, max_length)
-        if (folder / "vocab.txt").is_file():
+            if tokenizer_class != "PreTrainedTokenizerFast":
+                tokenizer.normalizer = normalizers.BertNormalizer(**bert_normalizer)
+        elif (folder / "vocab.txt").is_file():
             from tokenizers.implementations import BertWordPieceTokenizer
 
-            settings = {}
-            if (folder / "tokenizer_config.json").is_file():
-                settings = read_json(folder / "tokenizer_config.json")
+            if tokenizer_class == "PreTrainedTokenizerFast":
+                raise CheckpointError(
+                    f"no tokenizer.json in {folder}, which tokenizer_class {tokenizer_class!r} needs"
+                )
             tokenizer = BertWordPieceTokenizer(
                 str(folder / "vocab.txt"),
-                lowercase=bool(settings.get("do_lower_case", True)),
-                strip_accents=settings.get("strip_accents"),
-                handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
-            )
-            return cls(tokenizer, max_length)
-        raise CheckpointError(f"no tokenizer in {folder}: expected tokenizer.json or vocab.txt")
+                lowercase=bert_normalizer["lowercase"],
+                strip_accents=bert_normalizer["strip_accents"],
+                handle_chinese_chars=bert_normalizer["handle_chinese_chars"],
+            )._tokenizer  # the tokenizers.Tokenizer inside the convenience wrapper
+        else:
+            raise CheckpointError(f"no tokenizer in {folder}: expected tokenizer.json or vocab.txt")
+        if lowercase:
+            existing = tokenizer.normalizer
+            steps = [normalizers.Lowercase()] + ([existing] if existing is not None else [])
+            tokenizer.normalizer = normalizers.Sequence(steps)
+        return cls(tokenizer, max_length, truncation_side=truncation_side)
 
     def encode(self, texts: str | Sequence[str]) -> list[Any]:
         """Tokenize; returns one `tokenizers.Encoding` per text (.ids, .type_ids, .tokens)."""
@@ -376,15 +489,99 @@ BERT_IGNORED = (
 )
 
 
+def bert_shapes(config: BertConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Every attnkit tensor name of a BertModel -> its shape, each size with the
+    config key that sets it, e.g. (("vocab_size", 30522), ("hidden_size", 384)).
+    Computed from the config alone: nothing is allocated."""
+    D = ("hidden_size", config.hidden_size)
+    F = ("intermediate_size", config.intermediate_size)
+    shapes = {
+        "embeddings.word.weight": (("vocab_size", config.vocab_size), D),
+        "embeddings.position.weight": (("max_position_embeddings", config.max_position_embeddings), D),
+        "embeddings.token_type.weight": (("type_vocab_size", config.type_vocab_size), D),
+        "embeddings.norm.weight": (D,),
+        "embeddings.norm.bias": (D,),
+    }
+    for i in range(config.num_hidden_layers):
+        block = f"blocks.{i}."
+        for projection in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{block}attn.{projection}.weight"] = (D, D)
+            shapes[f"{block}attn.{projection}.bias"] = (D,)
+        shapes[f"{block}ffn.fc1.weight"] = (F, D)
+        shapes[f"{block}ffn.fc1.bias"] = (F,)
+        shapes[f"{block}ffn.fc2.weight"] = (D, F)
+        shapes[f"{block}ffn.fc2.bias"] = (D,)
+        for norm in ("norm1", "norm2"):
+            shapes[f"{block}{norm}.weight"] = (D,)
+            shapes[f"{block}{norm}.bias"] = (D,)
+    return shapes
+
+
+def check_bert_header(config: BertConfig, folder: Path) -> None:
+    """Check a folder's weights against its config from the safetensors headers alone,
+    before anything is allocated.
+
+    Raises:
+        CheckpointError: a tensor no rule maps and no ignore rule names, a layer
+            count or size that disagrees with config.json (naming the key, what the
+            config says and what the tensor has), a non-float weight, a missing tensor.
+    """
+    files = find_safetensors(folder)
+    source = files[0] if len(files) == 1 else f"{folder} ({len(files)} shards)"
+    infos = read_header(files)
+    mapped, original = map_names(infos, BERT_NAME_TABLE, ignore=BERT_IGNORED, source=source)
+    config_path = folder / "config.json"
+    layers = {int(name.split(".")[1]) for name in mapped if name.startswith("blocks.")}
+    if layers and max(layers) + 1 != config.num_hidden_layers:
+        extra = sorted(
+            f"{original[name]!r} (-> {name!r})" for name in mapped
+            if name.startswith("blocks.") and int(name.split(".")[1]) >= config.num_hidden_layers
+        )
+        found = f"unexpected tensor(s) {', '.join(extra[:8])}" + (" and more" if len(extra) > 8 else "")
+        raise CheckpointError(
+            f"num_hidden_layers={config.num_hidden_layers} in {config_path} disagrees with the "
+            f"weights in {source}: they hold layers up to encoder.layer.{max(layers)}, so "
+            f"expected num_hidden_layers={max(layers) + 1}" + (f"; {found}" if extra else "")
+        )
+    for name, dims in bert_shapes(config).items():
+        info = mapped.get(name)
+        if info is None:
+            continue  # missing: check_shapes names every missing tensor below
+        expected = tuple(size for _, size in dims)
+        if tuple(info.shape) != expected:
+            keys = ", ".join(f"{key}={size}" for key, size in dims)
+            if len(info.shape) == len(dims):  # name the sizes that disagree
+                keys_off = ", ".join(f"{key}={size}" for (key, size), n in zip(dims, info.shape) if size != n)
+            else:
+                keys_off = keys
+            described = repr(name) if original[name] == name else f"{original[name]!r} (-> {name!r})"
+            raise CheckpointError(
+                f"{keys_off} in {config_path} disagrees with the weights in {info.file}: "
+                f"tensor {described} has shape {tuple(info.shape)}, expected {expected} from {keys}"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {original[name]!r} in {info.file} has dtype {info.dtype}; expected "
+                f"floating point weights ({', '.join(FLOAT_DTYPES)})"
+            )
+    shapes = {name: tuple(size for _, size in dims) for name, dims in bert_shapes(config).items()}
+    check_shapes(mapped, shapes, original=original, source=source)
+
+
 def load_bert(folder: str | Path) -> BertModel:
     """A `BertModel` with the weights of a Hugging Face BERT folder.
 
+    The config is validated, then checked against the safetensors headers
+    (`check_bert_header`), and only then is the model built and the weights read.
+
     Raises:
-        CheckpointError: unsupported architecture, no weights, a corrupt file, or a
-            missing / unexpected / mis-shaped tensor (named).
+        CheckpointError: unsupported architecture or setting, a missing or
+            malformed config key, no weights, a corrupt file, or a missing /
+            unexpected / mis-shaped tensor (named, with the config key it disagrees with).
     """
     folder = check_folder(folder)
     config = BertConfig.from_dict(read_config(folder), folder / "config.json")
+    check_bert_header(config, folder)
     model = BertModel(config)
     expected = {name: array.shape for name, array in model.state_dict().items()}
     state = load_state_dict(folder, BERT_NAME_TABLE, expected, ignore=BERT_IGNORED)
@@ -600,56 +797,6 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _read_sentence_transformers(folder: Path, config: BertConfig) -> tuple[str, bool, int]:
-    """(pooling, normalize, max_seq_length) from sentence-transformers' files.
-
-    A plain Hugging Face folder (no modules.json) gets mean pooling, L2
-    normalization and max_seq_length = max_position_embeddings.
-    """
-    pooling, normalize = "mean", True
-    max_length = config.max_position_embeddings
-    if (folder / "modules.json").is_file():
-        modules = _read_json_list(folder / "modules.json")
-        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
-        unknown = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
-        if unknown:
-            raise CheckpointError(
-                f"unsupported sentence-transformers module(s) {unknown} in {folder / 'modules.json'}; "
-                "expected Transformer, Pooling and Normalize"
-            )
-        normalize = "Normalize" in kinds
-        for module, kind in zip(modules, kinds):
-            if kind == "Pooling":
-                pooling_file = folder / str(module.get("path", "")) / "config.json"
-                pooling = _pooling_mode(read_json(pooling_file), pooling_file)
-    if (folder / "sentence_bert_config.json").is_file():
-        settings = read_json(folder / "sentence_bert_config.json")
-        max_length = int(settings.get("max_seq_length") or max_length)
-    return pooling, normalize, min(max_length, config.max_position_embeddings)
-
-
-def _read_json_list(path: Path) -> list[dict]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"cannot read {path}: {error}") from None
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise CheckpointError(f"expected a JSON list of objects in {path}")
-    return value
-
-
-def _pooling_mode(settings: dict, source: Path) -> str:
-    modes = [key for key, value in settings.items() if key.startswith("pooling_mode") and value]
-    if modes == ["pooling_mode_mean_tokens"]:
-        return "mean"
-    if modes == ["pooling_mode_cls_token"]:
-        return "cls"
-    raise CheckpointError(
-        f"unsupported pooling in {source}: expected pooling_mode_mean_tokens or "
-        f"pooling_mode_cls_token alone, got {modes or 'none'}"
-    )
-
-
 class SentenceEncoder:
     """Sentence embeddings from a BERT-family checkpoint, on attnkit's attention.
 
@@ -659,7 +806,8 @@ class SentenceEncoder:
     Attributes:
         model: the `BertModel` (reference path: hidden states, attentions).
         tokenizer: the `BertTokenizer` (truncates at `max_seq_length`).
-        pooling: "mean" (over real tokens) or "cls"; normalize: L2-normalize.
+        head: the `SentenceHead` after the encoder (attnkit.models.sentence):
+            Pooling, then Dense / Normalize modules, `truncate_dim`, the similarity function.
         num_threads: worker threads `encode` splits each batch over.
 
     `encode` and `attention` run a packed copy of the model's weights taken
@@ -672,20 +820,19 @@ class SentenceEncoder:
         model: BertModel,
         tokenizer: BertTokenizer,
         *,
-        pooling: str = "mean",
-        normalize: bool = True,
+        head: SentenceHead | None = None,
         num_threads: int | None = None,
         attention: str = "naive",
         path: Path | None = None,
     ) -> None:
-        if pooling not in ("mean", "cls"):
-            raise ValueError(f"expected pooling 'mean' or 'cls', got {pooling!r}")
+        head = SentenceHead() if head is None else head
+        if not isinstance(head, SentenceHead):
+            raise TypeError(f"expected head to be a SentenceHead, got {type(head).__name__}")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"expected num_threads to be a positive int or None, got {num_threads!r}")
         self.model = model.set_attention_backend(attention)
         self.tokenizer = tokenizer
-        self.pooling = pooling
-        self.normalize = bool(normalize)
+        self.head = head
         self.num_threads = num_threads or _default_threads()
         self.path = path
         self._packed = _PackedBert(model, attention)
@@ -699,32 +846,50 @@ class SentenceEncoder:
 
         Arguments:
             path: folder with config.json, model.safetensors (or an index of
-                shards), tokenizer.json or vocab.txt; None = embedded MiniLM.
+                shards), tokenizer.json or vocab.txt, and sentence-transformers'
+                modules.json with its modules' folders (any version from 2 to 6);
+                None = embedded MiniLM.
             num_threads: threads for `encode` (default: the CPUs this process may use).
             attention: attnkit attention backend name ("naive", "flash", ...).
+
+        Without modules.json (a plain Hugging Face folder) the embedding is the
+        mean over the tokens, L2-normalized (sentence-transformers would not
+        normalize; cosine similarities are the same).
 
         Raises:
             ModelPackageNotFoundError: path=None and the MiniLM package is missing.
             CheckpointError: an unsupported or broken folder (the message names
-                the file and tensor).
+                the file and the key or tensor).
         """
         if path is None:
             from attnkit.models.embedded import minilm_path
 
             path = minilm_path()
         folder = check_folder(path)
-        model = load_bert(folder)
-        pooling, normalize, max_length = _read_sentence_transformers(folder, model.config)
-        tokenizer = BertTokenizer.from_folder(folder, max_length)
-        if tokenizer.vocab_size > model.config.vocab_size:
+        modules = read_modules(folder)
+        encoder_folder = folder if modules is None else check_folder(modules[0].folder)
+        model = load_bert(encoder_folder)
+        config = model.config
+        settings = read_transformer_settings(encoder_folder)
+        head = read_head(folder, modules, config.hidden_size)
+        max_length = read_max_seq_length(encoder_folder, settings, config.max_position_embeddings)
+        tokenizer = BertTokenizer.from_folder(encoder_folder, max_length, lowercase=settings.lowercase)
+        if tokenizer.vocab_size > config.vocab_size:
             raise CheckpointError(
-                f"the tokenizer in {folder} has {tokenizer.vocab_size} tokens but the model's "
-                f"vocab_size is {model.config.vocab_size}"
+                f"the tokenizer in {encoder_folder} has {tokenizer.vocab_size} tokens but the model's "
+                f"vocab_size is {config.vocab_size}"
             )
-        return cls(
-            model, tokenizer, pooling=pooling, normalize=normalize,
-            num_threads=num_threads, attention=attention, path=folder,
-        )
+        return cls(model, tokenizer, head=head, num_threads=num_threads, attention=attention, path=folder)
+
+    @property
+    def pooling(self) -> str:
+        """The pooling mode ("mean", "cls", "max", ...; modes joined by "+" when concatenated)."""
+        return self.head.pooling.name
+
+    @property
+    def normalize(self) -> bool:
+        """Whether embeddings come out L2-normalized (the last module is Normalize)."""
+        return self.head.normalized
 
     @property
     def max_seq_length(self) -> int:
@@ -732,24 +897,16 @@ class SentenceEncoder:
 
     @property
     def dim(self) -> int:
-        return self.model.config.hidden_size
+        """The width of an embedding."""
+        return self.head.dim(self.model.config.hidden_size)
 
     # ----- embeddings
 
     def _embed_chunk(self, ids: list[np.ndarray], types: list[np.ndarray]) -> np.ndarray:
-        """Embeddings (n, D) of a few tokenized sentences."""
+        """Embeddings (n, dim) of a few tokenized sentences."""
         lengths = np.array([len(i) for i in ids])
         hidden, _ = self._packed.forward(np.concatenate(ids), np.concatenate(types), lengths)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        if self.pooling == "cls":
-            pooled = hidden[starts]
-        else:
-            pooled = np.add.reduceat(hidden, starts, axis=0)  # (n, D) sums over real tokens
-            pooled /= lengths[:, None].astype(np.float32)
-        if self.normalize:
-            norms = np.sqrt(np.einsum("nd,nd->n", pooled, pooled))[:, None]
-            pooled /= np.maximum(norms, np.float32(1e-12))
-        return pooled
+        return self.head(hidden, lengths)
 
     def encode(
         self,
@@ -814,12 +971,9 @@ class SentenceEncoder:
             pool.shutdown(wait=False)
 
     def similarity(self, texts: Sequence[str]) -> np.ndarray:
-        """(n, n) cosine similarities of the texts' embeddings."""
-        embeddings = self.encode(texts)
-        if not self.normalize:
-            norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
-            embeddings = embeddings / np.maximum(norms, np.float32(1e-12))
-        return embeddings @ embeddings.T
+        """(n, n) similarities of the texts' embeddings, with the folder's similarity
+        function (config_sentence_transformers.json's similarity_fn_name; cosine by default)."""
+        return self.head.similarity_matrix(self.encode(texts))
 
     # ----- attention
 
@@ -851,7 +1005,8 @@ class SentenceEncoder:
         c = self.model.config
         return (
             f"SentenceEncoder(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
-            f"heads={c.num_attention_heads}, pooling={self.pooling!r}, normalize={self.normalize}, "
+            f"heads={c.num_attention_heads}, pooling={self.pooling!r}, modules={len(self.head.modules)}, "
+            f"normalize={self.normalize}, "
             f"max_seq_length={self.max_seq_length}, path={str(self.path)!r})"
         )
 

@@ -73,10 +73,18 @@ def render_chat_template(
 class DecoderTokenizer:
     """Text <-> token ids for a decoder, plus its special tokens and chat template.
 
+    BOS and EOS are added by the tokenizer's post-processor, as transformers does: a
+    `tokenizer.json` brings its own (Llama 3's adds `<|begin_of_text|>`; SmolLM2's adds
+    nothing), and `add_bos_token` / `add_eos_token` install one (what a GGUF file's
+    `tokenizer.ggml.add_bos_token` asks for). Like transformers, BOS is added even when the
+    text already starts with it.
+
     Arguments:
         tokenizer: a `tokenizers.Tokenizer`.
         bos_token, eos_token, pad_token: the special tokens' text, or None.
-        add_bos_token: whether `encode` puts BOS first (SmolLM2: no; Llama 2: yes).
+        add_bos_token, add_eos_token: replace the tokenizer's post-processor with one that puts
+            BOS first / EOS last (transformers' `update_post_processor`); False leaves the
+            tokenizer's own post-processor as it is.
         chat_template: Jinja source, or None for a model without one.
     """
 
@@ -88,14 +96,34 @@ class DecoderTokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         add_bos_token: bool = False,
+        add_eos_token: bool = False,
         chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
-        self.add_bos_token = add_bos_token
         self.chat_template = chat_template
+        add_bos = add_bos_token and self.bos_token_id is not None
+        add_eos = add_eos_token and self.eos_token_id is not None
+        if add_bos or add_eos:  # transformers' update_post_processor
+            from tokenizers import processors
+
+            bos, eos = [f"{bos_token}:0"] if add_bos else [], [f"{eos_token}:0"] if add_eos else []
+            single = [*bos, "$A:0", *eos]
+            pair = [*single, *(f"{bos_token}:1" for _ in bos), "$B:1", *(f"{eos_token}:1" for _ in eos)]
+            special = {bos_token: self.bos_token_id} if add_bos else {}
+            special.update({eos_token: self.eos_token_id} if add_eos else {})
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=" ".join(single), pair=" ".join(pair), special_tokens=list(special.items())
+            )
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether `encode` puts BOS first (the post-processor's doing)."""
+        bos = self.bos_token_id
+        ids = self.tokenizer.encode("", add_special_tokens=True).ids
+        return bos is not None and bool(ids) and ids[0] == bos
 
     # -- ids of special tokens -------------------------------------------------------------
     def token_to_id(self, token: str | None) -> int | None:
@@ -120,17 +148,13 @@ class DecoderTokenizer:
 
     # -- encoding and decoding -------------------------------------------------------------
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS first when `add_bos_token` and `add_special_tokens`.
+        """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the post-processor adds them.
 
         Special tokens written in the text (`<|im_start|>`) become their single id.
         """
         if not isinstance(text, str):
             raise TypeError(f"expected text as str, got {type(text).__name__}")
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        bos = self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        return list(ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -199,12 +223,14 @@ class DecoderTokenizer:
             template = chat_file.read_text(encoding="utf-8")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        # add_bos_token / add_eos_token in tokenizer_config.json are not read: transformers 5
+        # builds its tokenizer from tokenizer.json, whose post-processor alone decides (measured
+        # with every combination in tests/test_checkpoint_decoders.py), and so does attnkit.
         return cls(
             tokenizer,
             bos_token=text_of(config.get("bos_token")),
             eos_token=text_of(config.get("eos_token")),
             pad_token=text_of(config.get("pad_token")),
-            add_bos_token=bool(config.get("add_bos_token", False)),
             chat_template=template,
         )
 

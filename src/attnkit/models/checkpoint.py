@@ -14,6 +14,19 @@ Checkpoint names stop here: no attnkit class attribute takes a checkpoint's
 spelling. Every problem raises `CheckpointError` (a `ValueError`) naming the
 file and the tensor: a missing, unexpected or mis-shaped tensor, a truncated or
 corrupt file, a folder with no weights.
+
+The one rule every loader follows (docs/models.md, "Decoders: what loads"):
+
+- every tensor in a file is consumed, or on the loader's short documented
+  ignore list (rotary `inv_freq` buffers, GPT-2's causal-mask buffers);
+  anything else is refused, naming the file and the unused tensors;
+- every config key is understood: implemented, known to leave the math alone
+  (dropouts, `initializer_range`, `transformers_version`, ...), or refused by
+  name (`ConfigReader.check_keys`), so a key attnkit has never heard of cannot
+  silently change what a model computes;
+- the config is checked against the tensor shapes in the file header
+  (`read_header`, which reads shapes without loading) before anything is
+  allocated (`check_tensors`).
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -292,8 +306,309 @@ def load_state_dict(
     return out
 
 
+
+# ----------------------------------------------------------------------------- the one rule
+
+
+class TensorInfo(NamedTuple):
+    """What a file's header says about one tensor, read without loading it."""
+
+    shape: tuple[int, ...]
+    dtype: str  # safetensors ("F32", "BF16", ...) or GGML ("Q8_0", ...) type name
+    file: Path
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def read_header(files: str | Path | Sequence[str | Path]) -> dict[str, TensorInfo]:
+    """Name, shape and dtype of every tensor in one or more safetensors files, from their
+    headers only (nothing is loaded or allocated).
+
+    Raises:
+        CheckpointError: a missing, truncated or corrupt file, or a name in two shards.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    infos: dict[str, TensorInfo] = {}
+    for path in paths:
+        if not path.is_file():
+            raise CheckpointError(f"weights file {path} does not exist")
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                for name in handle.keys():
+                    if name in infos:
+                        raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {path}")
+                    piece = handle.get_slice(name)
+                    infos[name] = TensorInfo(tuple(int(n) for n in piece.get_shape()), str(piece.get_dtype()), path)
+        except SafetensorError as error:
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file (truncated or corrupt?): {error}"
+            ) from None
+        except OSError as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from None
+    return infos
+
+
+def _names(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_tensors(
+    found: Mapping[str, TensorInfo],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    optional: Mapping[str, tuple[int, ...]] | None = None,
+    ignore: Iterable[str] = (),
+    dtypes: Sequence[str] | None = FLOAT_DTYPES,
+    source: str | Path = "checkpoint",
+    config: str = "",
+) -> None:
+    """The one rule, on header information only: every tensor of the file is expected (with
+    the shape the config implies), optional and present with its shape, or on the `ignore`
+    list; every expected tensor is there.
+
+    Arguments:
+        found: checkpoint name -> `TensorInfo` (`read_header`, or a GGUF file's tensor infos).
+        expected: checkpoint name -> shape every loadable file has.
+        optional: checkpoint name -> shape of tensors that may be absent (a tied head saved
+            anyway, biases a GGUF may carry).
+        ignore: regexes (full match) of tensors dropped on purpose; each loader documents its
+            list (rotary `inv_freq` buffers, GPT-2's causal-mask buffers).
+        dtypes: allowed dtypes of every used tensor (None: any).
+        source: the file, for messages.
+        config: the config values the shapes come from, for messages ("hidden_size=64, ...").
+
+    Raises:
+        CheckpointError: naming the file and every missing, unused or mis-shaped tensor.
+    """
+    optional = optional or {}
+    ignored = [re.compile(pattern) for pattern in ignore]
+    wanted = {**optional, **expected}
+    problems = []
+    missing = [name for name in expected if name not in found]
+    if missing:
+        problems.append(f"missing tensor(s) {_names(missing)}")
+    unused = [
+        name for name in found if name not in wanted and not any(pattern.fullmatch(name) for pattern in ignored)
+    ]
+    if unused:
+        problems.append(
+            f"tensor(s) {_names(unused)} that attnkit does not use (a tensor it would ignore means a "
+            "feature it does not implement, so the file is refused rather than run without it)"
+        )
+    shapes = [
+        f"tensor {name!r} has shape {tuple(found[name].shape)}, expected {tuple(shape)}"
+        for name, shape in wanted.items()
+        if name in found and tuple(found[name].shape) != tuple(shape)
+    ]
+    if shapes:
+        more = f" and {len(shapes) - 3} more" if len(shapes) > 3 else ""
+        because = f" from the config ({config})" if config else " from the config"
+        problems.append("; ".join(shapes[:3]) + more + because)
+    problems += [
+        f"tensor {name!r} has dtype {found[name].dtype}, expected one of {', '.join(dtypes)}"
+        for name in wanted
+        if name in found and dtypes is not None and found[name].dtype not in dtypes
+    ][:3]
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+
+def check_tied_copy(
+    tensors: Mapping[str, np.ndarray], copy: str, original: str, *, source: str | Path = "checkpoint"
+) -> None:
+    """A tied head saved anyway must be the embedding again (else the file is untied and its
+    config says otherwise)."""
+    if copy in tensors and not np.array_equal(tensors[copy], tensors[original]):
+        raise CheckpointError(
+            f"{source}: the config ties the output head to the embedding (tie_word_embeddings), but "
+            f"{copy!r} differs from {original!r}; expected equal tensors, or tie_word_embeddings: false"
+        )
+
+
+# ----------------------------------------------------------------------------- config keys
+
+_MISSING: Any = object()
+
+# Keys any Hugging Face config may carry that never change what a model computes at
+# inference: bookkeeping, training-only settings (dropout, initialization), and generation
+# defaults (attnkit takes sampling settings as arguments, it never reads them from a config).
+HARMLESS_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "model_type",
+        "use_cache", "initializer_range", "output_attentions", "output_hidden_states", "return_dict",
+        "torchscript", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
+        "tokenizer_class", "prefix", "task_specific_params", "pad_token_id", "sep_token_id",
+        "decoder_start_token_id", "chunk_size_feed_forward", "use_bfloat16", "tf_legacy_loss",
+        "_attn_implementation_autoset", "_commit_hash", "_num_labels", "gradient_checkpointing",
+        "output_past",
+        # generation defaults
+        "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+        "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+        "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+        "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+        "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+        "suppress_tokens", "begin_suppress_tokens",
+    }
+)
+
+# Keys that are harmless at these values only; any other value is refused by name.
+NEUTRAL_CONFIG_VALUES: dict[str, tuple] = {
+    "is_encoder_decoder": (False,),
+    "add_cross_attention": (False,),
+    "cross_attention_hidden_size": (None,),
+    "tie_encoder_decoder": (False,),
+    "pruned_heads": ({},),
+}
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """Equality that does not let True pass for 1 or 0 for False."""
+    if allowed is None or value is None:
+        return value is allowed
+    return type(value) is type(allowed) and value == allowed
+
+
+class ConfigReader:
+    """Typed reads from a parsed config (`config.json`, GGUF metadata) whose every error names
+    the file, the key, what was expected and what was found.
+
+    Arguments:
+        config: the parsed key -> value mapping.
+        source: the file, for messages.
+        prefix: prepended to every key (`"llama."` for GGUF metadata).
+    """
+
+    def __init__(self, config: Mapping[str, Any], source: str | Path, *, prefix: str = "") -> None:
+        self.config = config
+        self.source = source
+        self.prefix = prefix
+
+    def _value(self, key: str, default: Any) -> tuple[Any, bool]:
+        value = self.config.get(self.prefix + key)
+        if value is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{self.source} lacks the key {self.prefix + key!r}, which this model needs")
+            return default, False
+        return value, True
+
+    def _bad(self, key: str, expected: str, value: Any) -> CheckpointError:
+        return CheckpointError(f"{self.source}: expected {self.prefix + key} to be {expected}, got {value!r}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._value(key, default)[0]
+
+    def has(self, key: str) -> bool:
+        return self.config.get(self.prefix + key) is not None
+
+    def integer(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> Any:
+        """An integer >= `minimum` (sizes: 1; ids: 0). JSON floats and booleans are refused."""
+        value, given = self._value(key, default)
+        if not given:
+            return value
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise self._bad(key, f"an integer >= {minimum}", value)
+        if value < minimum:
+            raise self._bad(key, f"an integer >= {minimum}", value)
+        return int(value)
+
+    def number(self, key: str, default: Any = _MISSING, *, positive: bool = False) -> Any:
+        """A finite number (> 0 when `positive`)."""
+        value, given = self._value(key, default)
+        if not given:
+            return value
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise self._bad(key, "a number", value)
+        value = float(value)
+        if not np.isfinite(value) or (positive and value <= 0):
+            raise self._bad(key, "a finite number > 0" if positive else "a finite number", value)
+        return value
+
+    def flag(self, key: str, default: Any = _MISSING) -> Any:
+        value, given = self._value(key, default)
+        if not given:
+            return value
+        if not isinstance(value, (bool, np.bool_)):
+            raise self._bad(key, "true or false", value)
+        return bool(value)
+
+    def text(self, key: str, default: Any = _MISSING) -> Any:
+        value, given = self._value(key, default)
+        if given and not isinstance(value, str):
+            raise self._bad(key, "a string", value)
+        return value
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """An id or a list of ids (Llama 3's `eos_token_id: [128001, 128008, 128009]`); () if absent."""
+        value, given = self._value(key, None)
+        if not given:
+            return ()
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)) or item < 0:
+                raise self._bad(key, "a token id (an integer >= 0) or a list of them", value)
+        return tuple(dict.fromkeys(int(item) for item in items))
+
+    def check_keys(
+        self,
+        understood: Iterable[str],
+        *,
+        neutral: Mapping[str, tuple] | None = None,
+        harmless: Iterable[str] = (),
+        common: bool = True,
+        what: str = "this model",
+    ) -> None:
+        """Refuse, by name, every key that is neither understood (implemented), harmless
+        (changes nothing at inference) nor at a neutral value.
+
+        Arguments:
+            understood: keys the loader reads and implements.
+            neutral: key -> the values at which it changes nothing (`"rope_interleaved": (False,)`).
+            harmless: keys of this model that never change the math.
+            common: also accept `HARMLESS_CONFIG_KEYS` and `NEUTRAL_CONFIG_VALUES`, which any
+                Hugging Face config may carry (False for GGUF metadata and nested objects).
+            what: the model, for messages.
+        """
+        understood, harmless = set(understood), set(harmless) | (HARMLESS_CONFIG_KEYS if common else set())
+        neutral = {**(NEUTRAL_CONFIG_VALUES if common else {}), **(neutral or {})}
+        unknown = []
+        for full_key, value in self.config.items():
+            if not full_key.startswith(self.prefix):
+                continue
+            key = full_key[len(self.prefix) :]
+            if key in understood or key in harmless:
+                continue
+            if key in neutral:
+                if not any(_same(value, allowed) for allowed in neutral[key]):
+                    allowed = " or ".join(json.dumps(a) for a in neutral[key])
+                    raise CheckpointError(
+                        f"{self.source}: {full_key}={json.dumps(value)} is not supported by {what} "
+                        f"(expected {allowed}); it changes what the model computes"
+                    )
+                continue
+            unknown.append(full_key)
+        if unknown:
+            raise CheckpointError(
+                f"{self.source}: {what} does not know the key(s) {_names(unknown)}; they may change what "
+                "the model computes, so the file is refused rather than run without them "
+                "(docs/models.md lists the keys each loader reads)"
+            )
+
+
 __all__ = [
     "CheckpointError",
+    "ConfigReader",
+    "FLOAT_DTYPES",
+    "HARMLESS_CONFIG_KEYS",
+    "NEUTRAL_CONFIG_VALUES",
+    "TensorInfo",
+    "check_tensors",
+    "check_tied_copy",
+    "read_header",
     "check_folder",
     "check_shapes",
     "find_safetensors",

@@ -31,7 +31,7 @@ import numpy as np
 from attnkit.nn.cache import KVCache
 from attnkit.nn.module import Module
 
-__all__ = ["AttentionMap", "CausalLM", "sample_next_token", "prepare_prompts"]
+__all__ = ["AttentionMap", "CausalLM", "apply_repetition_penalty", "sample_next_token", "prepare_prompts"]
 
 
 class AttentionMap(NamedTuple):
@@ -141,6 +141,25 @@ def sample_next_token(
     draws = rng.random(len(scores)) * cumulative[:, -1]
     choice = np.array([np.searchsorted(row, draw, side="right") for row, draw in zip(cumulative, draws)])
     return np.minimum(choice, scores.shape[-1] - 1).astype(np.int64)
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """transformers' repetition penalty (`RepetitionPenaltyLogitsProcessor`, from CTRL): the logit
+    of every token already in the context is divided by `penalty` when positive and multiplied
+    by it when negative, so `penalty` > 1 makes repeats less likely and 1 changes nothing.
+
+    Arguments:
+        logits: (B, V) next-token logits.
+        seen: (B, V) bool, True for the tokens already in each row's context.
+        penalty: > 0.
+
+    Returns:
+        (B, V) logits of the same dtype.
+    """
+    if penalty == 1.0:
+        return logits
+    penalized = np.where(logits > 0, logits / penalty, logits * penalty)
+    return np.where(seen, penalized, logits).astype(logits.dtype, copy=False)
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
@@ -263,8 +282,17 @@ class CausalLM(Module):
     def _pad_id(self) -> int:
         if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
             return int(self.tokenizer.pad_token_id)
+        eos = self._eos_ids()
+        return eos[0] if eos else 0
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id: the config's (an id or a list, as Llama 3's), else the tokenizer's."""
         eos = getattr(self.config, "eos_token_id", None)
-        return int(eos) if eos is not None else 0
+        if isinstance(eos, (int, np.integer)):
+            eos = (int(eos),)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (int(self.tokenizer.eos_token_id),)
+        return tuple(eos or ())
 
     @staticmethod
     def _positions(cache: KVCache, mask: np.ndarray) -> np.ndarray:
@@ -281,16 +309,31 @@ class CausalLM(Module):
     # -- generation ------------------------------------------------------------------------
     def _stop_ids(self, stop: Any) -> tuple[set[int], list[str]]:
         if stop is None:
-            eos = getattr(self.config, "eos_token_id", None)
-            if eos is None and self.tokenizer is not None:
-                eos = self.tokenizer.eos_token_id
-            return ({int(eos)} if eos is not None else set()), []
+            return set(self._eos_ids()), []
         items = [stop] if isinstance(stop, (int, np.integer, str)) else list(stop)
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, (int, np.integer, str)):
+                raise TypeError(f"expected stop to hold token ids (int) and strings, got {item!r}")
+            if isinstance(item, str) and not item:
+                raise ValueError("expected non-empty stop strings, got ''")
         ids = {int(item) for item in items if isinstance(item, (int, np.integer))}
         texts = [item for item in items if isinstance(item, str)]
         if texts and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none, pass token ids instead")
         return ids, texts
+
+    def _ends_with_stop(self, history: list[int], texts: list[str]) -> bool:
+        """Whether a stop string ends inside the last token of `history` (transformers'
+        `StopStringCriteria`: the string may start in earlier tokens, prompt included, and may
+        end before the last token's text does: `"\n"` stops on the token `"\n   "`)."""
+        before = self.tokenizer.decode(history[:-1])
+        text = self.tokenizer.decode(history)
+        boundary = 0  # where the last token's text starts (a split character may re-decode)
+        for a, b in zip(before, text):
+            if a != b:
+                break
+            boundary += 1
+        return any(text.find(s, max(0, boundary - len(s) + 1)) >= 0 for s in texts)
 
     def stream(
         self,
@@ -305,6 +348,7 @@ class CausalLM(Module):
         attention_mask: Any = None,
         cache: KVCache | None = None,
         prefill_chunk: int | None = None,
+        repetition_penalty: float = 1.0,
     ) -> Iterator[np.ndarray]:
         """Generate token by token: yields (B,) int64 arrays of new ids as they are chosen
         (a row that has stopped repeats the pad id). See `generate` for the arguments.
@@ -337,10 +381,14 @@ class CausalLM(Module):
             raise ValueError(
                 f"cache of {cache.max_length} positions cannot hold {past} + {T} + {max_new_tokens} tokens"
             )
+        if not (np.isfinite(repetition_penalty) and repetition_penalty > 0):
+            raise ValueError(f"expected a finite repetition_penalty > 0, got {repetition_penalty}")
         stops = self._stop_ids(stop)
-        return self._steps(ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk)
+        return self._steps(ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk,
+                           float(repetition_penalty))
 
-    def _steps(self, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk):
+    def _steps(self, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk,
+               repetition_penalty=1.0):
         """The generator behind `stream`, on checked arguments."""
         B, T = ids.shape
         if max_new_tokens == 0:
@@ -360,21 +408,29 @@ class CausalLM(Module):
             )  # (B, 1, V)
 
         finished = np.zeros(B, dtype=bool)
-        generated: list[list[int]] = [[] for _ in range(B)]
+        # Stop strings look back over the prompt too (a string may start there); enough tokens
+        # that the text before the last one is as long as the longest stop string.
+        window = max((len(s) for s in stop_texts), default=0) + 2
+        history = [list(ids[row][mask[row]][-window:]) for row in range(B)]
         step_mask = np.ones((B, 1), dtype=bool)
+        # The repetition penalty's context: the prompt's real tokens (with a cache, the ones
+        # passed here), then every token chosen.
+        seen = np.zeros(logits.shape[::2], dtype=bool)  # (B, V)
+        for row in range(B):
+            seen[row, ids[row][mask[row]]] = True
         for step in range(max_new_tokens):
-            next_ids = sample_next_token(logits[:, -1], temperature, top_k, top_p, rng)  # (B,)
+            scores = apply_repetition_penalty(logits[:, -1], seen, repetition_penalty)  # (B, V)
+            next_ids = sample_next_token(scores, temperature, top_k, top_p, rng)  # (B,)
             next_ids = np.where(finished, pad, next_ids)
+            seen[np.arange(B), next_ids] = True
             yield next_ids
             for row in np.flatnonzero(~finished):
                 token = int(next_ids[row])
                 if token in stop_ids:
                     finished[row] = True
                 elif stop_texts:
-                    generated[row].append(token)
-                    text = self.tokenizer.decode(generated[row][-32:])
-                    if any(text.endswith(s) for s in stop_texts):
-                        finished[row] = True
+                    history[row] = [*history[row][-window:], token]
+                    finished[row] = self._ends_with_stop(history[row], stop_texts)
             if finished.all() or step == max_new_tokens - 1:
                 return
             logits = self.forward(next_ids[:, None], attention_mask=step_mask, cache=cache)  # (B, 1, V)
@@ -393,6 +449,7 @@ class CausalLM(Module):
         on_token: Callable[[np.ndarray], Any] | None = None,
         cache: KVCache | None = None,
         prefill_chunk: int | None = None,
+        repetition_penalty: float = 1.0,
     ) -> np.ndarray:
         """Continue prompts by up to `max_new_tokens` tokens.
 
@@ -404,11 +461,17 @@ class CausalLM(Module):
             top_p: sample among the most likely tokens whose probability reaches top_p.
             seed: int or numpy Generator for sampling (reproducible).
             stop: token id(s) and/or string(s) that end a sequence (the stopping token is kept).
-                None: the model's end-of-sequence token. `()`: never stop early.
+                A string stops the sequence as soon as it ends inside the last token, as with
+                transformers' `StopStringCriteria` (`"\\n"` stops on a token `"\\n   "`).
+                None: the model's end-of-sequence token(s), any of them (a list such as Llama
+                3's `eos_token_id: [128001, 128008, 128009]`). `()`: never stop early.
             attention_mask: (B, T), False where input_ids is left padding.
             on_token: called with each step's (B,) new ids, for streaming.
             cache: continue from this cache (see `stream`).
             prefill_chunk: prefill the prompt this many tokens at a time.
+            repetition_penalty: transformers' `repetition_penalty` (see `apply_repetition_penalty`)
+                over the prompt's real tokens (with a `cache`, the ones passed here) and every new
+                token; 1.0 (the default) is off.
 
         Returns:
             (B, T + n) int64: the (padded) prompts followed by n <= max_new_tokens new tokens;
@@ -418,13 +481,52 @@ class CausalLM(Module):
         new: list[np.ndarray] = []
         for next_ids in self.stream(
             ids, max_new_tokens, temperature, top_k, top_p, seed, stop,
-            attention_mask=mask, cache=cache, prefill_chunk=prefill_chunk,
+            attention_mask=mask, cache=cache, prefill_chunk=prefill_chunk, repetition_penalty=repetition_penalty,
         ):
             new.append(next_ids)
             if on_token is not None:
                 on_token(next_ids[0] if was_1d else next_ids)
         out = np.concatenate([ids, np.stack(new, axis=1)], axis=1) if new else ids
         return out[0] if was_1d else out
+
+    def generate_text(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | np.random.Generator | None = None,
+        stop: Any = None,
+    ) -> str:
+        """Continue `prompt` (text, tokenized as the tokenizer says, BOS included when it adds
+        one) and return the new text only.
+
+        Stopping is `generate`'s. The returned text ends just before the first stop string,
+        which may end inside a token (that token's text is cut there) or start in the prompt
+        (then nothing is returned); a stop token id (EOS) that ended the text is left out.
+        """
+        if self.tokenizer is None:
+            raise ValueError("generate_text needs a tokenizer; this model has none, use generate with token ids")
+        if not isinstance(prompt, str):
+            raise TypeError(f"expected prompt as str, got {type(prompt).__name__}")
+        prompt_ids = self.tokenizer.encode(prompt)
+        if not prompt_ids:
+            raise ValueError("expected a prompt with at least one token, got an empty prompt")
+        stop_ids, stop_texts = self._stop_ids(stop)
+        out = self.generate(np.asarray(prompt_ids, dtype=np.int64), max_new_tokens, temperature, top_k, top_p,
+                            seed, stop)
+        new_ids = [int(i) for i in out[len(prompt_ids):]]
+        if new_ids and new_ids[-1] in stop_ids:
+            new_ids = new_ids[:-1]
+        if not stop_texts:
+            return self.tokenizer.decode(new_ids)
+        # the text of the prompt's tail and the new tokens, in which the stop string may start early
+        tail = prompt_ids[-(max(len(s) for s in stop_texts) + 2):]
+        head = len(self.tokenizer.decode(tail))
+        text = self.tokenizer.decode(tail + new_ids)
+        starts = [i for i in (text.find(s, max(0, head - len(s) + 1)) for s in stop_texts) if i >= 0]
+        return text[head : max(min(starts), head)] if starts else text[head:]
 
     # -- looking inside ----------------------------------------------------------------------
     def attention(self, text_or_ids: str | Sequence[int] | np.ndarray) -> AttentionMap:

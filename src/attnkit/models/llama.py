@@ -7,12 +7,16 @@ One block, pre-norm:
 
 with grouped-query attention (SmolLM2-135M: 9 query heads share 3 key/value
 heads, head dim 64), rotary position embeddings (base `rope_theta`, 100000 for
-SmolLM2), and a final RMSNorm before the output head, which is either the token
-embedding itself (tied, as SmolLM2) or its own matrix.
+SmolLM2; scaled as `rope_scaling` says: linear, dynamic, yarn, llama3), and a
+final RMSNorm before the output head, which is either the token embedding
+itself (tied, as SmolLM2) or its own matrix. The projections carry biases when
+the checkpoint says so (`attention_bias`, `mlp_bias`, or bias tensors in a GGUF).
 
 Loaders: `LlamaForCausalLM.from_gguf(path)` (llama.cpp files, any quantization
 the `gguf` package dequantizes) and `LlamaForCausalLM.from_folder(path)`
-(Hugging Face `config.json` + safetensors).
+(Hugging Face `config.json` + safetensors). Both follow the checkpoint rule of
+`attnkit.models.checkpoint`: every key understood or refused by name, shapes
+checked against the file header before anything is allocated, every tensor used.
 
 Speed: a decode step is a chain of matrix-vector products, bound by reading
 the weights once per token. Each layer keeps its query/key/value projections
@@ -35,6 +39,7 @@ from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, RotaryEmbedding, SwiGLU
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, ModuleList, make_rng
+from attnkit.nn.positional import RopeScaling
 
 __all__ = ["LlamaConfig", "LlamaBlock", "LlamaForCausalLM"]
 
@@ -46,63 +51,190 @@ class LlamaConfig:
     vocab_size: int = 49152
     hidden_size: int = 576  # d_model
     intermediate_size: int = 1536  # d_ff of SwiGLU
-    num_layers: int = 30
-    num_heads: int = 9  # query heads
-    num_kv_heads: int = 3  # key/value heads (GQA when fewer than num_heads)
+    num_layers: int = 30  # num_hidden_layers
+    num_heads: int = 9  # num_attention_heads: query heads
+    num_kv_heads: int = 3  # num_key_value_heads (GQA when fewer than num_heads)
     head_dim: int = 64
     rope_theta: float = 100000.0
+    rope_scaling: RopeScaling | None = None  # rope_scaling / rope_parameters; GGUF rope_freqs.weight
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 8192  # context length
     tie_word_embeddings: bool = True  # head = embedding matrix
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q/k/v/o projections
+    mlp_bias: bool = False  # biases on gate/up/down projections
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: tuple[int, ...] = (2,)  # any of them ends a sequence (an int is taken as one id)
 
     def __post_init__(self) -> None:
+        if isinstance(self.eos_token_id, (int, np.integer)):
+            object.__setattr__(self, "eos_token_id", (int(self.eos_token_id),))
+        elif self.eos_token_id is None:
+            object.__setattr__(self, "eos_token_id", ())
+        else:
+            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in self.eos_token_id))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"expected {name} to be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"expected num_heads ({self.num_heads}) to be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"expected an even head_dim for rotary embeddings, got {self.head_dim}")
+        if not (np.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ValueError(f"expected rms_norm_eps > 0, got {self.rms_norm_eps!r}")
+        if not (np.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"expected rope_theta > 1, got {self.rope_theta!r}")
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "LlamaConfig":
-        """From a Hugging Face `config.json` (model_type "llama")."""
+    def from_hf(cls, config: dict[str, Any], source: str | os.PathLike[str] = "config.json") -> "LlamaConfig":
+        """From a Hugging Face `config.json` (model_type "llama").
+
+        Every key is read, known to change nothing at inference, or refused by name
+        (`ConfigReader.check_keys`); sizes must be positive and the heads must divide.
+
+        Raises:
+            CheckpointError (a ValueError): naming `source`, the key, what was expected and found.
+        """
+        from attnkit.models.checkpoint import CheckpointError, ConfigReader
+
+        read = ConfigReader(config, source)
         if config.get("model_type") != "llama":
-            raise ValueError(f"expected a config of model_type 'llama', got {config.get('model_type')!r}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"expected hidden_act 'silu', got {config.get('hidden_act')!r}")
-        if config.get("mlp_bias", False):
-            raise ValueError("expected mlp_bias false; biases in the SwiGLU are not supported")
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type not in ("default", None):
-            raise ValueError(f"expected default rotary embeddings, got rope_type {rope_type!r}")
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        num_heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-
-        def single(value: Any) -> int | None:
-            if isinstance(value, list):
-                value = value[0] if value else None
-            return None if value is None else int(value)
-
+            raise CheckpointError(f"{source}: expected model_type 'llama', got {config.get('model_type')!r}")
+        read.check_keys(_HF_LLAMA_KEYS, neutral=_HF_LLAMA_NEUTRAL, harmless=_HF_LLAMA_HARMLESS,
+                        what="attnkit's Llama")
+        activation = read.text("hidden_act", "silu")
+        if activation != "silu":
+            raise CheckpointError(f"{source}: expected hidden_act 'silu' (SwiGLU), got {activation!r}")
+        hidden = read.integer("hidden_size")
+        num_heads = read.integer("num_attention_heads")
+        num_kv_heads = read.integer("num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise CheckpointError(
+                f"{source}: expected num_attention_heads ({num_heads}) to be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        if read.has("head_dim"):
+            head_dim = read.integer("head_dim")
+        elif hidden % num_heads:
+            raise CheckpointError(
+                f"{source}: expected hidden_size ({hidden}) to be a multiple of num_attention_heads "
+                f"({num_heads}), or a head_dim key"
+            )
+        else:
+            head_dim = hidden // num_heads
+        if head_dim % 2:
+            raise CheckpointError(f"{source}: expected an even head dimension for rotary embeddings, got {head_dim}")
+        max_positions = read.integer("max_position_embeddings", 2048)
+        theta, scaling = _hf_rope(config, read, max_positions, source)
+        eos = read.token_ids("eos_token_id")
+        bos = read.token_ids("bos_token_id")
         return cls(
-            vocab_size=int(config["vocab_size"]),
+            vocab_size=read.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            intermediate_size=read.integer("intermediate_size"),
+            num_layers=read.integer("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
-            rope_theta=float(theta),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            bos_token_id=single(config.get("bos_token_id")),
-            eos_token_id=single(config.get("eos_token_id")),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=read.number("rms_norm_eps", 1e-6, positive=True),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=read.flag("tie_word_embeddings", False),
+            attention_bias=read.flag("attention_bias", False),
+            mlp_bias=read.flag("mlp_bias", False),
+            bos_token_id=bos[0] if bos else None,
+            eos_token_id=eos,
         )
+
+
+# config.json keys of a Llama: read and implemented ...
+_HF_LLAMA_KEYS = {
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta", "rope_scaling", "rope_parameters",
+    "original_max_position_embeddings", "bos_token_id", "eos_token_id",
+}
+# ... harmless at inference (training-only, or a marker) ...
+_HF_LLAMA_HARMLESS = {
+    "attention_dropout", "mlp_dropout",
+    "pretraining_tp",  # splits the projections into slices during pretraining: the same products
+    "is_llama_config",  # SmolLM2's marker
+    "is_decoder",  # a decoder is causal whatever it says
+}
+# ... and harmless at these values only.
+_HF_LLAMA_NEUTRAL = {
+    "rope_interleaved": (False,),  # nanotron: True rotates adjacent pairs instead of halves
+    "partial_rotary_factor": (1.0, 1),
+    "sliding_window": (None,),
+    "use_sliding_window": (False,),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+}
+# rope_scaling / rope_parameters keys by type (as transformers validates them)
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"},
+}
+
+
+def _hf_rope(config: dict[str, Any], read, max_positions: int, source) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, RopeScaling or None) from `rope_parameters` (transformers 5) or `rope_scaling` +
+    `rope_theta` (earlier), with transformers' precedence: `rope_scaling`, then `rope_parameters`;
+    the dict's own `rope_theta`, then the top-level one."""
+    from attnkit.models.checkpoint import CheckpointError, ConfigReader
+
+    name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(name) or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{source}: expected {name} to be an object, got {params!r}")
+    where = f"{source} ({name})"
+    rope = ConfigReader(params, where)
+    rope_type = rope.text("rope_type", None) or rope.text("type", "default")
+    if rope_type not in _ROPE_KEYS:
+        raise CheckpointError(
+            f"{where}: rope_type {rope_type!r} is not supported; expected one of {', '.join(_ROPE_KEYS)} "
+            "(longrope and the others are refused rather than run with the wrong positions)"
+        )
+    rope.check_keys(_ROPE_KEYS[rope_type] | {"rope_type", "type", "rope_theta"}, common=False,
+                    neutral={"partial_rotary_factor": (1.0, 1)}, what=f"rope_type {rope_type!r}")
+    theta = rope.number("rope_theta", None, positive=True)
+    if theta is None:
+        theta = read.number("rope_theta", 10000.0, positive=True)
+    if rope_type == "default":
+        return theta, None
+    original = read.integer("original_max_position_embeddings", None)  # a top-level key wins, as in transformers
+    if original is None:
+        original = rope.integer("original_max_position_embeddings", max_positions)
+    factor = rope.number("factor", None, positive=True)
+    if factor is None and rope_type == "yarn":
+        factor = max_positions / original
+    if factor is None:
+        raise CheckpointError(f"{where} lacks the key 'factor', which rope_type {rope_type!r} needs")
+    try:
+        return theta, RopeScaling(
+            rope_type=rope_type,
+            factor=factor,
+            original_max_position_embeddings=original,
+            max_position_embeddings=max_positions,
+            low_freq_factor=rope.number("low_freq_factor") if rope_type == "llama3" else 1.0,
+            high_freq_factor=rope.number("high_freq_factor") if rope_type == "llama3" else 4.0,
+            beta_fast=rope.number("beta_fast", 0.0) or 32.0,  # transformers: `get("beta_fast") or 32`
+            beta_slow=rope.number("beta_slow", 0.0) or 1.0,
+            attention_factor=rope.number("attention_factor", None),
+            mscale=rope.number("mscale", None),
+            mscale_all_dim=rope.number("mscale_all_dim", None),
+            truncate=rope.flag("truncate", True),
+        )
+    except ValueError as error:
+        raise CheckpointError(f"{where}: {error}") from None
 
 
 class LlamaBlock(Module):
@@ -120,7 +252,7 @@ class LlamaBlock(Module):
             bias=config.attention_bias, seed=rng,
         )
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, seed=rng)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, seed=rng)
 
     def forward(self, x, cos, sin, cache, layer, *, backend="naive", weights=None) -> np.ndarray:
         """x: the residual stream (B, T, d), float64 (see `_hidden_states`); the
@@ -149,7 +281,7 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, seed=rng)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self._head_from = None
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -174,44 +306,129 @@ class LlamaForCausalLM(CausalLM):
             self._head_from = source
         return hidden @ self._head_t  # (B, T, vocab)
 
+    @property
+    def context_length(self) -> int:
+        """`max_position_embeddings`; with "dynamic" rope scaling, `factor` times that (the
+        length dynamic NTK scaling stretches the model to; transformers sets no limit)."""
+        c = self.config
+        if c.rope_scaling is not None and c.rope_scaling.is_dynamic:
+            return int(c.max_position_embeddings * c.rope_scaling.factor)
+        return int(c.max_position_embeddings)
+
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "LlamaForCausalLM":
         """Load a llama.cpp GGUF file (weights dequantized to float32, tokenizer from metadata).
 
+        The metadata and the tensor shapes are checked before any tensor is dequantized; every
+        tensor is used (see `attnkit.models.gguf`).
+
         Raises:
-            ValueError: not a GGUF file, not a Llama model, or an unsupported tensor type.
+            ValueError: naming the file: not a GGUF file, not a Llama model, a key or tensor
+                attnkit does not implement, sizes that disagree, an unsupported tensor type.
         """
         from attnkit.models.gguf import GGUFFile, llama_config_from_gguf, llama_state_from_gguf, tokenizer_from_gguf
 
         gguf_file = GGUFFile(path)
-        tied = "output.weight" not in gguf_file.tensor_names
-        config = llama_config_from_gguf(gguf_file.metadata, tied=tied)
+        config = llama_config_from_gguf(gguf_file)
+        tokenizer = tokenizer_from_gguf(gguf_file)
         state = llama_state_from_gguf(gguf_file, config)
-        tokenizer = tokenizer_from_gguf(gguf_file.metadata)
         model = cls(config, seed=0, tokenizer=tokenizer)
         model.load_state_dict(state)
         return model
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> "LlamaForCausalLM":
-        """Load a Hugging Face Llama folder: config.json, model.safetensors (or shards), and
-        tokenizer.json if present."""
-        from attnkit.models.chat import DecoderTokenizer
-        from attnkit.models.checkpoint import load_state_dict, read_config
+        """Load a Hugging Face Llama folder: config.json, model.safetensors (or shards),
+        generation_config.json and tokenizer.json if present.
 
-        folder = Path(folder)
-        config = LlamaConfig.from_hf(read_config(folder))
-        model = cls(config, seed=0)
-        expected = {name: array.shape for name, array in model.state_dict().items()}
-        ignore = [r".*rotary_emb\.inv_freq"]
+        The config is validated, then checked against the tensor shapes in the safetensors
+        headers, before any weight is read; every tensor must be used (rotary `inv_freq`
+        buffers excepted). `eos_token_id` from generation_config.json, when there, is what
+        transformers' `generate` stops on, and so is it here.
+        """
+        from attnkit.models.chat import DecoderTokenizer
+        from attnkit.models.checkpoint import (
+            check_folder,
+            check_tensors,
+            check_tied_copy,
+            find_safetensors,
+            map_names,
+            read_config,
+            read_header,
+            read_safetensors,
+        )
+
+        folder = check_folder(folder)
+        config = LlamaConfig.from_hf(read_config(folder), source=folder / "config.json")
+        config = _with_generation_config(config, folder)
+        files = find_safetensors(folder)
+        source = files[0] if len(files) == 1 else f"{folder} ({len(files)} shards)"
+        expected, optional = hf_tensor_shapes(config)
+        check_tensors(read_header(files), expected, optional=optional, ignore=_HF_LLAMA_IGNORE, source=source,
+                      config=_describe(config))
+        tensors = read_safetensors(files)
         if config.tie_word_embeddings:
-            ignore.append(r"lm_head\.weight")  # a tied head saved anyway is the embedding again
-        state = load_state_dict(folder, _HF_LLAMA_NAMES, expected, ignore=ignore)
+            check_tied_copy(tensors, "lm_head.weight", "model.embed_tokens.weight", source=source)
+            tensors.pop("lm_head.weight", None)
+        state, _ = map_names(tensors, _HF_LLAMA_NAMES, ignore=_HF_LLAMA_IGNORE, source=source)
+        model = cls(config, seed=0)
         model.load_state_dict(state)
         if (folder / "tokenizer.json").is_file():
             model.tokenizer = DecoderTokenizer.from_folder(folder)
         return model
+
+
+def _describe(config: LlamaConfig) -> str:
+    c = config
+    return (
+        f"vocab_size={c.vocab_size}, hidden_size={c.hidden_size}, intermediate_size={c.intermediate_size}, "
+        f"num_attention_heads={c.num_heads}, num_key_value_heads={c.num_kv_heads}, head_dim={c.head_dim}"
+    )
+
+
+def _with_generation_config(config: LlamaConfig, folder: Path) -> LlamaConfig:
+    """`eos_token_id` of generation_config.json, which transformers' `generate` uses over config.json's."""
+    from dataclasses import replace
+
+    from attnkit.models.checkpoint import ConfigReader, read_json
+
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return config
+    eos = ConfigReader(read_json(path), path).token_ids("eos_token_id")
+    return replace(config, eos_token_id=eos) if eos else config
+
+
+def hf_tensor_shapes(config: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(expected, optional): Hugging Face tensor name -> shape for `config`. Optional: a tied
+    head saved anyway (it must equal the embedding)."""
+    c = config
+    d, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        expected.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+        })
+        if c.attention_bias:
+            expected.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                             p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (d,)})
+        if c.mlp_bias:
+            expected.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
+                             p + "mlp.down_proj.bias": (d,)})
+    head = {"lm_head.weight": (c.vocab_size, d)}
+    if c.tie_word_embeddings:
+        return expected, head
+    return {**expected, **head}, {}
 
 
 # Hugging Face Llama checkpoint names -> attnkit names.
@@ -221,7 +438,9 @@ _HF_LLAMA_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", r"layers.\1.attn.\2_proj.\3"),
     (r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)", r"layers.\1.attn.out_proj.\2"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.\2_proj.\3"),
     (r"model\.norm\.weight", r"norm.weight"),
     (r"lm_head\.weight", r"lm_head.weight"),
 ]
+# The ignore list: rotary inverse-frequency buffers older transformers saved (recomputed from the config).
+_HF_LLAMA_IGNORE = [r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"]

@@ -5,7 +5,7 @@
 - `RotaryEmbedding`: rotary position embeddings (RoPE). Each pair of channels
   (x_i, x_{i+E/2}) of a query or key is rotated by the angle position * theta_i,
   theta_i = base^(-2i/E), so the score q_m . k_n depends on m - n only.
-- `SwiGLU`: the gated feed-forward, down(silu(gate(x)) * up(x)).
+- `SwiGLU`: the gated feed-forward, down(silu(gate(x)) * up(x)), optionally with biases.
 - `CausalSelfAttention`: multi-head (or grouped-query) self-attention that
   appends to a `KVCache` and attends through it, with optional rotary embeddings.
 
@@ -23,6 +23,7 @@ import numpy as np
 from attnkit.nn.cache import KVCache
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, make_rng
+from attnkit.nn.positional import RopeScaling, rope_frequencies
 
 __all__ = ["CausalSelfAttention", "Embedding", "RMSNorm", "RotaryEmbedding", "SwiGLU", "silu"]
 
@@ -86,36 +87,51 @@ class RotaryEmbedding:
     """Rotary position embeddings in the "rotate half" layout of Hugging Face's Llama.
 
     Channel i and channel i + E/2 of each head form a pair rotated by position * theta_i,
-    theta_i = base^(-2i/E). Angles are computed in float32 as transformers does, so
-    logits agree to float32 rounding. The cos/sin table grows on demand.
+    theta_i = base^(-2i/E) unless `scaling` stretches them (`attnkit.nn.positional.RopeScaling`:
+    linear, dynamic, yarn, llama3, or llama.cpp's per-frequency divisors). Frequencies and angles
+    are computed in float32 as transformers does, so logits agree to float32 rounding; cos and
+    sin are multiplied by the scaling's attention factor (yarn). The cos/sin table grows on
+    demand; with "dynamic" scaling, positions past `max_position_embeddings` use frequencies of
+    the current length (max position + 1), as transformers' forward does.
 
     Arguments:
         head_dim: E (even).
         base: theta base (10000 for Llama 2, 100000 for SmolLM2; `rope_theta` in configs).
+        scaling: a `RopeScaling`, or None for the original frequencies.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling=None) -> None:
         if head_dim % 2:
             raise ValueError(f"expected an even head_dim for rotary embeddings, got {head_dim}")
         self.head_dim = int(head_dim)
         self.base = float(base)
-        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        self.inv_freq = (np.float32(1.0) / np.power(np.float32(base), exponent)).astype(np.float32)  # (E/2,)
+        self.scaling = scaling or RopeScaling()
+        self.inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling)  # (E/2,) float32
+        self.attention_scaling = self.scaling.attention_scaling()
         self._cos = np.zeros((0, head_dim), np.float32)
         self._sin = np.zeros((0, head_dim), np.float32)
 
+    def _table(self, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        angles = positions.astype(np.float32)[..., None] * inv_freq  # (..., E/2), float32 like transformers
+        angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)  # (..., E)
+        # cos and sin correctly rounded to float32 (NumPy's float32 kernels may be 1 ulp off)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        if self.attention_scaling != 1.0:
+            cos *= self.attention_scaling
+            sin *= self.attention_scaling
+        return cos, sin
+
     def _grow(self, length: int) -> None:
         length = max(length, 2 * len(self._cos), 64)
-        positions = np.arange(length, dtype=np.float32)
-        angles = positions[:, None] * self.inv_freq[None, :]  # (T, E/2), float32 like transformers
-        angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)  # (T, E)
-        # cos and sin correctly rounded to float32 (NumPy's float32 kernels may be 1 ulp off)
-        self._cos, self._sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        self._cos, self._sin = self._table(np.arange(length), self.inv_freq)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin for integer `positions` (any shape P): each (*P, E), float32."""
         positions = np.asarray(positions)
         top = int(positions.max()) + 1 if positions.size else 0
+        if self.scaling.is_dynamic and top > self.scaling.max_position_embeddings:
+            inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling, seq_len=top)
+            return self._table(positions, inv_freq)
         if top > len(self._cos):
             self._grow(top)
         return self._cos[positions], self._sin[positions]
@@ -150,48 +166,59 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class SwiGLU(Module):
-    """Gated feed-forward of Llama: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+    """Gated feed-forward of Llama: down_proj(silu(gate_proj(x)) * up_proj(x)).
 
     Arguments:
         d_model: input and output size.
         d_ff: hidden size (`intermediate_size`).
+        bias: biases on the three projections (Hugging Face's `mlp_bias`).
 
     Parameters: ``gate_proj.weight``, ``up_proj.weight`` (d_ff, d_model), ``down_proj.weight``
-    (d_model, d_ff).
+    (d_model, d_ff), and their biases when `bias`.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, seed: int | np.random.Generator | None = None) -> None:
+    def __init__(
+        self, d_model: int, d_ff: int, *, bias: bool = False, seed: int | np.random.Generator | None = None
+    ) -> None:
         super().__init__()
         rng = make_rng(seed)
         self.d_model, self.d_ff = int(d_model), int(d_ff)
-        self.gate_proj = Linear(d_model, d_ff, bias=False, seed=rng)
-        self.up_proj = Linear(d_model, d_ff, bias=False, seed=rng)
-        self.down_proj = Linear(d_ff, d_model, bias=False, seed=rng)
+        self.gate_proj = Linear(d_model, d_ff, bias=bias, seed=rng)
+        self.up_proj = Linear(d_model, d_ff, bias=bias, seed=rng)
+        self.down_proj = Linear(d_ff, d_model, bias=bias, seed=rng)
         self._fused_from: tuple = ()
 
-    def _fused(self) -> tuple[np.ndarray, np.ndarray]:
-        """(gate_up_t (d_model, 2*d_ff), down_t (d_ff, d_model)), rebuilt when a weight is replaced."""
-        sources = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        if len(self._fused_from) != 3 or any(a is not b for a, b in zip(sources, self._fused_from)):
-            gate, up, down = sources
-            self._gate_up_t = np.ascontiguousarray(np.concatenate([gate, up], axis=0).T)
-            self._down_t = np.ascontiguousarray(down.T)
+    def _fused(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """(gate_up_t (d_model, 2*d_ff), gate_up_bias (2*d_ff,) or None, down_t (d_ff, d_model)),
+        rebuilt when a weight is replaced."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        sources = tuple(p.weight for p in projections) + tuple(p.bias for p in projections)
+        if len(self._fused_from) != len(sources) or any(a is not b for a, b in zip(sources, self._fused_from)):
+            gate, up, down = projections
+            self._gate_up_t = np.ascontiguousarray(np.concatenate([gate.weight, up.weight], axis=0).T)
+            self._gate_up_bias = None if gate.bias is None else np.concatenate([gate.bias, up.bias])
+            self._down_t = np.ascontiguousarray(down.weight.T)
             self._fused_from = sources
-        return self._gate_up_t, self._down_t
+        return self._gate_up_t, self._gate_up_bias, self._down_t
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         """x: (..., d_model) -> (..., d_model)."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"expected x of shape (..., {self.d_model}), got {x.shape}")
-        gate_up_t, down_t = self._fused()
+        gate_up_t, gate_up_bias, down_t = self._fused()
         gate_up = x @ gate_up_t  # (..., 2 * d_ff)
+        if gate_up_bias is not None:
+            gate_up += gate_up_bias
         gate, up = gate_up[..., : self.d_ff], gate_up[..., self.d_ff :]
         hidden = silu(gate)
         hidden *= up
-        return hidden @ down_t  # (..., d_model)
+        out = hidden @ down_t  # (..., d_model)
+        if self.down_proj.bias is not None:
+            out += self.down_proj.bias
+        return out
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, bias={self.gate_proj.bias is not None}"
 
 
 class CausalSelfAttention(Module):

@@ -7,9 +7,19 @@ views only read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+_SPECIAL = re.compile(r"\[(CLS|SEP|PAD|MASK|UNK|BOS|EOS)\]|<\|[^|<>]*\|>|</?s>|<(pad|unk|mask|bos|eos)>")
+"""How a special token is written when no tokenizer said which tokens are special: `[CLS]`,
+`[SEP]`, `<|im_start|>`, `<s>`, `</s>`, `<pad>`..."""
+
+
+def looks_special(token: str) -> bool:
+    """Whether a token's text is that of a special token (`[CLS]`, `<|im_end|>`, `</s>`, ...)."""
+    return _SPECIAL.fullmatch(token) is not None
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,9 @@ class AttentionMaps:
         causal: True when the model could only attend to earlier tokens.
         truncated_from: the token count before truncation, or None if the whole
             text fitted the model.
+        special: T booleans, True for the tokenizer's special tokens (`[CLS]`, `[SEP]`,
+            `<|im_start|>`...); None reads them from the token text (`looks_special`).
+        hidden: how many tokens `hide_special` removed (0 for maps as the model gave them).
     """
 
     tokens: tuple[str, ...]
@@ -34,10 +47,16 @@ class AttentionMaps:
     causal: bool = False
     truncated_from: int | None = None
     meta: dict = field(default_factory=dict, compare=False)
+    special: tuple[bool, ...] | None = None
+    hidden: int = 0
 
     def __post_init__(self) -> None:
         tokens = tuple(str(t) for t in self.tokens)
         object.__setattr__(self, "tokens", tokens)
+        special = tuple(looks_special(t) for t in tokens) if self.special is None else tuple(map(bool, self.special))
+        if len(special) != len(tokens):
+            raise ValueError(f"expected {len(tokens)} special flags like tokens, got {len(special)}")
+        object.__setattr__(self, "special", special)
         weights = np.asarray(self.weights)
         if weights.ndim != 4 or weights.shape[2] != weights.shape[3]:
             raise ValueError(
@@ -86,6 +105,45 @@ class AttentionMaps:
         if head is None:
             return f"layer {layer}, mean of {self.num_heads} heads"
         return f"layer {layer}, head {self.check_head(head)}"
+
+    @property
+    def hidden_note(self) -> str:
+        """'' or, after `hide_special`, a note such as '2 special tokens hidden, rows renormalised'."""
+        if not self.hidden:
+            return ""
+        what = "special token" if not self.causal else "special or first token"
+        return f"{self.hidden} {what}{'s' if self.hidden > 1 else ''} hidden, rows renormalised"
+
+    def hidden_tokens(self) -> np.ndarray:
+        """Indices of the tokens `hide_special` drops: the special tokens and, in a causal
+        model, the first token, where decoders park the attention they do not need (the
+        "attention sink"). Never every token: at least one is kept."""
+        drop = np.array(self.special, dtype=bool)
+        if self.causal:
+            drop[0] = True
+        if drop.all():
+            drop[-1] = False
+        return np.flatnonzero(drop)
+
+    def hide_special(self) -> "AttentionMaps":
+        """These maps without special tokens (and a causal model's first token), renormalised.
+
+        The rows and columns of the hidden tokens are removed, then every row is divided by
+        what is left of it, so each row again sums to 1: the weights say how a token spreads
+        the attention it gives to the tokens still shown. A row left with no weight at all
+        stays 0. The result is a view for the eye, not what the model computes.
+        """
+        drop = self.hidden_tokens()
+        if not drop.size:
+            return self
+        keep = np.setdiff1d(np.arange(self.num_tokens), drop)
+        weights = self.weights[:, :, keep][:, :, :, keep].astype(np.float64)  # (layers, heads, T', T')
+        total = weights.sum(axis=-1, keepdims=True)
+        weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+        return replace(
+            self, tokens=tuple(self.tokens[i] for i in keep), weights=weights.astype(self.weights.dtype),
+            special=tuple(self.special[i] for i in keep), hidden=self.hidden + int(drop.size),
+        )
 
 
 def _check_index(what: str, value: int, size: int, plural: str) -> int:

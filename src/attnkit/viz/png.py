@@ -8,6 +8,7 @@ pyplot, so nothing global changes and no window opens. Sizes are exact
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from attnkit.viz.data import AttentionMaps
 from attnkit.viz.summary import summarize_heads
 from attnkit.viz.terminal import viridis
+from attnkit.viz.text import printable
 
 INCHES_PER_TOKEN = 0.11  # one tick label per token: ~8 pt apart
 MAX_MATRIX_INCHES = 57.0  # 512 tokens still get a label each
@@ -42,8 +44,15 @@ def head_figure_size(tokens: tuple[str, ...] | list[str]) -> tuple[float, float,
 
 def _short(token: str) -> str:
     """A tick label: control characters shown, BPE's leading space dropped, at most 16 characters."""
-    token = token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥").strip(" ") or "␣"
+    token = printable(token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥")).strip(" ") or "␣"
     return token if len(token) <= 16 else token[:15] + "…"
+
+
+def _save(fig, path: str | Path, dpi: int) -> None:
+    """fig as PNG (whatever the file name's suffix), without warnings about glyphs the font lacks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph .* missing from", category=UserWarning)
+        fig.savefig(path, dpi=dpi, format="png")
 
 
 def save_head_png(
@@ -83,12 +92,12 @@ def save_head_png(
     ax.set_yticklabels(labels, fontsize=lay["font"], parse_math=False)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
-    ax.set_title(f"{maps.model}: {maps.label(layer, head)}", parse_math=False)
+    ax.set_title(f"{printable(maps.model)}: {maps.label(layer, head)}", parse_math=False)
     cax = fig.add_axes(
         ((lay["left"] + lay["side"] + 0.25) / width, lay["bottom"] / height, 0.2 / width, lay["side"] / height)
     )
     fig.colorbar(image, cax=cax, label="attention weight")
-    fig.savefig(path, dpi=dpi)
+    _save(fig, path, dpi)
     return fig.canvas.get_width_height()
 
 
@@ -162,6 +171,6 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100) -> t
             if code:
                 ax.text(head * step + 3, layer * step + 3, code, color="white", fontsize=7,
                         va="top", ha="left", fontweight="bold")
-    fig.suptitle(f"{maps.model}: all heads ({maps.num_tokens} tokens)", fontsize=10, parse_math=False)
-    fig.savefig(path, dpi=dpi)
+    fig.suptitle(f"{printable(maps.model)}: all heads ({maps.num_tokens} tokens)", fontsize=10, parse_math=False)
+    _save(fig, path, dpi)
     return fig.canvas.get_width_height()

@@ -16,6 +16,7 @@ listing providers (or importing this module) loads no model code.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +58,20 @@ PROVIDERS: dict[str, ProviderInfo] = {
 }
 
 
+RunResult = tuple[list[str], np.ndarray, "int | None", "list[bool] | None"]
+"""What a provider's model run returns: tokens, weights, full token count, special flags."""
+
+
 class Provider:
     """Runs one model; `attention(text)` returns `AttentionMaps`.
 
     Arguments:
         name: the provider name shown in views.
         run: (text, limit) -> (tokens, weights (layers, heads, T, T), full token
-            count); it keeps at most `limit` tokens (fewer when the model's own
-            maximum is smaller) and reports how many the whole text has.
+            count, special flags or None); it keeps at most `limit` tokens (fewer when
+            the model's own maximum is smaller), reports how many the whole text has,
+            and which tokens are the tokenizer's special tokens (None: read from the
+            token text, see `attnkit.viz.data.looks_special`).
         causal: whether the model attends only to earlier tokens.
         max_tokens: texts with more tokens are truncated to this many.
     """
@@ -72,7 +79,7 @@ class Provider:
     def __init__(
         self,
         name: str,
-        run: Callable[[str, int], tuple[list[str], np.ndarray, int | None]],
+        run: Callable[[str, int], "RunResult"],
         *,
         causal: bool,
         max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -99,7 +106,7 @@ class Provider:
             raise ValueError("expected a non-empty text, got an empty one")
         limit = self.max_tokens if max_tokens is None else max_tokens
         with self._lock:
-            tokens, weights, full_count = self._run(text, limit)
+            tokens, weights, full_count, special = self._run(text, limit)
         weights = np.asarray(weights, dtype=np.float32)
         return AttentionMaps(
             tokens=tuple(tokens),
@@ -108,6 +115,7 @@ class Provider:
             text=text,
             causal=self.causal,
             truncated_from=full_count if full_count and full_count > len(tokens) else None,
+            special=special,
         )
 
 
@@ -135,7 +143,62 @@ def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> Provider
     return provider
 
 
+NEVER_DOWNLOADS = "attnkit never downloads models; `attnkit models` lists those it can load"
+"""Said wherever a model name is not known: what a user who typed a hub name needs to hear."""
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a model name was meant as a path (it has a folder separator, starts with
+    '.' or '~', or ends like a model file) rather than as a model's name."""
+    return (
+        "/" in name or os.sep in name or name.startswith((".", "~"))
+        or name.lower().endswith((".gguf", ".safetensors", ".bin", ".json"))
+    )
+
+
+def _missing_path(path: Path) -> str:
+    """Which part of a path that does not exist is missing: the first missing folder, or the file."""
+    first_missing = path
+    while not first_missing.parent.exists() and first_missing.parent != first_missing.parent.parent:
+        first_missing = first_missing.parent
+    if first_missing != path:
+        return f"folder {str(first_missing)!r} does not exist"
+    return f"{str(path)!r} does not exist"
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a model name that is neither a provider nor a model file or folder; loads nothing.
+
+    Raises:
+        ModelNotAvailableError: the name is unknown, the path does not exist (the message
+            names the missing part), or the path holds no model attnkit can read (the
+            message says what is accepted).
+    """
+    if not isinstance(name, str) or not name:
+        raise ModelNotAvailableError(f"expected a model name ({', '.join(PROVIDERS)}) or a path, got {name!r}")
+    if name in PROVIDERS:
+        return
+    try:
+        path = Path(name).expanduser()
+        exists, is_dir = path.exists(), path.is_dir()
+    except (OSError, ValueError) as error:  # a NUL character, a name too long
+        raise ModelNotAvailableError(f"cannot read a model from {name!r}: {error}") from error
+    if not exists and looks_like_path(name):
+        raise ModelNotAvailableError(f"no model at {name!r}: {_missing_path(path)}")
+    if not exists:
+        raise ModelNotAvailableError(
+            f"unknown model {name!r}: expected one of {', '.join(PROVIDERS)} "
+            f"or the path of a model folder or .gguf file ({NEVER_DOWNLOADS})"
+        )
+    if not is_dir and path.suffix.lower() != ".gguf":
+        raise ModelNotAvailableError(
+            f"cannot read a model from {str(path)!r}: expected a folder holding config.json and "
+            "model.safetensors (a BERT encoder) or a .gguf file (a decoder)"
+        )
+
+
 def _load(name: str, max_tokens: int) -> Provider:
+    check_model_name(name)
     if name == "random":
         return Provider("random", _run_random, causal=False, max_tokens=max_tokens)
     if name == "minilm":
@@ -143,26 +206,16 @@ def _load(name: str, max_tokens: int) -> Provider:
     if name == "smollm2":
         return _decoder_provider(None, "smollm2", max_tokens)
     path = Path(name).expanduser()
-    if not path.exists():
-        raise ModelNotAvailableError(
-            f"unknown model {name!r}: expected one of {', '.join(PROVIDERS)} "
-            "or the path of a model folder or .gguf file"
-        )
     label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
     if path.is_dir():
         return _encoder_provider(path, label, max_tokens)
-    if path.suffix == ".gguf":
-        return _decoder_provider(path, label, max_tokens)
-    raise ModelNotAvailableError(
-        f"cannot read a model from {str(path)!r}: expected a folder holding config.json and "
-        "model.safetensors (a BERT encoder) or a .gguf file (a decoder)"
-    )
+    return _decoder_provider(path, label, max_tokens)
 
 
-def _run_random(text: str, limit: int) -> tuple[list[str], np.ndarray, int]:
+def _run_random(text: str, limit: int) -> RunResult:
     tokens = text.split()
     maps = maps_from_random_model(tokens[:limit], layers=2, heads=4, seed=0)
-    return list(maps.tokens), maps.weights, len(tokens)
+    return list(maps.tokens), maps.weights, len(tokens), None
 
 
 def _missing(provider: str, error: Exception) -> ModelNotAvailableError:
@@ -210,10 +263,10 @@ def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
     return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens)
 
 
-def _encoder_runner(model) -> Callable[[str, int], tuple[list[str], np.ndarray, int | None]]:
+def _encoder_runner(model) -> Callable[[str, int], RunResult]:
     """Adapt `SentenceEncoder.attention` (its tokenizer truncates at max_seq_length)."""
 
-    def run(text: str, limit: int) -> tuple[list[str], np.ndarray, int | None]:
+    def run(text: str, limit: int) -> RunResult:
         encoding = model.tokenizer.encode([text])[0]
         # The tokenizer keeps what did not fit in `overflowing` (each part with its own
         # [CLS]/[SEP]): the full length is the kept tokens plus the overflow's real tokens.
@@ -226,20 +279,23 @@ def _encoder_runner(model) -> Callable[[str, int], tuple[list[str], np.ndarray, 
             keep = real[: max(1, limit - (len(encoding.ids) - len(real)))]
             text = text[: encoding.offsets[keep[-1]][1]]
         tokens, weights = model.attention(text)
-        return list(tokens), np.asarray(weights), full
+        return list(tokens), np.asarray(weights), full, None  # [CLS], [SEP]: read from the text
 
     return run
 
 
-def _decoder_runner(model) -> Callable[[str, int], tuple[list[str], np.ndarray, int | None]]:
+def _decoder_runner(model) -> Callable[[str, int], RunResult]:
     """Adapt `CausalLM.attention`, truncating the token ids to `limit`."""
+    added = getattr(model.tokenizer.tokenizer, "get_added_tokens_decoder", dict)()
+    special_ids = {int(i) for i, token in added.items() if getattr(token, "special", False)}
 
-    def run(text: str, limit: int) -> tuple[list[str], np.ndarray, int | None]:
+    def run(text: str, limit: int) -> RunResult:
         ids = list(model.tokenizer.encode(text))
         if not ids:
             raise ValueError("expected a text with at least one token, got none")
         result = model.attention(np.asarray(ids[:limit], dtype=np.int64))
-        return list(result.tokens), np.asarray(result.weights), len(ids)
+        special = [int(i) in special_ids for i in ids[:limit]]
+        return list(result.tokens), np.asarray(result.weights), len(ids), special
 
     return run
 

@@ -5,8 +5,14 @@ is the same viewer as the HTML file, in server mode: it posts the text to
 `/api/attention` on its own origin and draws the answer. Inputs are capped:
 at most `max_chars` characters (longer requests are refused with 413) and at
 most `max_tokens` tokens (longer texts are truncated, with a warning).
+
+The body of `/api/attention` is read as strict JSON: `NaN` and `Infinity`
+(which Python's parser would accept) and text that is not valid Unicode get
+422, a body larger than any allowed request gets 413, never 500.
 """
 
+
+import json
 from typing import Any, Sequence
 
 from attnkit.viz.html import content_security_policy, payload, render_page
@@ -17,8 +23,65 @@ from attnkit.viz.providers import (
     availability,
     get_provider,
 )
+from attnkit.viz.text import utf8_problem
 
 DEFAULT_MAX_CHARS = 2000
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, lower case, without port or brackets: '[::1]:8000' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal, with or without a port
+        end = header.find("]")
+        return header[1:end] if end > 0 else ""
+    if header.count(":") == 1:  # name:port
+        header = header.split(":")[0]
+    return header.rstrip(".")
+
+
+class HostCheck:
+    """ASGI middleware: answer only requests whose Host is one of `allowed` (others get 400).
+
+    Unlike a plain split at the first ':', it reads IPv6 literals ('[::1]:8000').
+    """
+
+    def __init__(self, app: Any, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.allowed = {host_name(h) if h.startswith("[") else h.lower() for h in allowed}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed:
+                from starlette.responses import PlainTextResponse
+
+                await PlainTextResponse("Invalid host header", status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> float:
+    raise _NonFinite(name)
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: raises ValueError (with a message for the client) on NaN, Infinity,
+    bytes that are not UTF-8, nesting too deep, or anything that is not JSON."""
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except _NonFinite as error:
+        raise ValueError(f"expected finite JSON numbers, got {error}") from None
+    except RecursionError:
+        raise ValueError("expected a JSON object, got one nested too deep") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"expected a UTF-8 body, got byte 0x{body[error.start]:02x} at offset {error.start}") from None
+    except ValueError as error:
+        raise ValueError(f"expected a JSON object: {error}") from None
 
 
 def create_app(
@@ -37,9 +100,10 @@ def create_app(
         allowed_hosts: Host headers to answer (others get 400), which stops DNS-rebinding
             pages from reading a local server; None answers any host.
     """
-    from fastapi import FastAPI, HTTPException
+    from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import HTMLResponse, Response
-    from pydantic import BaseModel
+    from pydantic import BaseModel, ValidationError
+    from starlette.concurrency import run_in_threadpool
 
     if max_chars < 1 or max_tokens < 1:
         raise ValueError(f"expected max_chars and max_tokens >= 1, got {max_chars} and {max_tokens}")
@@ -55,9 +119,10 @@ def create_app(
 
     app = FastAPI(title="attnkit", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_hosts is not None:
-        from starlette.middleware.trustedhost import TrustedHostMiddleware
-
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+        app.add_middleware(HostCheck, allowed=list(allowed_hosts))
+    # The largest body a valid request can have: every character escaped as a
+    # surrogate pair (12 bytes), plus room for the other fields.
+    max_body = 12 * max_chars + 4096
     headers = {
         "Content-Security-Policy": content_security_policy(server=True),
         "X-Content-Type-Options": "nosniff",
@@ -99,12 +164,38 @@ def create_app(
     def api_models() -> list[dict[str, Any]]:
         return model_list()
 
-    @app.post("/api/attention")
-    def api_attention(request: AttentionRequest) -> dict[str, Any]:
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body:
+            raise HTTPException(413, f"the request has {declared} bytes; this server accepts at most {max_body}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise HTTPException(413, f"the request is larger than {max_body} bytes, the most this server accepts")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse_request(body: bytes) -> AttentionRequest:
+        try:
+            data = parse_json(body)
+            return AttentionRequest.model_validate(data)
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()
+            )
+            raise HTTPException(422, f"expected {{text, model, layer, head}}: {problems}") from None
+        except ValueError as error:
+            raise HTTPException(422, str(error)) from None
+
+    def attention(request: AttentionRequest) -> dict[str, Any]:
         if request.model not in models:
             raise HTTPException(400, f"unknown model {request.model!r}; this server offers: {', '.join(models)}")
         if not request.text.strip():
             raise HTTPException(422, "expected a non-empty text, got an empty one")
+        problem = utf8_problem(request.text)
+        if problem:
+            raise HTTPException(422, f"expected Unicode text, got a {problem}")
         if len(request.text) > max_chars:
             raise HTTPException(
                 413, f"the text has {len(request.text)} characters; this server accepts at most {max_chars}"
@@ -128,5 +219,10 @@ def create_app(
             else []
         )
         return answer
+
+    @app.post("/api/attention")
+    async def api_attention(request: Request) -> dict[str, Any]:
+        parsed = parse_request(await read_body(request))
+        return await run_in_threadpool(attention, parsed)  # the model runs off the event loop
 
     return app

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from attnkit.viz.data import AttentionMaps
 from attnkit.viz.summary import HeadSummary
+from attnkit.viz.text import printable
 
 SHADES = " ░▒▓█"
 
@@ -57,8 +58,9 @@ def pool(weights: np.ndarray, block: int) -> np.ndarray:
 
 
 def _visible(token: str) -> str:
-    """A token as a label: control whitespace shown, the leading space of BPE pieces dropped."""
-    token = token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥")
+    """A token as a label: line breaks and tabs as symbols, other control characters escaped
+    (`\x1b`), the leading space of BPE pieces dropped."""
+    token = printable(token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥"))
     return token.strip(" ") or ("␣" if token else "∅")
 
 

@@ -1,0 +1,113 @@
+"""`attnkit models`, and the one check of every command's `--model`.
+
+attnkit never downloads anything. It loads the two models that ship as pip
+packages (found on disk, never imported), a small untrained model for the
+views, and any model folder or `.gguf` file given by its path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rich.text import Text
+
+from attnkit.cli._app import app, console, fail, say
+
+ENCODER, DECODER, ANY = "encoder", "decoder", "any"
+
+_USED_BY = {
+    "minilm": "embed, similarity, show and compare (their default), serve",
+    "smollm2": "generate and chat (their default), show, compare, serve",
+    "random": "show, compare, serve",
+}
+
+HOW_TO_ADD = (
+    "Any other model: give its path to --model. A BERT-family folder (config.json, model.safetensors, "
+    "tokenizer.json or vocab.txt) works with embed, similarity, show, compare and serve; a Llama .gguf "
+    "file with generate, chat, show, compare and serve; a Llama or GPT-2 folder (config.json, "
+    "*.safetensors, tokenizer.json) with generate and chat."
+)
+
+
+def model_option(name: Optional[str], kind: str, command: str) -> Optional[str]:
+    """Check a command's `--model` before anything loads; exit with the reason if it cannot work.
+
+    Arguments:
+        name: what the user gave (None: the command's default).
+        kind: ENCODER (embed, similarity), DECODER (generate, chat) or ANY (the views).
+        command: the command's name, for messages.
+
+    Returns:
+        None for the embedded model of that kind, else the name to load (a provider name
+        for ANY, a path otherwise).
+    """
+    from attnkit.viz.providers import ModelNotAvailableError, check_model_name
+
+    if kind == ENCODER and name in (None, "minilm"):
+        return None
+    if kind == DECODER and name in (None, "smollm2"):
+        return None
+    if kind == ENCODER and name in ("smollm2", "random"):
+        fail(f"{name} is not a sentence encoder; attnkit {command} needs minilm or the path of a "
+             "BERT-family folder (see `attnkit models`)")
+    if kind == DECODER and name in ("minilm", "random"):
+        fail(f"{name} does not generate text; attnkit {command} needs smollm2, a .gguf file or a Llama "
+             "or GPT-2 folder (see `attnkit models`)")
+    assert name is not None
+    try:
+        check_model_name(name)
+    except ModelNotAvailableError as error:
+        fail(str(error))
+    if kind == ENCODER and not Path(name).expanduser().is_dir():
+        fail(f"cannot read a sentence encoder from {name!r}: expected a BERT-family folder holding "
+             "config.json and model.safetensors")
+    return name
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _human(size: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size} bytes"  # pragma: no cover
+
+
+def _where(name: str) -> tuple[Optional[Path], str]:
+    """(the model's file or folder, '') when installed, else (None, the reason with the install command)."""
+    from attnkit.models import embedded
+
+    try:
+        return (embedded.minilm_path() if name == "minilm" else embedded.smollm2_gguf_path()), ""
+    except embedded.ModelPackageNotFoundError as error:
+        return None, str(error)
+
+
+@app.command()
+def models() -> None:
+    """List the models attnkit can load here, where they are, and how to add one. Nothing is downloaded."""
+    from attnkit.viz.providers import PROVIDERS
+
+    console.print(Text("Models attnkit can load on this machine", style="bold"))
+    for name, info in PROVIDERS.items():
+        console.print()
+        console.print(Text.assemble((f"{name:<8}", "bold"), info.description), soft_wrap=True)
+        if name == "random":
+            say(f"{'':8}built in: random weights, no checkpoint")
+        else:
+            path, reason = _where(name)
+            package = info.install.split()[-1]
+            if path is None:
+                say(f"{'':8}not installed ({package}): {reason}", style="yellow")
+            else:
+                say(f"{'':8}installed from the pip package {package}: {path} ({_human(_size(path))})")
+        say(f"{'':8}used by: {_USED_BY[name]}")
+    console.print()
+    say(HOW_TO_ADD)
+    say("attnkit never downloads anything: it reads these packages and the paths you give, offline.")

@@ -17,6 +17,7 @@ import pytest
 
 from attnkit.viz.data import maps_from_random_model
 from attnkit.viz.html import save_html
+from attnkit.viz.server import EXAMPLE
 
 pytestmark = pytest.mark.browser
 
@@ -162,6 +163,55 @@ def test_html_512_tokens_stays_responsive(browser, tmp_path):
     w.page.close()
 
 
+def test_matrix_labels_colour_scale_hidden_tokens_and_log_scale(browser, tmp_path):
+    """The matrix carries its tokens on both axes and a colour scale; 'hide special tokens'
+    shows what `AttentionMaps.hide_special` computes; 'log colour scale' repaints."""
+    tokens = ["[CLS]", "the", "cat", "sat", "[SEP]"]
+    maps = maps_from_random_model(tokens, layers=2, heads=3)
+    path = save_html(maps, tmp_path / "view.html", layer=1, head=2)
+    w = Watched(browser)
+    w.page.goto(path.as_uri())
+    w.page.wait_for_selector('body[data-thumbnails="1"]')
+    assert w.page.locator(".xlabel").all_text_contents() == tokens
+    assert w.page.locator(".ylabel").all_text_contents() == tokens
+    top = w.page.locator(".scale .tick.top").text_content()
+    assert top == f"{maps.head(1, 2).max():.2f} (max)" and w.page.locator(".scale .tick.low").text_content() == "0"
+    before = w.matrix()
+    w.page.check("#log-scale")
+    assert w.matrix() != before and w.page.locator(".scale").get_attribute("data-log") == "1"
+    assert w.page.locator(".scale .tick.low").text_content().startswith("\u2264 ")
+    w.page.uncheck("#log-scale")
+    w.page.check("#hide-special")
+    w.page.wait_for_selector('body[data-thumbnails="1"]')
+    assert w.page.locator(".col.left .tok").all_text_contents() == ["the", "cat", "sat"]
+    assert w.page.locator(".xlabel").all_text_contents() == ["the", "cat", "sat"]
+    assert "2 hidden (special), rows renormalised" in w.page.locator(".doc-meta").text_content()
+    hidden = maps.hide_special()
+    for head in (2, -1):  # one head, and the mean of heads (each head renormalised first)
+        w.page.select_option("#head", str(head))
+        shown = np.array(w.page.evaluate("() => Array.from(window.attnkit.docs[0].current)"))
+        want = hidden.head(1, None if head < 0 else head).ravel()
+        np.testing.assert_allclose(shown, want, atol=4 / 510)  # 8-bit codes, then renormalised
+    w.page.screenshot(path=str(ARTIFACTS / "html-hidden.png"), full_page=True)
+    w.page.uncheck("#hide-special")
+    w.page.wait_for_selector('body[data-thumbnails="1"]')
+    assert w.page.locator(".col.left .tok").count() == 5
+    w.check_clean(path.as_uri())
+    w.page.close()
+
+
+def test_the_file_opens_with_the_options_of_the_command_line(browser, tmp_path):
+    maps = maps_from_random_model(["x", "a", "b", "c"], causal=True)
+    path = save_html(maps, tmp_path / "v.html", hide_special=True, log_scale=True)
+    w = Watched(browser)
+    w.page.goto(path.as_uri())
+    wait_ready(w.page)
+    assert w.page.locator("#hide-special").is_checked() and w.page.locator("#log-scale").is_checked()
+    assert w.page.locator(".col.left .tok").all_text_contents() == ["a", "b", "c"]  # the sink hidden
+    w.check_clean(path.as_uri())
+    w.page.close()
+
+
 @pytest.fixture(scope="module")
 def server_url():
     import uvicorn
@@ -190,7 +240,10 @@ def test_served_page_typing_a_sentence(browser, server_url):
     w = Watched(browser)
     w.page.goto(server_url)
     w.page.wait_for_selector("#input-form:not([hidden])")
-    assert w.page.locator(".doc").count() == 0
+    # The page opens on the example sentence, drawn with the first model it offers.
+    wait_ready(w.page)
+    assert w.page.locator("#text").input_value() == EXAMPLE
+    assert w.page.locator(".col.left .tok").all_text_contents() == EXAMPLE.split()
     text = "the cat " + " ".join(EVIL) + " sat down"
     w.page.fill("#text", text)
     w.page.select_option("#model", "random")

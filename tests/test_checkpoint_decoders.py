@@ -28,6 +28,7 @@ import pytest
 from conftest import F32_EPS, assert_within_budget, optional
 
 from attnkit.models.chat import DecoderTokenizer
+from attnkit.models.auto import AutoCausalLM
 from attnkit.models.generation import CausalLM
 from attnkit.models.gguf import GGUF_PRE_TOKENIZERS, GGUFFile
 from attnkit.nn.cache import KVCache
@@ -278,7 +279,7 @@ def hf_gpt2(tied: bool, **overrides):
 def test_gpt2_untied_head_matches_transformers(tmp_path, torch, transformers):
     hf = hf_gpt2(tied=False)
     assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
-    ours = CausalLM.from_pretrained(save(hf, tmp_path))
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
     assert not ours.config.tie_word_embeddings and "lm_head.weight" in ours.state_dict()
     compare(ours, hf, IDS, "GPT-2 untied head logits")
     np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
@@ -291,17 +292,17 @@ def test_gpt2_tied_head_saved_anyway_must_be_the_embedding(tmp_path, torch, tran
     tensors = load_file(str(folder / "model.safetensors"))
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
     save_file(tensors, str(folder / "model.safetensors"))
-    CausalLM.from_pretrained(folder)  # the same matrix again: fine
+    AutoCausalLM.from_pretrained(folder)  # the same matrix again: fine
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.safetensors.*tie_word_embeddings.*lm_head\.weight.*differs"):
-        CausalLM.from_pretrained(folder)
+        AutoCausalLM.from_pretrained(folder)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_gpt2_other_activations_match_transformers(tmp_path, torch, transformers, activation):
     hf = hf_gpt2(tied=True, activation_function=activation)
-    ours = CausalLM.from_pretrained(save(hf, tmp_path))
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
     compare(ours, hf, IDS, f"GPT-2 {activation} logits")
 
 
@@ -310,7 +311,7 @@ def test_gpt2_other_activations_match_transformers(tmp_path, torch, transformers
 
 def test_llama_folder_attention_and_mlp_biases_match_transformers(tmp_path, torch, transformers):
     hf = hf_llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
-    ours = CausalLM.from_pretrained(save(hf, tmp_path))
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
     assert ours.config.attention_bias and ours.config.mlp_bias
     compare(ours, hf, IDS, "Llama with attention and MLP biases, logits")
     np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
@@ -326,7 +327,7 @@ def test_gguf_biases_match_a_float64_reference(tmp_path, torch, transformers, gg
     stored = write_gguf(path, hf, kind=kind)
     assert "blk.0.attn_q.bias" in GGUFFile(path).tensor_names
     oracle = oracle_from(stored, attention_bias=True, mlp_bias=True)
-    ours = CausalLM.from_pretrained(path)
+    ours = AutoCausalLM.from_pretrained(path)
     assert ours.config.attention_bias and ours.config.mlp_bias
     ours_err, oracle_err = compare(ours, oracle, IDS, f"GGUF {kind} with biases, logits")
     np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(oracle, PROMPT, 32))
@@ -346,7 +347,7 @@ def test_gguf_attention_biases_of_some_projections_only(tmp_path, torch, transfo
     path = tmp_path / "qkv-bias.gguf"
     stored = write_gguf(path, hf, drop=("blk.0.attn_output.bias", "blk.1.attn_output.bias"))
     assert "blk.0.attn_output.bias" not in GGUFFile(path).tensor_names
-    ours = CausalLM.from_pretrained(path)
+    ours = AutoCausalLM.from_pretrained(path)
     np.testing.assert_array_equal(ours.layers[0].attn.out_proj.bias, 0)
     compare(ours, oracle_from(stored, attention_bias=True), IDS, "GGUF with q/k/v biases only, logits")
 
@@ -422,7 +423,7 @@ ROPE_MODELS = {
 @pytest.mark.parametrize("case", list(ROPE_MODELS))
 def test_rope_scaled_llama_folder_matches_transformers(tmp_path, torch, transformers, case):
     hf = hf_llama(**ROPE_MODELS[case])
-    ours = CausalLM.from_pretrained(save(hf, tmp_path))
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
     assert ours.config.rope_scaling.rope_type == case
     prompt = LONG[:, :90]  # dynamic: past max_position_embeddings=64, so the frequencies grow per step
     # first, on a fresh transformers model: its dynamic rope keeps the longest length it has seen
@@ -444,7 +445,7 @@ def test_gguf_rope_freqs_matches_llama3_scaling(tmp_path, torch, transformers, g
     hf = hf_llama(rope_scaling=rope)
     path = tmp_path / "llama31.gguf"
     stored = write_gguf(path, hf, kind=kind, rope_freqs=llama3_rope_divisors(10000.0, 16, **params))
-    ours = CausalLM.from_pretrained(path)
+    ours = AutoCausalLM.from_pretrained(path)
     assert ours.config.rope_scaling.rope_type == "divisors"
     oracle = oracle_from(stored, rope_scaling=rope)
     compare(ours, oracle, LONG, f"GGUF {kind} rope_freqs (llama3), 120 positions, logits")
@@ -457,7 +458,7 @@ def test_gguf_linear_rope_scaling_matches_transformers(tmp_path, torch, transfor
     hf = hf_llama(rope_scaling={"rope_type": "linear", "factor": 2.0})
     path = tmp_path / "linear.gguf"
     stored = write_gguf(path, hf, keys={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
-    ours = CausalLM.from_pretrained(path)
+    ours = AutoCausalLM.from_pretrained(path)
     assert ours.config.rope_scaling == RopeScaling("linear", factor=2.0)
     compare(ours, oracle_from(stored, rope_scaling={"rope_type": "linear", "factor": 2.0}), LONG,
             "GGUF linear rope scaling, logits")
@@ -470,15 +471,15 @@ def test_rope_types_attnkit_does_not_implement_are_refused_by_name(tmp_path, tor
                                  "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config\.json.*rope_type 'longrope' is not supported"):
-        CausalLM.from_pretrained(folder)
+        AutoCausalLM.from_pretrained(folder)
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "ramp": 3}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config\.json.*'ramp'"):
-        CausalLM.from_pretrained(folder)
+        AutoCausalLM.from_pretrained(folder)
     path = tmp_path / "yarn.gguf"
     write_gguf(path, hf_llama(), keys={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
     with pytest.raises(ValueError, match=r"yarn\.gguf.*rope\.scaling\.type 'yarn' is not supported"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 # ============================================================================= case 4: GGUF pre-tokenizers
@@ -498,7 +499,7 @@ def test_gguf_pre_tokenizer_matches_transformers(tmp_path, torch, transformers, 
     path = tmp_path / "tok.gguf"
     write_gguf(path, hf_llama(), pre=pre)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    ours = CausalLM.from_pretrained(path).tokenizer
+    ours = AutoCausalLM.from_pretrained(path).tokenizer
     for text in TEXTS:
         assert ours.encode(text) == theirs(text)["input_ids"], (pre, text)
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"])
@@ -518,7 +519,7 @@ def test_gguf_digit_splitting_pre_tokenizers_match_their_tokenizer_json(tmp_path
     reference.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    ours = CausalLM.from_pretrained(path).tokenizer
+    ours = AutoCausalLM.from_pretrained(path).tokenizer
     for text in TEXTS:
         assert ours.encode(text) == reference.encode(text).ids, text
     transformers_gguf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -529,7 +530,7 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path, torch, transformers,
     path = tmp_path / "odd.gguf"
     write_gguf(path, hf_llama(), pre="deepseek-coder")
     with pytest.raises(ValueError, match=r"odd\.gguf.*tokenizer\.ggml\.pre 'deepseek-coder' is not supported"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 # ============================================================================= add_bos_token
@@ -541,7 +542,7 @@ def test_gguf_add_bos_token_like_transformers(tmp_path, torch, transformers, ggu
     path = tmp_path / "bos.gguf"
     write_gguf(path, hf_llama(), add_bos=add_bos)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    ours = CausalLM.from_pretrained(path).tokenizer
+    ours = AutoCausalLM.from_pretrained(path).tokenizer
     for text in ["the north", "<|im_start|>the", ""]:  # BOS is <|im_start|> (id 1): added again, as transformers
         assert ours.encode(text) == theirs(text)["input_ids"], text
         assert ours.encode(text, add_special_tokens=False) == theirs(text, add_special_tokens=False)["input_ids"]
@@ -582,7 +583,7 @@ def test_any_eos_in_a_list_stops_like_transformers(tmp_path, torch, transformers
     hf = hf_llama(eos_token_id=eos)
     folder = save(hf, tmp_path)
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == eos
-    ours = CausalLM.from_pretrained(folder)
+    ours = AutoCausalLM.from_pretrained(folder)
     assert ours.config.eos_token_id == tuple(eos)
     out = ours.generate(PROMPT[0], 32)
     with torch.no_grad():
@@ -594,7 +595,7 @@ def test_any_eos_in_a_list_stops_like_transformers(tmp_path, torch, transformers
 def test_eos_list_from_generation_config_wins(tmp_path, torch, transformers):
     folder = save(hf_llama(eos_token_id=2), tmp_path)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
-    assert CausalLM.from_pretrained(folder).config.eos_token_id == (2, 7, 9)
+    assert AutoCausalLM.from_pretrained(folder).config.eos_token_id == (2, 7, 9)
 
 
 # ============================================================================= case 6: stop strings
@@ -699,11 +700,11 @@ def test_every_loader_refuses_an_unused_tensor(tmp_path, torch, transformers, gg
         tensors[extra] = np.ones(16, np.float32)
         save_file(tensors, str(folder / "model.safetensors"))
         with pytest.raises(ValueError, match=rf"model\.safetensors.*{re_name(extra)}.*does not use"):
-            CausalLM.from_pretrained(folder)
+            AutoCausalLM.from_pretrained(folder)
     path = tmp_path / "extra.gguf"
     write_gguf(path, hf_llama(), extra_tensors={"blk.0.attn_q_norm.weight": np.ones(16, np.float32)})
     with pytest.raises(ValueError, match=r"extra\.gguf.*'blk\.0\.attn_q_norm\.weight'.*does not use"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 def re_name(name: str) -> str:
@@ -717,7 +718,7 @@ def test_llama_inv_freq_buffers_are_on_the_ignore_list(tmp_path, torch, transfor
     tensors = load_file(str(folder / "model.safetensors"))
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
     save_file(tensors, str(folder / "model.safetensors"))
-    CausalLM.from_pretrained(folder)
+    AutoCausalLM.from_pretrained(folder)
 
 
 def edit_config(folder, **changes):
@@ -743,19 +744,19 @@ def test_every_folder_loader_refuses_an_unknown_math_key(tmp_path, torch, transf
     if model == "gpt2" and ("sliding_window" in change or "attn_logit_softcapping" in change):
         message = r"does not know the key"  # keys no GPT-2 has: unknown to its loader, refused alike
     with pytest.raises(ValueError, match=r"config\.json.*" + message):
-        CausalLM.from_pretrained(folder)
+        AutoCausalLM.from_pretrained(folder)
 
 
 def test_llama_neutral_keys(tmp_path, torch, transformers):
     folder = save(hf_llama(), tmp_path)
     edit_config(folder, rope_interleaved=False, pretraining_tp=2, is_llama_config=True)
-    CausalLM.from_pretrained(folder)
+    AutoCausalLM.from_pretrained(folder)
     edit_config(folder, rope_interleaved=True)
     with pytest.raises(ValueError, match=r"config\.json: rope_interleaved=true is not supported"):
-        CausalLM.from_pretrained(folder)
+        AutoCausalLM.from_pretrained(folder)
     edit_config(folder, rope_interleaved=..., hidden_act="gelu")
     with pytest.raises(ValueError, match=r"config\.json: expected hidden_act 'silu'"):
-        CausalLM.from_pretrained(folder)
+        AutoCausalLM.from_pretrained(folder)
 
 
 def test_gguf_harmless_keys_load(tmp_path, torch, transformers, gguf):
@@ -764,7 +765,7 @@ def test_gguf_harmless_keys_load(tmp_path, torch, transformers, gguf):
                                        "tokenizer.chat_template.tool_use": "{{ messages }}",
                                        "tokenizer.ggml.add_space_prefix": False, "llama.attention.causal": True,
                                        "tokenizer.ggml.fim_pre_token_id": 5})
-    CausalLM.from_pretrained(path)
+    AutoCausalLM.from_pretrained(path)
 
 
 @pytest.mark.parametrize("key, value", [
@@ -778,7 +779,7 @@ def test_gguf_refuses_an_unknown_math_key(tmp_path, torch, transformers, gguf, k
     path = tmp_path / "keys.gguf"
     write_gguf(path, hf_llama(), keys={key: value})
     with pytest.raises(ValueError, match=r"keys\.gguf.*" + re_name(key)):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 # ============================================================================= broken configs
@@ -811,7 +812,7 @@ def peak_allocation(load) -> int:
 def test_broken_llama_configs_are_refused_before_allocation(tmp_path, torch, transformers, change, message):
     folder = save(hf_llama(), tmp_path)
     edit_config(folder, **change)
-    peak, text = peak_allocation(lambda: CausalLM.from_pretrained(folder))
+    peak, text = peak_allocation(lambda: AutoCausalLM.from_pretrained(folder))
     assert str(folder) in text and peak < 4_000_000, (peak, text)  # the file's tensors are ~0.4 MB
     assert __import__("re").search(message, text), text
 
@@ -828,7 +829,7 @@ def test_broken_llama_configs_are_refused_before_allocation(tmp_path, torch, tra
 def test_broken_gpt2_configs_are_refused_before_allocation(tmp_path, torch, transformers, change, message):
     folder = save(hf_gpt2(tied=True), tmp_path)
     edit_config(folder, **change)
-    peak, text = peak_allocation(lambda: CausalLM.from_pretrained(folder))
+    peak, text = peak_allocation(lambda: AutoCausalLM.from_pretrained(folder))
     assert str(folder) in text and peak < 4_000_000, (peak, text)
     assert __import__("re").search(message, text), text
 
@@ -849,7 +850,7 @@ def test_broken_gguf_metadata_is_refused_before_dequantizing(tmp_path, torch, tr
                                                              message):
     path = tmp_path / "broken.gguf"
     write_gguf(path, hf_llama(), keys=keys, skip=skip)
-    peak, text = peak_allocation(lambda: CausalLM.from_pretrained(path))
+    peak, text = peak_allocation(lambda: AutoCausalLM.from_pretrained(path))
     assert str(path) in text and peak < 4_000_000, (peak, text)
     assert __import__("re").search(message, text), text
 
@@ -862,20 +863,20 @@ def test_truncated_and_corrupt_gguf_files_name_the_file(tmp_path, torch, transfo
         broken = tmp_path / f"cut{cut}.gguf"
         broken.write_bytes(data[:cut])
         with pytest.raises(ValueError) as caught:
-            CausalLM.from_pretrained(broken)
+            AutoCausalLM.from_pretrained(broken)
         text = str(caught.value)
         assert str(broken) in text and "axis" not in text and "index" not in text, text
     bad_version = tmp_path / "v9.gguf"
     bad_version.write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
     with pytest.raises(ValueError, match=r"v9\.gguf.*GGUF version 2 or 3, got 9"):
-        CausalLM.from_pretrained(bad_version)
+        AutoCausalLM.from_pretrained(bad_version)
 
 
 def test_empty_token_list_is_refused(tmp_path, torch, transformers, gguf):
     path = tmp_path / "empty-vocab.gguf"
     write_gguf(path, hf_llama(), tokens=[], skip=("vocab_size", "token_types"))
     with pytest.raises(ValueError, match=r"empty-vocab\.gguf lacks tokenizer\.ggml\.tokens"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 def test_configs_built_by_hand_are_checked():

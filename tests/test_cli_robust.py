@@ -83,7 +83,7 @@ def no_heavy_work(monkeypatch):
     import attnkit.bench
     import attnkit.cli.viz
     from attnkit.models.bert import SentenceEncoder
-    from attnkit.models.generation import CausalLM
+    from attnkit.models.auto import AutoCausalLM
 
     def reached(*args, **kwargs):
         for value in args:
@@ -92,7 +92,7 @@ def no_heavy_work(monkeypatch):
         raise SystemExit(REACHED)
 
     monkeypatch.setattr(SentenceEncoder, "from_pretrained", classmethod(reached))
-    monkeypatch.setattr(CausalLM, "from_pretrained", classmethod(reached))
+    monkeypatch.setattr(AutoCausalLM, "from_pretrained", classmethod(reached))
     monkeypatch.setattr(attnkit.bench, "get_suite", reached)
     monkeypatch.setattr(attnkit.cli.viz, "_run_server", reached)
     monkeypatch.setattr("attnkit.viz.providers._cache", {})
@@ -189,6 +189,14 @@ CASES = [
     ("generate", ["generate", "hi", "-n", "-1"], None, 2, "expected --max-new-tokens >= 0, got -1"),
     ("generate", ["generate", "hi", "--temperature", "x"], None, 2, "invalid value for '--temperature'"),
     ("chat", ["chat", "--system", "a", "--explain-attention"], None, 2, "expected at most one of"),
+    ("chat", ["chat", "--repetition-penalty", "0"], None, 2, "expected a finite --repetition-penalty in (0, 10], got 0.0"),
+    ("generate", ["generate", "hi", "--repetition-penalty", "nan"], None, 2, "--repetition-penalty in (0, 10]"),
+    ("chat", ["chat", "-m", "minilm"], None, 1, "minilm does not generate text"),
+    ("embed", ["embed", "x", "-m", "smollm2"], None, 1, "smollm2 is not a sentence encoder"),
+    ("generate", ["generate", "hi", "-m", "missing/x.gguf"], None, 1,
+     "no model at 'missing/x.gguf': folder 'missing' does not exist"),
+    ("models", ["models", "extra"], None, 2, "got unexpected extra argument"),
+    ("show", ["show", "hi", *R, "--hide-special", "--log-scale", "--layer", "9"], None, 1, "valid layers are 0..1"),
     # serve: ports, model names, sizes, all before anything is printed
     *[("serve", ["serve", "--port", p], None, 2, f"expected --port in 1..65535, got {p}") for p in ("70000", "-1", "0")],
     ("serve", ["serve", "--port", "x"], None, 2, "invalid value for '--port'"),
@@ -370,9 +378,9 @@ class FakeLM:
 
 @pytest.fixture
 def fake_lm(monkeypatch):
-    from attnkit.models.generation import CausalLM
+    from attnkit.models.auto import AutoCausalLM
 
-    monkeypatch.setattr(CausalLM, "from_pretrained", classmethod(lambda cls, path=None: FakeLM()))
+    monkeypatch.setattr(AutoCausalLM, "from_pretrained", classmethod(lambda cls, path=None: FakeLM()))
 
 
 def test_generate_shows_escapes_in_the_prompt_and_the_reply(workdir, fake_lm):
@@ -385,7 +393,7 @@ def test_chat_shows_escapes_and_refuses_a_line_that_is_not_utf8(workdir, fake_lm
     result = invoke(["chat", "-n", "20"], workdir, input=b"hello\n")
     assert result.exit_code == 0
     assert "model> \\x1b]0;PWNED\\x07ok\n" in result.stdout and "\x1b" not in result.stdout
-    result = runner.invoke(app, ["chat", "-n", "3"], input=b"hello\nbad \xff line\n", env=ENV)
+    result = runner.invoke(app, ["chat", "-n", "20"], input=b"hello\nbad \xff line\n", env=ENV)
     assert result.exit_code == 1
     assert result.stderr == "error: stdin is not valid UTF-8: line 2, byte 0xff at offset 4 of the line\n"
 

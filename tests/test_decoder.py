@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import F32_EPS, assert_within_budget, max_abs_err, optional
 
-from attnkit.models.generation import CausalLM
+from attnkit.models.auto import AutoCausalLM
 from attnkit.models.gpt2 import GPT2LMHeadModel
 from attnkit.models.llama import LlamaForCausalLM
 from attnkit.nn import KVCache
@@ -71,8 +71,8 @@ def pair(request, tmp_path_factory, torch, transformers):
             p.mul_(3.0)
     hf.eval()
     folder = _save(hf, tmp_path_factory.mktemp(request.param))
-    ours = CausalLM.from_pretrained(folder)
-    ours64 = CausalLM.from_pretrained(folder).astype(np.float64)
+    ours = AutoCausalLM.from_pretrained(folder)
+    ours64 = AutoCausalLM.from_pretrained(folder).astype(np.float64)
     return Pair(request.param, hf, ours, copy.deepcopy(hf).double(), ours64)
 
 
@@ -203,15 +203,15 @@ def test_missing_tensor_is_a_clear_error(tmp_path, torch, transformers):
     tensors.pop("model.layers.1.mlp.up_proj.weight")
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="up_proj"):
-        CausalLM.from_pretrained(tmp_path)
+        AutoCausalLM.from_pretrained(tmp_path)
 
 
 def test_unknown_model_type_is_rejected(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(ValueError, match="llama' or 'gpt2'.*'bert'"):
-        CausalLM.from_pretrained(tmp_path)
+        AutoCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
-        CausalLM.from_pretrained(tmp_path / "nowhere")
+        AutoCausalLM.from_pretrained(tmp_path / "nowhere")
 
 
 # ----------------------------------------------------------------------------- KVCache

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import F32_EPS, assert_within_budget, max_abs_err
 
-from attnkit.models.generation import CausalLM
+from attnkit.models.auto import AutoCausalLM
 
 pytestmark = pytest.mark.slow  # every test loads the real checkpoint
 
@@ -34,7 +34,7 @@ def models(torch, transformers, smollm2_file):
     path = smollm2_file
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    ours = CausalLM.from_pretrained(path)
+    ours = AutoCausalLM.from_pretrained(path)
     yield hf.eval(), hf_tokenizer, ours
     torch.set_num_threads(threads)
 

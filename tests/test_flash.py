@@ -14,7 +14,8 @@ from hypothesis import given, strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.functional import mods
-from conftest import assert_close, assert_within_budget, max_rel_err, optional, reference_attention
+from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention
+from wide_range import row_natural_sizes
 
 torch = optional("torch")  # tests that use it ask for the `torch` fixture
 
@@ -214,6 +215,112 @@ def test_backward_matches_finite_differences_float64():
         assert max_rel_err(g, numeric) < 1e-7, f"input {which}: {max_rel_err(g, numeric):.2e}"
 
 
+# ---------------------------------------------------------------- every row: one key, FlashAttention's grid
+
+
+def _assert_rows_within(ours, plain, truth, row_sizes, what, factor=3.0, ulps=8.0):
+    """conftest's rule applied row by row: each row's error (max over its last axis)
+    at most `factor` times the plain float32 path's error in the same row, plus `ulps`
+    float32 ulps of the row's natural size (wide_range.row_natural_sizes) or of its
+    largest true entry, if larger."""
+    ours, plain, truth = (np.asarray(x, dtype=np.float64) for x in (ours, plain, truth))
+    assert ours.shape == truth.shape and not np.isnan(ours).any(), what
+    err = np.abs(ours - truth).max(-1, initial=0.0)
+    base = np.abs(plain - truth).max(-1, initial=0.0)
+    budget = factor * base + ulps * F32_EPS * np.maximum(row_sizes, np.abs(truth).max(-1, initial=0.0))
+    worst = np.unravel_index(np.argmax(err - budget), err.shape)
+    print(f"{what}: worst row {worst}: flash {err[worst]:.3e}, plain {base[worst]:.3e}, budget {budget[worst]:.3e}")
+    assert (err <= budget).all(), (
+        f"{what}: row {worst} off by {err[worst]:.3e}, over {factor}x the plain path's {base[worst]:.3e} "
+        f"+ {ulps} ulps of its size (= {budget[worst]:.3e})"
+    )
+
+
+def _check_every_row(q, k, v, d_out, mask, kw):
+    """flash forward and backward against the plain float32 path, row by row, with
+    the float64 truth (reference forward, torch autograd backward)."""
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+    plain = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    plain_grads = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, attn_mask=mask)
+    truth = reference_attention(q, k, v, mask)[0]
+    truth_grads = _ref_grads(q, k, v, d_out, mask, None, 1)
+    sizes = row_natural_sizes(q, k, v, mask, None, 1, d_out)
+    _assert_rows_within(res.output, plain, truth, sizes["out"], "output", factor=2.0)
+    for name, ours, base, t in zip(("dq", "dk", "dv"), grads, plain_grads, truth_grads):
+        _assert_rows_within(ours, base, t, sizes[name], name)
+    return grads, plain_grads
+
+
+ONE_KEY = {  # flash's arguments and the same mask for the plain path; rows seeing one key
+    "L=S=1": lambda L, S: (dict(), np.ones((L, S), bool)),
+    "causal L>S": lambda L, S: (dict(is_causal=True, causal_align="bottom_right"),
+                                masks.causal_mask(L, S, align="bottom_right")),
+    "window (0, 0)": lambda L, S: (dict(window=(0, 0)), masks.sliding_window_mask(L, S, left=0, right=0)),
+    "bool, one key a row": lambda L, S: (None, np.eye(L, S, k=S - L, dtype=bool) | np.eye(L, S, dtype=bool)),
+}
+
+
+@pytest.mark.parametrize("tiles", [(None, None), (3, 4), (2, 2), (5, 3)], ids=str)
+@pytest.mark.parametrize("kind, L, S", [("L=S=1", 1, 1), ("causal L>S", 7, 3), ("causal L>S", 12, 5),
+                                        ("window (0, 0)", 9, 9), ("window (0, 0)", 6, 11),
+                                        ("bool, one key a row", 8, 8)])
+def test_rows_that_see_one_key_get_exactly_the_plain_paths_zero_gradients(torch, kind, L, S, tiles):
+    """Where a row sees a single key its softmax is constant: dQ of that row (and that
+    row's share of dK) is exactly 0, as the plain path gives. FlashAttention-2's
+    D = rowsum(dO * O) would leave the rounding of dO . v there (4e-7..1.7e-5 before);
+    a row the band lets see one key takes D from its tile instead. Every row, these
+    and the rest, stays within 3x of the plain path's error (the row budget)."""
+    flash_kw, mask = ONE_KEY[kind](L, S)
+    if flash_kw is None:
+        flash_kw = dict(attn_mask=mask)
+    rng = np.random.default_rng(L * 100 + S)
+    q, k = rng.standard_normal((2, 3, L, 59)).astype(np.float32), rng.standard_normal((2, 3, S, 59)).astype(np.float32)
+    v = rng.standard_normal((2, 3, S, 40)).astype(np.float32)
+    d_out = rng.standard_normal((2, 3, L, 40)).astype(np.float32)
+    grads, plain_grads = _check_every_row(q, k, v, d_out, mask, dict(flash_kw, block_q=tiles[0], block_k=tiles[1]))
+    one = mask.sum(-1) == 1  # rows that see exactly one key
+    assert one.any()
+    assert not plain_grads.grad_query[..., one, :].any()
+    if kind == "bool, one key a row":
+        return  # a mask is no band: FlashAttention-2's D there, within the row budget above
+    assert not grads.grad_query[..., one, :].any(), "dQ of a row that sees one key"
+    if kind in ("L=S=1", "window (0, 0)"):  # every key seen by one row only: dK = 0 too
+        assert not plain_grads.grad_key.any() and not grads.grad_key.any()
+
+
+def _fa_grid():
+    """FlashAttention's test grid (tests/test_flash_attn.py: seqlen pairs and head
+    dims), sampled: each pair of lengths twice, every head dim at least once, causal
+    (bottom-right, as FlashAttention aligns it) and not, with 512 x 512 tiles and
+    64 x 96 tiles (rows span key blocks). Lengths of 1024 and more are slow."""
+    seqlens = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256),
+               (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048)]
+    head_dims = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+    cases = []
+    for i, (L, S) in enumerate(seqlens):
+        for j, tiles in enumerate([(None, None), (64, 96)]):
+            E = head_dims[(2 * i + j) % len(head_dims)]
+            causal = (i + j) % 2 == 1
+            marks = [pytest.mark.slow] if max(L, S) >= 1024 else []
+            name = f"{L}x{S}-E{E}-{'causal' if causal else 'full'}-{tiles[0] or 512}x{tiles[1] or 512}"
+            cases.append(pytest.param(L, S, E, causal, tiles, marks=marks, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("L, S, E, causal, tiles", _fa_grid())
+def test_flash_attention_grid_every_row_within_the_plain_error(torch, L, S, E, causal, tiles):
+    """Every row of the output within 2x, of each gradient within 3x, of the plain
+    float32 path's error in that row (plus 8 ulps of the row's natural size)."""
+    rng = np.random.default_rng(L * 1000 + S + E)
+    q = rng.standard_normal((1, 2, L, E)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, S, E)).astype(np.float32) for _ in range(2))
+    d_out = rng.standard_normal((1, 2, L, E)).astype(np.float32)
+    mask = masks.causal_mask(L, S, align="bottom_right") if causal else None
+    kw = dict(is_causal=causal, causal_align="bottom_right", block_q=tiles[0], block_k=tiles[1])
+    _check_every_row(q, k, v, d_out, mask, kw)
+
+
 # ---------------------------------------------------------------- merging
 
 
@@ -240,6 +347,31 @@ def test_merge_over_any_split_of_keys_equals_unsplit(S, n_parts, seed, masked):
     assert np.array_equal(merged.output[~finite], np.zeros_like(merged.output[~finite]))
     stacked = attnkit.merge_attention_states(np.stack(outs), np.stack(lses))
     np.testing.assert_array_equal(stacked.output, merged.output)
+
+
+@pytest.mark.parametrize("marker", [-np.inf, np.inf], ids=["-inf (attnkit, FlexAttention)", "+inf (FlashAttention-2)"])
+def test_merge_reads_either_marker_of_an_empty_part_and_never_gives_nan(marker):
+    """A part where a row saw no key: lse -inf (ours) or +inf (FlashAttention-2, vLLM),
+    whatever its output holds there (NaN here), weighs nothing; a row that no part
+    saw comes out output 0 and lse -inf."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 10, 8)), rng.standard_normal((2, 10, 5))
+    mask = rng.random((6, 10)) > 0.3
+    mask[1, 4:] = False  # row 1 sees nothing in the second part
+    mask[4] = False  # row 4 sees nothing at all
+    parts = [attnkit.flash_attention(q, k[:, a:b], v[:, a:b], attn_mask=mask[:, a:b], return_lse=True)
+             for a, b in [(0, 4), (4, 10)]]
+    outputs, lses = [], []
+    for part in parts:
+        empty = np.isneginf(part.lse)
+        outputs.append(np.where(empty[..., None], np.nan, part.output))
+        lses.append(np.where(empty, marker, part.lse))
+    merged = attnkit.merge_attention_states(outputs, lses)
+    whole = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert not np.isnan(merged.output).any() and not np.isnan(merged.lse).any()
+    assert_close(merged.output, whole.output, 1e-12, "merged output")
+    np.testing.assert_array_equal(np.isneginf(merged.lse), np.isneginf(whole.lse))
+    assert np.isneginf(merged.lse[:, 4]).all() and not merged.output[:, 4].any()
 
 
 def test_merge_rejects_mismatched_states():

@@ -26,6 +26,7 @@ from attnkit.functional import (
     scaled_dot_product_attention_backward as sdpa_backward,
 )
 from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention
+from wide_range import EXPONENTS, SCALES, assert_like_truth, natural_sizes, torch_math, wide
 
 torch = optional("torch")
 F = torch.nn.functional if torch else None
@@ -618,6 +619,123 @@ def test_broadcasting_matches_torch_forward_and_backward(torch, q_shape, k_shape
     grads = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, is_causal=True, enable_gqa=gqa)
     for name, ours, theirs in zip(("query", "key", "value"), grads, (tq.grad, tk.grad, tv.grad)):
         assert_close(ours, theirs.numpy(), 1e-10, f"grad_{name}")
+
+
+# ================================================================ any finite magnitude
+
+
+@st.composite
+def wide_case(draw):
+    """Shapes, masks, a scale and four magnitudes (query, key, value, grad) from 1e-30 to 1e30."""
+    batch = draw(st.sampled_from([(), (2,)]))
+    kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2]))
+    L = draw(st.integers(1, 7))
+    S = draw(st.integers(1, 9))
+    E = draw(st.sampled_from([1, 3, 16, 59]))
+    Ev = draw(st.sampled_from([E, 5]))
+    exponents = draw(st.tuples(EXPONENTS, EXPONENTS, EXPONENTS, EXPONENTS))
+    scale = draw(SCALES)
+    mask_kind = draw(st.sampled_from(["none", "causal", "bool"]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    Hq = kv_heads * group
+    q = wide(rng, (*batch, Hq, L, E), exponents[0])
+    k = wide(rng, (*batch, kv_heads, S, E), exponents[1])
+    v = wide(rng, (*batch, kv_heads, S, Ev), exponents[2])
+    d_out = wide(rng, (*batch, Hq, L, Ev), exponents[3])
+    mask = {"none": None, "causal": masks.causal_mask(L, S), "bool": rng.random((L, S)) < 0.7}[mask_kind]
+    return q, k, v, d_out, mask, scale, group
+
+
+@given(case=wide_case())
+def test_any_finite_magnitude_gives_torch_math_float64_answer(torch, case):
+    """Finite in, finite out: float32 inputs with magnitudes from 1e-30 to 1e30 and
+    scales from 1e-38 to 1e30 give torch's math backend's float64 answer in the plain
+    path, its backward, flash and flash's backward (tests/wide_range.py has the rule)."""
+    q, k, v, d_out, mask, scale, group = case
+    gqa = group > 1
+    truth, truth_grads = torch_math(torch, q, k, v, mask, scale, gqa, "float64", d_out)
+    oracle, oracle_grads = torch_math(torch, q, k, v, mask, scale, gqa, "float32", d_out)
+    sizes = natural_sizes(q, k, v, mask, scale, group, d_out)
+    kw = dict(attn_mask=mask, scale=scale, enable_gqa=gqa)
+    tiles = dict(block_q=3, block_k=4)
+    flash = attnkit.flash_attention(q, k, v, return_lse=True, **kw, **tiles)
+    for name, out in (("plain", sdpa(q, k, v, **kw)), ("flash", flash.output)):
+        assert out.dtype == np.float32
+        assert_like_truth(out, oracle, truth, sizes["out"], f"{name} output")
+    backwards = {
+        "plain": sdpa_backward(d_out, q, k, v, **kw),
+        "flash": attnkit.flash_attention_backward(d_out, q, k, v, flash.output, flash.lse, **kw, **tiles),
+    }
+    for name, grads in backwards.items():
+        for which, ours, theirs, truth_grad in zip(("dq", "dk", "dv"), grads, oracle_grads, truth_grads):
+            assert ours.dtype == np.float32
+            assert_like_truth(ours, theirs, truth_grad, sizes[which], f"{name} {which}", factor=3.0)
+
+
+@pytest.mark.parametrize("magnitude, scale", [(4e18, None), (1e20, None), (1e30, None), (1.0, 1e-38),
+                                              (1e30, 1e-38), (1e-30, 1e30), (3e38, None)])
+def test_large_finite_inputs_are_not_nan(torch, magnitude, scale):
+    """The issue's cases: q = k = v at 4e18 gave NaN in the plain path (it multiplied
+    q @ k^T before scaling); torch's math backend gives 4e18 (at 1e20 its float32 is
+    NaN too, its float64 is 1e20). Every path now gives the float64 answer."""
+    q = np.full((1, 1, 2, 64), magnitude, np.float32)
+    q[..., 1, :32] *= -1  # two different rows, so the answer is not trivially q
+    truth, truth_grads = torch_math(torch, q, q, q, None, scale, d_out=np.ones_like(q))
+    plain = sdpa(q, q, q, scale=scale)
+    flash = attnkit.flash_attention(q, q, q, scale=scale, return_lse=True)
+    for name, out in (("plain", plain), ("flash", flash.output)):
+        np.testing.assert_allclose(out, truth, rtol=1e-6, err_msg=name)
+    grads = (sdpa_backward(np.ones_like(q), q, q, q, scale=scale),
+             attnkit.flash_attention_backward(np.ones_like(q), q, q, q, flash.output, flash.lse, scale=scale))
+    for name, g in zip(("plain", "flash"), grads):
+        for ours, expected in zip(g, truth_grads):
+            assert not np.isnan(ours).any(), name
+            # gradients beyond float32's range are inf, as the float64 truth rounded to float32
+            expected = expected.astype(np.float32).astype(np.float64)
+            np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, gqa", [
+    ((2, 0, 4, 8), (2, 0, 5, 8), (2, 0, 5, 8), False),  # no head at all
+    ((2, 0, 4, 8), (2, 4, 5, 8), (2, 4, 5, 8), True),  # no query head
+    ((2, 4, 4, 8), (2, 0, 5, 8), (2, 0, 5, 8), False),  # no key/value head: no key, zeros
+    ((2, 1, 4, 8), (2, 0, 5, 8), (2, 0, 5, 8), False),
+    ((0, 3, 4, 8), (0, 3, 5, 8), (0, 3, 5, 8), False),  # empty batch
+    ((0, 3, 4, 8), (1, 3, 5, 8), (1, 3, 5, 8), False),  # empty batch against a broadcast one
+    ((2, 3, 0, 8), (2, 3, 5, 8), (2, 3, 5, 8), False),  # no query
+    ((2, 3, 4, 8), (2, 3, 0, 8), (2, 3, 0, 8), False),  # no key
+    ((2, 3, 4, 0), (2, 3, 5, 0), (2, 3, 5, 6), False),  # E = 0: every score 0
+    ((2, 3, 4, 8), (2, 3, 5, 8), (2, 3, 5, 0), False),  # Ev = 0
+    ((0, 8), (5, 8), (5, 8), False),
+    ((4, 8), (0, 8), (0, 8), False),
+], ids=str)
+def test_empty_dimensions_give_torchs_results_and_gradients(torch, q_shape, k_shape, v_shape, gqa):
+    """Zero heads, an empty batch or length: empty results (zeros where a query sees
+    no key), as torch gives, from SDPA, flash and both backwards; never ZeroDivisionError."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (q_shape, k_shape, v_shape))
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    expected = F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=gqa)
+    d_out = rng.standard_normal(tuple(expected.shape)).astype(np.float32)
+    expected.backward(torch.tensor(d_out))
+    expected_grads = [x.grad.numpy() for x in (tq, tk, tv)]
+    res = sdpa(q, k, v, enable_gqa=gqa, return_weights=True, return_lse=True)
+    flash = attnkit.flash_attention(q, k, v, enable_gqa=gqa, return_lse=True)
+    for name, out, lse in (("sdpa", res.output, res.lse), ("flash", flash.output, flash.lse)):
+        assert out.shape == tuple(expected.shape) and out.dtype == np.float32, name
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-6, atol=1e-7, err_msg=name)
+        assert lse.shape == out.shape[:-1] and not np.isnan(lse).any(), name
+    assert res.weights.shape == (*res.output.shape[:-1], k.shape[-2])
+    grads = {
+        "sdpa": sdpa_backward(d_out, q, k, v, enable_gqa=gqa),
+        "flash": attnkit.flash_attention_backward(d_out, q, k, v, flash.output, flash.lse, enable_gqa=gqa),
+    }
+    for name, g in grads.items():
+        for ours, theirs in zip(g, expected_grads):
+            assert ours.shape == theirs.shape and ours.dtype == np.float32, name
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # ================================================================ bad input

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from attnkit.cli import app
 from attnkit.viz.text import printable
 from attnkit.models.chat import DecoderTokenizer, load_prompt
-from attnkit.models.generation import CausalLM, sample_next_token
+from attnkit.models.auto import AutoCausalLM
+from attnkit.models.generation import sample_next_token
 
 TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -61,7 +62,7 @@ def folder(tmp_path_factory, torch, transformers):
 
 @pytest.fixture(scope="module")
 def model(folder):
-    return CausalLM.from_pretrained(folder)
+    return AutoCausalLM.from_pretrained(folder)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -119,6 +120,24 @@ def test_stop_tokens_and_strings(model):
     text = model.tokenizer.decode(free[4:7])
     by_text = model.generate(ids, 12, stop=text)
     assert model.tokenizer.decode(by_text[4:]).endswith(text) and len(by_text) <= 7
+
+
+def test_stop_strings_add_to_the_end_of_sequence_tokens(model, monkeypatch):
+    """stop=[...] adds to the model's end-of-turn stop, never replaces it (as transformers'
+    stop_strings add to eos_token_id); stop=() alone turns every stop off."""
+    ids = np.array([5, 6, 7, 8])
+    free = model.generate(ids, 12, stop=())
+    eos = int(free[6])
+    monkeypatch.setattr(model, "_eos_ids", lambda: (eos,))
+    never = "\x00never appears\x00"
+    with_string = model.generate(ids, 12, stop=[never])
+    assert int(with_string[-1]) == eos and len(with_string) <= 7
+    np.testing.assert_array_equal(with_string, model.generate(ids, 12))
+    with_id = model.generate(ids, 12, stop=[int(free[10])])
+    np.testing.assert_array_equal(with_id, with_string)
+    np.testing.assert_array_equal(model.generate(ids, 12, stop=()), free)
+    text = model.generate_text(model.tokenizer.decode(ids), 12, stop=[never])
+    assert text == model.tokenizer.decode(with_string[4:-1])  # the end-of-turn token is not in the text
 
 
 def test_streaming_yields_the_generated_tokens(model):
@@ -240,8 +259,8 @@ def test_cli_chat_reuses_its_cache_exactly(folder, model):
     """The second reply, decoded on the cache kept from the first turn, equals a fresh greedy
     generation on the whole conversation."""
     runner = CliRunner()
-    result = runner.invoke(app, ["chat", "--model", str(folder), "-n", "6", "--system", "Be brief."],
-                           input="the\nhe the\n")
+    result = runner.invoke(app, ["chat", "--model", str(folder), "-n", "6", "--system", "Be brief.",
+                                 "--repetition-penalty", "1"], input="the\nhe the\n")
     assert result.exit_code == 0, result.output
     replies = [chunk.rsplit("\nyou> ", 1)[0] for chunk in result.stdout.split("model> ")[1:]]
     assert len(replies) == 2

@@ -16,8 +16,9 @@ import pytest
 from conftest import assert_within_budget, optional
 
 from attnkit.models.chat import render_chat_template
-from attnkit.models.generation import CausalLM
-from attnkit.models.gguf import GGUFFile, supported_tensor_types, unpermute_rotary_rows
+from attnkit.models.auto import AutoCausalLM
+from attnkit.models.gguf import GGUFFile, supported_tensor_types
+from attnkit.models.llama import unpermute_rotary_rows
 
 gguf = optional("gguf")  # tests that use gguf, torch or transformers ask for their fixtures
 torch = optional("torch")
@@ -155,13 +156,13 @@ def tiny_gguf(tmp_path_factory, gguf, torch, transformers):
     write_llama_gguf(path, _tiny_hf_llama())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=path.name)
-    ours = CausalLM.from_pretrained(path)
+    ours = AutoCausalLM.from_pretrained(path)
     return path, hf.eval(), hf_tokenizer, ours
 
 
 def test_metadata_and_config(tiny_gguf):
     path, _, _, ours = tiny_gguf
-    assert CausalLM.from_pretrained(path.parent).config == ours.config  # a folder with one .gguf
+    assert AutoCausalLM.from_pretrained(path.parent).config == ours.config  # a folder with one .gguf
     file = GGUFFile(path)
     assert file.architecture == "llama"
     assert file.tensor_type("blk.0.attn_v.weight") == "Q4_1"
@@ -251,7 +252,7 @@ def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04 this is a zip, not a gguf")
     with pytest.raises(ValueError, match="magic bytes b'GGUF'"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
     with pytest.raises(ValueError, match="GGUF"):
         GGUFFile(tmp_path / "missing.gguf")
 
@@ -267,14 +268,14 @@ def test_unsupported_architecture(tmp_path, gguf, torch, transformers):
     path = tmp_path / "other.gguf"
     write_llama_gguf(path, _tiny_hf_llama(), arch="falcon")
     with pytest.raises(ValueError, match="architecture 'llama', got 'falcon'"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 def test_unsupported_tensor_type(tmp_path, gguf, torch, transformers):
     path = tmp_path / "int.gguf"
     write_llama_gguf(path, _tiny_hf_llama(), bad_type_for="ffn_up")
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*I32.*expected one of"):
-        CausalLM.from_pretrained(path)
+        AutoCausalLM.from_pretrained(path)
 
 
 def test_render_chat_template_rejects_bad_messages():

@@ -230,14 +230,17 @@ def test_activations_match_torch(torch, dtype):
     assert np.max(np.abs(nn.gelu(x.astype(np.float64)) - nn.gelu_tanh(x.astype(np.float64)))) > 1e-4
 
 
-def test_gelu_float32_error_is_within_twice_torchs(torch):
-    from scipy.special import erf
+def _erf(x: np.ndarray) -> np.ndarray:
+    """float64 erf, element by element (the C library's, through math.erf)."""
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
 
+
+def test_gelu_float32_error_is_within_twice_torchs(torch):
     x = np.linspace(-10, 10, 200_001, dtype=np.float32)  # > one internal chunk, odd size
     x64 = x.astype(np.float64)
-    exact = 0.5 * x64 * (1 + erf(x64 / math.sqrt(2)))
+    exact = 0.5 * x64 * (1 + _erf(x64 / math.sqrt(2)))
     assert_within_budget(nn.gelu(x), F.gelu(t(x)).numpy(), exact, "float32 GELU")
-    # float64 is exact: a few float64 ulps of the largest value (10), like scipy's erf
+    # float64 is exact: a few float64 ulps of the largest value (10)
     assert np.abs(nn.gelu(x64) - exact).max() <= 1e-14
     # far tails are exact: 0 on the left, x on the right, never a huge residue
     tails = np.array([-1e30, -1e4, -20.0, 20.0, 1e4, 1e30], np.float32)
@@ -245,9 +248,29 @@ def test_gelu_float32_error_is_within_twice_torchs(torch):
     # shape, strides and float16 are handled
     strided = np.linspace(-3, 3, 60, dtype=np.float32).reshape(3, 20)[:, ::2]
     s64 = strided.astype(np.float64)
-    assert_within_budget(nn.gelu(strided), F.gelu(t(strided)).numpy(), 0.5 * s64 * (1 + erf(s64 / math.sqrt(2))),
+    assert_within_budget(nn.gelu(strided), F.gelu(t(strided)).numpy(), 0.5 * s64 * (1 + _erf(s64 / math.sqrt(2))),
                          "strided float32 GELU")
     assert nn.gelu(strided.astype(np.float16)).dtype == np.float16
+
+
+def test_gelu_float64_is_exact_to_rounding():
+    """float64 GELU against a 40-digit GELU (mpmath): within 2 ulps of max(|x|, 1) (the
+    rounding of 1 + erf bounds it: where erf is near -1 that sum cancels, in torch too), and
+    NaN, the infinities and the far tails as torch gives them."""
+    from conftest import require
+
+    mpmath = require("mpmath")
+    mpmath.mp.dps = 40
+    rng = np.random.default_rng(7)
+    x = np.concatenate([np.linspace(-12, 12, 4001), rng.standard_normal(3000) * 4, [0.0, -0.0, 1e-300, -1e-300]])
+    truth = np.array([float(mpmath.mpf(v) / 2 * (1 + mpmath.erf(mpmath.mpf(v) / mpmath.sqrt(2)))) for v in x])
+    err = np.abs(nn.gelu(x) - truth) / np.maximum(np.abs(x), 1.0)
+    print(f"float64 GELU: max error {err.max():.2e} of max(|x|, 1) (eps {np.finfo(np.float64).eps:.2e})")
+    assert err.max() <= 2 * np.finfo(np.float64).eps
+    with np.errstate(invalid="ignore"):  # -inf * 0
+        special = nn.gelu(np.array([np.nan, np.inf, -np.inf, 1e300, -1e300, 40.0, -40.0]))
+    assert np.isnan(special[0]) and special[1] == np.inf and np.isnan(special[2])  # -inf * 0, as torch
+    np.testing.assert_array_equal(special[3:], [1e300, -0.0, 40.0, -0.0])
 
 
 def _torch_feed_forward(ffn, x, activation, dtype):

@@ -1,4 +1,4 @@
-"""Attention modules against torch.nn.MultiheadAttention (after from_torch), a
+"""Attention modules against torch.nn.MultiheadAttention (after interop.from_torch), a
 float64 reference, and each other (per-head vs split-head).
 
 float64 results meet torch in float64 (or the float64 reference) to ~1e-10.
@@ -9,6 +9,7 @@ in float64), and torch's own float32 error against it sets the bound."""
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 
 import numpy as np
@@ -17,8 +18,11 @@ from hypothesis import given, strategies as st
 
 from attnkit import masks, nn
 from conftest import assert_close, assert_within_budget, optional, reference_attention
+from wide_range import EXPONENTS, assert_like_truth, mha_natural_size, torch_math, wide
 
 torch = optional("torch")
+# torch interop lives on the torch side (attnkit.nn never imports torch)
+interop = importlib.import_module("attnkit.torch.interop") if torch else None
 F = torch.nn.functional if torch else None
 
 TOL = {np.float64: 1e-10}
@@ -84,7 +88,7 @@ def test_self_attention_matches_torch_with_masks_and_weights(torch, dtype, avera
     rng = np.random.default_rng(0)
     B, L, D, H = 3, 9, 24, 4
     theirs = torch_mha(D, H, dtype, batch_first=True)
-    ours = nn.MultiHeadAttention.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     assert ours.dtype == dtype
     x = rng.standard_normal((B, L, D)).astype(dtype)
     attn_mask, key_mask = random_masks(rng, B, L, L)
@@ -112,7 +116,7 @@ def test_float_mask_and_causal_match_torch(torch, dtype):
     rng = np.random.default_rng(1)
     B, L, D, H = 2, 7, 16, 2
     theirs = torch_mha(D, H, dtype, batch_first=True)
-    ours = nn.MultiHeadAttention.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     assert ours.dtype == dtype
     x = rng.standard_normal((B, L, D)).astype(dtype)
     float_mask = rng.standard_normal((L, L)).astype(dtype)
@@ -159,7 +163,7 @@ def test_cross_attention_with_kdim_vdim_matches_torch(torch, dtype, bias):
     B, L, S, D, H, kdim, vdim = 2, 5, 11, 12, 3, 7, 9
     theirs = torch_mha(D, H, dtype, batch_first=True, kdim=kdim, vdim=vdim, bias=bias)
     assert theirs.in_proj_weight is None  # the separate q/k/v_proj_weight layout
-    ours = nn.MultiHeadAttention.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     assert (ours.k_proj.weight.shape, ours.v_proj.weight.shape) == ((D, kdim), (D, vdim))
     assert (ours.q_proj.bias is not None) == bias
     q = rng.standard_normal((B, L, D)).astype(dtype)
@@ -179,7 +183,7 @@ def test_batch_first_false_module_and_packed_cross_attention(torch, bias):
     rng = np.random.default_rng(3)
     B, L, S, D, H = 2, 6, 4, 20, 5
     theirs = torch_mha(D, H, np.float64, batch_first=False, bias=bias)
-    ours = nn.MultiHeadAttention.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     q = rng.standard_normal((B, L, D))
     kv = rng.standard_normal((B, S, D))
     bool_mask = rng.random((B, H, L, S)) < 0.6
@@ -193,31 +197,31 @@ def test_batch_first_false_module_and_packed_cross_attention(torch, bias):
     assert_close(out, t_out, 1e-10, "batch_first=False output")
     assert_close(w, t_w, 1e-10, "batch_first=False weights")
     # the round trip through to_torch gives back an equivalent module
-    again = ours.to_torch(batch_first=False)
+    again = interop.to_torch(ours, batch_first=False)
     t_out2, _ = run_torch(again, q, kv, kv, attn_mask=t(~bool_mask.reshape(B * H, L, S)))
     assert_close(t_out2, t_out, 1e-12, "to_torch round trip")
 
 
 def test_to_torch_with_kdim_vdim_and_errors(torch):
     ours = nn.MultiHeadAttention(8, 2, kdim=3, vdim=5, seed=0).astype(np.float64)
-    theirs = ours.to_torch()
+    theirs = interop.to_torch(ours)
     rng = np.random.default_rng(4)
     q, k, v = rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 6, 3)), rng.standard_normal((1, 6, 5))
     assert_close(ours(q, k, v).output, run_torch(theirs, q, k, v)[0], 1e-12, "to_torch kdim/vdim")
     # a seeded float32 module through torch (sequence-first) and back: the same parameters, the same outputs
     mha = nn.MultiHeadAttention(12, 3, kdim=5, vdim=7, seed=1)
-    again = nn.MultiHeadAttention.from_torch(mha.to_torch(batch_first=False))
+    again = interop.from_torch(interop.to_torch(mha, batch_first=False))
     for key, value in mha.state_dict().items():
         assert np.array_equal(again.state_dict()[key], value), key
     x = rng.standard_normal((2, 5, 12)).astype(np.float32)
     y, z = np.ones((2, 3, 5), np.float32), np.ones((2, 3, 7), np.float32)
     np.testing.assert_array_equal(again(x, y, z)[0], mha(x, y, z)[0])
     with pytest.raises(ValueError, match="grouped-query"):
-        nn.MultiHeadAttention(8, 4, num_kv_heads=2, seed=0).to_torch()
-    with pytest.raises(TypeError, match="MultiheadAttention, got Linear"):
-        nn.MultiHeadAttention.from_torch(torch.nn.Linear(2, 2))
+        interop.to_torch(nn.MultiHeadAttention(8, 4, num_kv_heads=2, seed=0))
+    with pytest.raises(TypeError, match="MultiheadAttention or torch.nn.TransformerEncoderLayer, got Linear"):
+        interop.from_torch(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="add_bias_kv"):
-        nn.MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
+        interop.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -474,7 +478,7 @@ def test_random_shapes_match_torch(torch, B, L, S, H, E, self_attention, average
     rng = np.random.default_rng(B * 1000 + L * 100 + S * 10 + H + E)
     D = H * E
     theirs = torch_mha(D, H, np.float64, batch_first=True)
-    ours = nn.MultiHeadAttention.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     q = rng.standard_normal((B, L, D))
     kv = q if self_attention else rng.standard_normal((B, S, D))
     S = kv.shape[1]
@@ -531,7 +535,7 @@ def _mha_pair(batch_first, kdim, vdim, bias, dtype=np.float64):
     torch.manual_seed(0)
     theirs = torch.nn.MultiheadAttention(12, 3, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
                                          dtype=tdtype(dtype)).eval()
-    return theirs, nn.MultiHeadAttention.from_torch(theirs)
+    return theirs, interop.from_torch(theirs)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -586,3 +590,68 @@ def test_gqa_cross_attention_equals_torch_sdpa_with_repeated_kv_heads(torch):
     expected = heads.transpose(0, 2, 1, 3).reshape(2, 5, 16) @ mha.out_proj.weight.T + mha.out_proj.bias
     np.testing.assert_allclose(o, expected, rtol=1e-12, atol=1e-13)
     assert w.shape == (2, 4, 5, 7) and not w[1, ..., 4:].any()
+
+
+# ----------------------------------------------------------------------------- any finite magnitude
+
+
+def _torch_weights(module) -> dict:
+    """q, k, v, o weights and biases of a torch.nn.MultiheadAttention, as arrays."""
+    D = module.embed_dim
+    w = module.in_proj_weight.detach().numpy()
+    b = None if module.in_proj_bias is None else module.in_proj_bias.detach().numpy()
+    parts = {f"{n}_w": w[i * D:(i + 1) * D] for i, n in enumerate("qkv")}
+    parts.update({f"{n}_b": None if b is None else b[i * D:(i + 1) * D] for i, n in enumerate("qkv")})
+    parts["o_w"] = module.out_proj.weight.detach().numpy()
+    parts["o_b"] = None if module.out_proj.bias is None else module.out_proj.bias.detach().numpy()
+    return parts
+
+
+@given(
+    B=st.integers(1, 2), L=st.integers(1, 6), S=st.integers(1, 6), H=st.sampled_from([1, 2]),
+    E=st.sampled_from([1, 4, 16]), self_attention=st.booleans(), causal=st.booleans(),
+    exponents=st.tuples(EXPONENTS, EXPONENTS), backend=st.sampled_from(["naive", "flash"]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_finite_magnitude_gives_torch_float64_answer(torch, B, L, S, H, E, self_attention, causal,
+                                                         exponents, backend, seed):
+    """Finite in, finite out (tests/wide_range.py): float32 activations from 1e-30 to
+    1e30 through MultiHeadAttention give torch.nn.MultiheadAttention's float64 answer
+    (same weights), never NaN; torch's float32 module sets the budget where it is finite."""
+    rng = np.random.default_rng(seed)
+    D = H * E
+    theirs = torch_mha(D, H, np.float32, seed=seed, batch_first=True)
+    ours = interop.from_torch(theirs)
+    ours.set_attention_backend(backend)
+    x = wide(rng, (B, L, D), exponents[0])
+    kv = x if self_attention else wide(rng, (B, S, D), exponents[1])
+    S = kv.shape[1]
+    mask = masks.causal_mask(L, S) if causal else None
+    tmask = None if mask is None else t(~mask)  # torch's polarity: True = masked
+    out = ours(x, kv, kv, attn_mask=mask).output
+    assert out.dtype == np.float32
+    truth = run_torch64(theirs, x, kv, kv, attn_mask=tmask, need_weights=False)[0]
+    oracle = run_torch(theirs, x, kv, kv, attn_mask=tmask, need_weights=False)[0]
+    natural = mha_natural_size(x, kv, kv, _torch_weights(theirs), H, mask)
+    assert_like_truth(out, oracle, truth, natural, f"output ({backend})")
+
+
+@pytest.mark.parametrize("backend", ["naive", "flash"])
+@pytest.mark.parametrize("magnitude", [4e18, 1e20, 1e30])
+def test_kv_cache_decoding_with_huge_activations_gives_torch_float64_answer(torch, backend, magnitude):
+    """The decoders' path: KVCache.attend (bottom-right causal over the cache) with
+    queries and keys far beyond where q @ k^T fits float32 gives torch's math backend
+    in float64, step by step, never NaN."""
+    rng = np.random.default_rng(int(math.log10(magnitude)))
+    B, Hq, Hkv, E, prompt, steps = 2, 4, 2, 16, 5, 3
+    cache = nn.KVCache(1, B, Hkv, E, prompt + steps)
+    for L in [prompt] + [1] * steps:
+        q = wide(rng, (B, Hq, L, E), 0) * np.float32(magnitude)
+        k = wide(rng, (B, Hkv, L, E), 0) * np.float32(magnitude)
+        v = wide(rng, (B, Hkv, L, E), 0)
+        out = cache.attend(0, q, k, v, backend=backend)
+        S = cache.length
+        keys, values = cache.keys[0][:, :, :S], cache.values[0][:, :, :S]
+        truth = torch_math(torch, q, keys, values, masks.causal_mask(L, S, align="bottom_right"), enable_gqa=True)
+        assert not np.isnan(out).any()
+        np.testing.assert_allclose(out, truth, rtol=1e-5, atol=1e-6 * np.abs(truth).max())

@@ -1,4 +1,4 @@
-"""TransformerBlock against torch.nn.TransformerEncoderLayer (after from_torch),
+"""TransformerBlock against torch.nn.TransformerEncoderLayer (after interop.from_torch),
 its own formulas, and its training/eval and state_dict behaviour.
 
 float64 results meet torch in float64 to ~1e-10. float32 results meet
@@ -9,6 +9,7 @@ torch's own float32 error against it sets the bound."""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from attnkit import masks, nn
 from conftest import F32_EPS, assert_close, assert_within_budget, optional
 
 torch = optional("torch")
+# torch interop lives on the torch side (attnkit.nn never imports torch)
+interop = importlib.import_module("attnkit.torch.interop") if torch else None
 F = torch.nn.functional if torch else None
 
 
@@ -76,7 +79,7 @@ def test_matches_torch_encoder_layer(torch, dtype, norm_first, activation):
     B, L, D, H, d_ff = 3, 8, 32, 4, 48
     theirs = torch_layer(D, H, d_ff, dtype, activation=activation, norm_first=norm_first, batch_first=True,
                          layer_norm_eps=1e-6)
-    ours = nn.TransformerBlock.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     assert ours.dtype == dtype and ours.norm_first == norm_first and ours.ffn.activation == activation
     assert ours.norm1.eps == 1e-6
     x = rng.standard_normal((B, L, D)).astype(dtype)
@@ -102,7 +105,7 @@ def test_batch_first_false_gelu_tanh_no_bias_and_round_trip(torch, norm_first):
     B, L, D, H, d_ff = 2, 6, 20, 5, 30
     theirs = torch_layer(D, H, d_ff, np.float64, activation=torch.nn.GELU(approximate="tanh"),
                          norm_first=norm_first, batch_first=False, bias=False)
-    ours = nn.TransformerBlock.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     assert ours.ffn.activation == "gelu_tanh" and ours.norm1.bias is None and ours.attn.q_proj.bias is None
     x = rng.standard_normal((B, L, D))
     key_mask = masks.padding_mask(np.array([6, 4]), L)
@@ -110,9 +113,9 @@ def test_batch_first_false_gelu_tanh_no_bias_and_round_trip(torch, norm_first):
     expected = run_torch(theirs, x, src_key_padding_mask=t(~key_mask))
     assert_close(out, expected, 1e-10, "batch_first=False")
 
-    back = ours.to_torch()
+    back = interop.to_torch(ours)
     assert_close(run_torch(back, x), ours(x), 1e-10, "to_torch round trip")
-    again = nn.TransformerBlock.from_torch(back)
+    again = interop.from_torch(back)
     for k, v in ours.state_dict().items():
         assert np.array_equal(again.state_dict()[k], v), k
 
@@ -120,9 +123,9 @@ def test_batch_first_false_gelu_tanh_no_bias_and_round_trip(torch, norm_first):
 def test_seeded_block_to_torch_matches_and_weights_output(torch):
     block = nn.TransformerBlock(16, 2, 32, activation="gelu", norm_first=True, seed=0)
     x = np.random.default_rng(2).standard_normal((2, 5, 16)).astype(np.float32)
-    check(block(x), block.to_torch(), x, np.float32, "seeded block vs torch")
+    check(block(x), interop.to_torch(block), x, np.float32, "seeded block vs torch")
     # through torch and back: the same parameters, bit for bit, and so the same outputs
-    back = nn.TransformerBlock.from_torch(block.to_torch())
+    back = interop.from_torch(interop.to_torch(block))
     for k, v in block.state_dict().items():
         assert np.array_equal(back.state_dict()[k], v), k
     np.testing.assert_array_equal(back(x), block(x))
@@ -204,11 +207,11 @@ def test_bad_input():
 
 def test_unsupported_torch_layers(torch):
     with pytest.raises(TypeError, match="TransformerEncoderLayer, got Linear"):
-        nn.TransformerBlock.from_torch(torch.nn.Linear(3, 3))
+        interop.from_torch(torch.nn.Linear(3, 3))
     for activation in (torch.nn.SiLU(), F.silu):  # a module and a function
         odd = torch.nn.TransformerEncoderLayer(16, 4, 32, activation=activation)
         with pytest.raises(ValueError, match="(?i)relu or gelu.*silu"):
-            nn.TransformerBlock.from_torch(odd)
+            interop.from_torch(odd)
 
 
 @given(
@@ -223,7 +226,7 @@ def test_random_shapes_match_torch(torch, B, L, H, E, norm_first, activation):
     D = H * E
     theirs = torch_layer(D, H, 2 * D + 1, np.float64, activation=activation, norm_first=norm_first,
                          batch_first=True)
-    ours = nn.TransformerBlock.from_torch(theirs)
+    ours = interop.from_torch(theirs)
     x = np.random.default_rng(L).standard_normal((B, L, D))
     assert_close(ours(x, is_causal=True), run_torch(theirs, x, src_mask=t(~masks.causal_mask(L)), is_causal=True),
                  1e-10, "random shape")
@@ -251,7 +254,7 @@ def test_transformer_block_from_torch_every_activation_and_mask(torch, act, norm
         for n, p in layer.named_parameters():
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.2)
-    block = nn.TransformerBlock.from_torch(layer)
+    block = interop.from_torch(layer)
     assert block.ffn.activation == ACTIVATIONS[act] and block.norm1.eps == 1e-3 and block.norm_first == norm_first
     assert block.dropout == 0.2 and not block.training
     rng = np.random.default_rng(4)

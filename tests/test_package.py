@@ -1,11 +1,24 @@
-"""Packaging promises: light imports, a working console script."""
+"""Packaging promises: the import graph has no cycle and flows one way, imports stay light,
+`pip install attnkit` runs the README's main command, a missing extra is named, a working
+console script."""
 
 from __future__ import annotations
 
+import ast
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+import attnkit
+from attnkit.runtime import EXTRAS
+
+SRC = Path(attnkit.__file__).parent  # src/attnkit
+ROOT = SRC.parent.parent  # the repository
 HEAVY = ("torch", "matplotlib", "fastapi", "uvicorn", "starlette", "transformers", "flask")
+WEB = ("fastapi", "starlette", "uvicorn", "flask", "django", "aiohttp", "tornado")
 
 
 def _imported_after(code: str) -> set[str]:
@@ -14,10 +27,40 @@ def _imported_after(code: str) -> set[str]:
     return set(out.split())
 
 
+# ----------------------------------------------------------------------------- import laziness
+
+
 def test_import_attnkit_stays_light():
     loaded = _imported_after("import attnkit, attnkit.nn, attnkit.masks, attnkit.functional")
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
     assert not heavy, f"import attnkit pulled in {heavy}"
+
+
+def test_subpackages_are_attributes_after_import_attnkit():
+    """`import attnkit` then `attnkit.nn` works, as `import torch` then `torch.nn` does."""
+    code = (
+        "import attnkit\n"
+        "attnkit.nn.MultiHeadAttention, attnkit.masks.causal_mask, attnkit.functional.softmax\n"
+        "attnkit.models.SentenceEncoder, attnkit.viz.AttentionMaps\n"
+        "assert {'nn', 'models', 'viz', 'masks', 'functional'} <= set(dir(attnkit))\n"
+        "try:\n    attnkit.nonexistent\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)"
+    )
+    heavy = sorted(m for m in _imported_after(code) if m.split(".")[0] in HEAVY)
+    assert not heavy, f"attnkit.nn / models / viz pulled in {heavy}"
+
+
+def test_models_viz_and_bench_stay_light():
+    """Importing the model, view and benchmark packages (and the names they load lazily)
+    loads no optional package: not even the checkpoint readers until a model loads."""
+    loaded = _imported_after(
+        "import attnkit.models, attnkit.viz, attnkit.bench, attnkit.runtime\n"
+        "from attnkit.models import AutoCausalLM, SentenceEncoder, GGUFFile, DecoderTokenizer\n"
+        "from attnkit.viz import AttentionMaps, get_provider, heatmap\n"
+        "from attnkit.bench import SUITES, BenchReport\n"
+    )
+    optional = {*HEAVY, "scipy", "gguf", "jinja2", "prompt_toolkit", "tokenizers", "safetensors", "threadpoolctl"}
+    heavy = sorted(m for m in loaded if m.split(".")[0] in optional)
+    assert not heavy, f"importing models / viz / bench pulled in {heavy}"
 
 
 def test_cli_help_stays_light_and_lists_commands():
@@ -33,3 +76,297 @@ def test_cli_help_stays_light_and_lists_commands():
     ).stdout
     for command in ("demo", "walkthrough"):
         assert command in help_text
+
+
+# ----------------------------------------------------------------------------- the import graph
+#
+# An edge A -> B means module A imports module B, anywhere in A: at module level or inside
+# a function (DESIGN.md: no cycles, "not even through imports inside functions"). Edges:
+#
+# - `import attnkit.x.y`, `from attnkit.x import y` (to attnkit.x.y when y is a module, else
+#   to attnkit.x, whose __init__ defines y), `from . import y` and `from ..x import y`;
+# - an import by name: a string that is exactly a module's dotted name (importlib, a table
+#   of suites), and a package __init__'s lazy tables (`_LAZY` values and `_SUBMODULES`: the
+#   submodules its PEP 562 `__getattr__` imports).
+#
+# Not edges: a module's own ancestors named in a string (`importlib.resources.files("attnkit")`
+# reads package data; Python imported that package before the module anyway), and the
+# implicit import of a module's parent package.
+
+
+def _module_files() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package __init__), for every module under src/attnkit."""
+    modules = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute name of a relative import (`from ..x import y` in `module`)."""
+    if level == 0:
+        return name or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _imports(module: str, path: Path, is_package: bool, modules: dict) -> dict[str, int]:
+    """Every attnkit module that `module` imports -> the first line doing so."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        if target.split(".")[0] != "attnkit":
+            return
+        while target not in modules:  # `import attnkit.x.y` of a name that is not a module
+            target = target.rsplit(".", 1)[0]
+        if target != module:
+            found.setdefault(target, line)
+
+    ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node.level, node.module)
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                add(submodule if submodule in modules else base, node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in modules and node.value not in ancestors:
+                add(node.value, node.lineno)
+    if is_package:
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if not any(isinstance(t, ast.Name) and t.id in ("_LAZY", "_SUBMODULES") for t in targets):
+                continue
+            table = node.value
+            names = table.values if isinstance(table, ast.Dict) else getattr(table, "elts", [])
+            for name in names:
+                if isinstance(name, ast.Constant) and f"{module}.{name.value}" in modules:
+                    add(f"{module}.{name.value}", node.lineno)
+    return found
+
+
+def _import_graph() -> dict[str, dict[str, int]]:
+    modules = _module_files()
+    return {name: _imports(name, path, is_package, modules) for name, (path, is_package) in modules.items()}
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (a, b, ..., a) through each strongly connected component of more than one
+    module (Tarjan's algorithm, then a path back to the component's first module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, {}):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph)))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    cycles = []
+    for component in components:  # the shortest way from its first module back to it
+        start, members = component[0], set(component)
+        parent: dict[str, str | None] = {start: None}
+        queue, end = [start], None
+        while end is None:
+            node = queue.pop(0)
+            if start in graph[node]:
+                end = node
+            for target in sorted(graph[node]):
+                if target in members and target not in parent:
+                    parent[target] = node
+                    queue.append(target)
+        path = []
+        while end is not None:
+            path.append(end)
+            end = parent[end]
+        cycles.append(path[::-1] + [start])
+    return cycles
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    steps = [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+    return "\n  ".join(steps)
+
+
+def test_the_import_graph_is_read_right():
+    """The walker sees function-level, relative and by-name imports (else the cycle test proves nothing)."""
+    graph = _import_graph()
+    assert "attnkit.functional.softmax" in graph["attnkit.functional"]  # module level
+    assert "attnkit.models.auto" in graph["attnkit.cli.generate"]  # inside a function
+    assert "attnkit.bench.attention" in graph["attnkit.bench"]  # the suite table, by name
+    assert "attnkit.models.auto" in graph["attnkit.models"]  # a PEP 562 lazy table
+    assert {"attnkit.nn", "attnkit.models", "attnkit.viz"} <= set(graph["attnkit"])  # _SUBMODULES
+    assert "attnkit" not in graph["attnkit.models.chat"]  # resources of its own package: not an edge
+    modules = _module_files()
+    relative = _resolve("attnkit.nn.block", False, 1, "attention"), _resolve("attnkit.nn", True, 2, "masks")
+    assert relative == ("attnkit.nn.attention", "attnkit.masks") and set(relative) <= set(modules)
+    assert _cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycles():
+    graph = _import_graph()
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (DESIGN.md: none, not even inside functions):\n" + "\n".join(
+        f"  {_describe(cycle, graph)}" for cycle in cycles
+    )
+
+
+def test_functional_and_nn_never_import_torch_matplotlib_or_a_web_framework():
+    forbidden = {"torch", "matplotlib", "scipy", "transformers", *WEB}
+    found = []
+    for name, (path, _) in _module_files().items():
+        if not name.startswith(("attnkit.functional", "attnkit.nn")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            found += [f"{name} (line {node.lineno}) imports {n}" for n in names if n.split(".")[0] in forbidden]
+    assert not found, "\n".join(found)
+
+
+# Which layers each layer may import (DESIGN.md: functional <- nn <- models <- viz / cli).
+# `attnkit.runtime` (threads, optional packages) sits under all of them; the package
+# itself (`attnkit`, re-exporting functional) may be imported from above.
+ALLOWED = {
+    "runtime": set(),
+    "functional": {"runtime"},
+    "masks": {"functional"},
+    "nn": {"functional", "runtime"},
+    "walkthrough": {"functional", "nn"},
+    "models": {"functional", "nn", "runtime"},
+    "torch": {"functional", "nn", "runtime"},
+    "viz": {"functional", "masks", "nn", "models", "runtime"},
+    "bench": {"attnkit", "functional", "masks", "nn", "models", "torch", "runtime"},
+}
+
+
+def test_layers_import_downward_only():
+    def layer(module: str) -> str:
+        return module.split(".")[1] if "." in module else "attnkit"
+
+    graph = _import_graph()
+    upward = [
+        f"{a} (line {line}) imports {b}"
+        for a, targets in graph.items()
+        for b, line in targets.items()
+        if layer(a) in ALLOWED and layer(b) != layer(a) and layer(b) not in ALLOWED[layer(a)]
+    ]
+    assert not upward, "imports against the layers' direction:\n" + "\n".join(upward)
+
+
+# ----------------------------------------------------------------------------- extras
+
+
+def _requirement_name(requirement: str) -> str:
+    """The import name of a requirement string ('prompt_toolkit>=3' -> 'prompt_toolkit')."""
+    name = requirement.split(";")[0]
+    for separator in "<>=!~[ ":
+        name = name.split(separator)[0]
+    return name.strip().lower().replace("-", "_")
+
+
+def test_extras_in_pyproject_match_the_runtime_table():
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.10 has no tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"]
+    core = {_requirement_name(r) for r in project["dependencies"]}
+    assert core == {"numpy", "rich", "typer", "threadpoolctl", "safetensors", "tokenizers"}, core
+    for extra, modules in EXTRAS.items():
+        assert {_requirement_name(r) for r in extras[extra]} == set(modules), extra
+    everything = {_requirement_name(r) for extra in EXTRAS for r in extras[extra]}
+    assert everything - {"torch"} == {_requirement_name(r) for r in extras["all"]}
+    assert everything <= {_requirement_name(r) for r in extras["test"]}  # the test extra has them all
+
+
+BLOCKED = ("gguf", "jinja2", "prompt_toolkit", "matplotlib", "fastapi", "uvicorn", "starlette", "torch", "scipy",
+           "transformers", "sentence_transformers")
+
+
+def _cli_without_extras(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`attnkit ARGS` in a Python where only the core dependencies can be imported."""
+    code = (
+        "import importlib.abc, sys\n"
+        f"BLOCKED = {BLOCKED!r}\n"
+        "class NotInstalled(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NotInstalled())\n"
+        f"sys.argv = ['attnkit', *{args!r}]\n"
+        "from attnkit.cli import main\n"
+        "main()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.mark.slow
+def test_the_main_command_runs_on_the_core_dependencies(minilm_folder, tmp_path):
+    result = _cli_without_extras(["show", "The cat sat on the mat because it was tired.", "--no-color"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "cat" in result.stdout and result.stderr.count("error") == 0
+
+
+def test_a_missing_extra_is_named_in_one_line(tmp_path):
+    """`--png` without matplotlib: one line naming the extra, exit 1, before any work, no file."""
+    result = _cli_without_extras(["show", "Hello", "--model", "random", "--png", "out.png"], tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --png needs the package 'matplotlib', which is not installed; "
+        "install it with: pip install 'attnkit[png]'"
+    ]
+    assert list(tmp_path.iterdir()) == []
+    result = _cli_without_extras(["train", "--steps", "1"], tmp_path)
+    assert result.returncode == 1 and "pip install 'attnkit[torch]'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_gguf_model_without_the_gguf_extra_says_which_extra(smollm2_file, tmp_path):
+    result = _cli_without_extras(["generate", "The capital of France is", "-n", "2"], tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: reading GGUF files needs the package 'gguf', which is not installed; "
+        "install it with: pip install 'attnkit[gguf]'"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_require_names_the_extra(monkeypatch):
+    from attnkit.runtime import MissingExtraError, require
+
+    monkeypatch.setitem(EXTRAS, "pictures", ("attnkit_no_such_package",))
+    with pytest.raises(MissingExtraError) as info:
+        require("attnkit_no_such_package", "pictures", "Drawing")
+    assert str(info.value) == ("Drawing needs the package 'attnkit_no_such_package', which is not installed; "
+                               "install it with: pip install 'attnkit[pictures]'")
+    assert isinstance(info.value, ImportError) and info.value.name == "attnkit_no_such_package"

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit.functional.masks import causal_mask
 from conftest import assert_within_budget, optional, reference_attention
+from wide_range import EXPONENTS, SCALES, assert_like_truth, natural_sizes, torch_math, wide
 
 torch = optional("torch")
 F = torch.nn.functional if torch else None
@@ -251,3 +252,76 @@ def test_random_shapes_match_sdpa_forward_and_backward(B, Hkv, group, L, S, E, c
     ref_grads = torch.autograd.grad(ref, (q, k, v), d_out)
     for name, a, b in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"d{name}")
+
+
+# ----- any finite magnitude, empty inputs, rows that see one key ------------------------------
+
+
+@settings(max_examples=30)
+@given(batch=st.sampled_from([(), (2,)]), Hkv=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       L=st.integers(1, 7), S=st.integers(1, 9), E=st.sampled_from([1, 3, 16, 59]),
+       exponents=st.tuples(EXPONENTS, EXPONENTS, EXPONENTS, EXPONENTS), scale=SCALES,
+       causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_any_finite_magnitude_gives_torch_math_float64_answer(batch, Hkv, group, L, S, E, exponents, scale,
+                                                              causal, seed):
+    """Finite in, finite out (tests/wide_range.py): float32 inputs from 1e-30 to 1e30
+    and scales from 1e-38 to 1e30 give torch's math backend's float64 answer, forward
+    and backward, never NaN. Scores beyond float32 run in float64."""
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * group
+    q = wide(rng, (*batch, Hq, L, E), exponents[0])
+    k = wide(rng, (*batch, Hkv, S, E), exponents[1])
+    v = wide(rng, (*batch, Hkv, S, E), exponents[2])
+    d_out = wide(rng, (*batch, Hq, L, E), exponents[3])
+    mask = causal_mask(L, S, align="bottom_right") if causal else None
+    truth, truth_grads = torch_math(torch, q, k, v, mask, scale, group > 1, "float64", d_out)
+    oracle, oracle_grads = torch_math(torch, q, k, v, mask, scale, group > 1, "float32", d_out)
+    sizes = natural_sizes(q, k, v, mask, scale, group, d_out)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    out = flash_attention(tq, tk, tv, is_causal=causal, causal_align="bottom_right", scale=scale,
+                          enable_gqa=group > 1, block_q=3, block_k=4)
+    assert out.dtype == torch.float32
+    assert_like_truth(out.detach().numpy(), oracle, truth, sizes["out"], "output")
+    out.backward(torch.tensor(d_out))
+    for name, x, theirs, t in zip(("dq", "dk", "dv"), (tq, tk, tv), oracle_grads, truth_grads):
+        assert x.grad.dtype == torch.float32
+        assert_like_truth(x.grad.numpy(), theirs, t, sizes[name], name, factor=3.0)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, gqa", [
+    ((2, 0, 4, 8), (2, 0, 5, 8), False),  # no head at all
+    ((2, 0, 4, 8), (2, 4, 5, 8), True),  # no query head
+    ((2, 4, 4, 8), (2, 0, 5, 8), False),  # no key/value head: no key, zeros
+    ((0, 3, 4, 8), (0, 3, 5, 8), False),
+    ((2, 3, 0, 8), (2, 3, 5, 8), False),
+    ((2, 3, 4, 8), (2, 3, 0, 8), False),
+    ((2, 3, 4, 0), (2, 3, 5, 0), False),
+], ids=str)
+def test_empty_dimensions_give_torchs_results_and_gradients(q_shape, k_shape, gqa):
+    q, k = torch.randn(q_shape, requires_grad=True), torch.randn(k_shape, requires_grad=True)
+    v = torch.randn(k_shape, requires_grad=True)
+    out = flash_attention(q, k, v, enable_gqa=gqa)
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+    d_out = torch.randn_like(ref)
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), d_out, allow_unused=True),
+                          torch.autograd.grad(ref, (q, k, v), d_out, allow_unused=True)):
+        b = torch.zeros_like(a) if b is None else b
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("L, S, block_q, block_k", [(1, 1, 128, 128), (7, 3, 128, 128), (12, 5, 4, 2),
+                                                    (9, 9, 3, 4)])
+def test_rows_that_see_one_key_get_zero_query_gradients(L, S, block_q, block_k):
+    """Bottom-right causal with L > S: row L - S sees key 0 alone, its softmax is
+    constant and its exact dQ is 0; the plain path gives 0 and so does the tile's D."""
+    q, k, v = _qkv(2, 3, 3, L, S, 59, 40, dtype=torch.float32, seed=L)
+    out = flash_attention(q, k, v, is_causal=True, causal_align="bottom_right", block_q=block_q, block_k=block_k)
+    d_out = torch.randn_like(out)
+    dq = torch.autograd.grad(out, q, d_out)[0]
+    one = torch.from_numpy(causal_mask(L, S, align="bottom_right").sum(-1) == 1)
+    assert one.any()
+    print(f"largest dQ of a row that sees one key: {dq[..., one, :].abs().max():.3e}")
+    assert not dq[..., one, :].any(), "dQ of a row that sees one key"

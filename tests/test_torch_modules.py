@@ -8,10 +8,12 @@ import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import attnkit.nn as ann
 from attnkit.functional.masks import causal_mask
 from conftest import assert_within_budget, optional
+from wide_range import EXPONENTS, assert_like_truth, mha_natural_size, wide
 
 torch = optional("torch")
 nn = torch.nn if torch else None
@@ -152,8 +154,8 @@ def test_block_matches_transformer_encoder_layer(norm_first, activation):
 
 def test_round_trip_through_torch_nn_modules():
     ref = nn.MultiheadAttention(32, 4, batch_first=True).eval()
-    mha = at.MultiHeadAttention.from_torch(ref).eval()
-    back = mha.to_torch()
+    mha = at.from_numpy(at.from_torch(ref)).eval()
+    back = at.to_torch(mha)
     for key, value in ref.state_dict().items():  # the weights travel both ways bitwise
         assert torch.equal(back.state_dict()[key], value), key
     x = _x(2, 6, 32)
@@ -163,8 +165,8 @@ def test_round_trip_through_torch_nn_modules():
         _budget(back(x, x, x)[0], ref(x, x, x)[0], truth, "to_torch() vs nn float32")
     layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, activation="gelu", batch_first=True,
                                        norm_first=True).eval()
-    block = at.TransformerBlock.from_torch(layer).eval()
-    back = block.to_torch()
+    block = at.from_numpy(at.from_torch(layer)).eval()
+    back = at.to_torch(block)
     for key, value in layer.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
     with torch.no_grad():
@@ -172,7 +174,7 @@ def test_round_trip_through_torch_nn_modules():
         _budget(block(x), layer(x), truth, "from_torch(TransformerEncoderLayer) vs nn float32")
         _budget(back(x), layer(x), truth, "to_torch() vs nn float32")
     with pytest.raises(ValueError, match="grouped-query"):
-        at.MultiHeadAttention(32, 4, num_kv_heads=2).to_torch()
+        at.to_torch(at.MultiHeadAttention(32, 4, num_kv_heads=2))
 
 
 # ----- NumPy <-> torch -----------------------------------------------------------------------
@@ -483,3 +485,66 @@ def test_sdpa_used_without_weights_matches_explicit_path():
             _exact64(mha64(x.double(), need_weights=True, **kw).output, truth, f"{list(kw)}: float64")
             _budget(mha(x, need_weights=True, **kw).output, mha(x, **kw).output, truth,
                     f"{list(kw)}: explicit path vs the SDPA path float32")
+
+
+# ----- any finite magnitude --------------------------------------------------------------------
+
+
+def _weights(mha) -> dict:
+    """q, k, v, o weights and biases of an attnkit.torch.MultiHeadAttention, as arrays."""
+    arrays = {}
+    for name, proj in zip("qkvo", (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj)):
+        arrays[f"{name}_w"] = _arr(proj.weight)
+        arrays[f"{name}_b"] = None if proj.bias is None else _arr(proj.bias)
+    return arrays
+
+
+@settings(max_examples=30)
+@given(B=st.integers(1, 2), L=st.integers(1, 6), H=st.sampled_from([1, 2]), E=st.sampled_from([1, 4, 16]),
+       causal=st.booleans(), exponent=EXPONENTS, seed=st.integers(0, 2**16))
+def test_any_finite_magnitude_gives_torch_float64_answer(B, L, H, E, causal, exponent, seed):
+    """Finite in, finite out (tests/wide_range.py): float32 activations from 1e-30 to
+    1e30 give torch.nn.MultiheadAttention's float64 answer on the same weights, never
+    NaN (F.scaled_dot_product_attention's fused CPU kernel alone gives NaN from about
+    4e18: the module scales the queries first and runs scores beyond float32 in float64)."""
+    torch.manual_seed(seed)
+    mha = at.MultiHeadAttention(H * E, H).eval()
+    with torch.no_grad():
+        for p in (mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias, mha.out_proj.bias):
+            p.normal_()  # non-zero biases, so that small inputs still give scores
+    ref = _torch_mha_like(mha)
+    x = torch.from_numpy(wide(np.random.default_rng(seed), (B, L, H * E), exponent))
+    mask = causal_mask(L) if causal else None
+    tmask = None if mask is None else torch.from_numpy(~mask)  # torch's polarity: True = masked
+    with torch.no_grad():
+        out = mha(x, is_causal=causal).output
+        oracle = ref(x, x, x, attn_mask=tmask, need_weights=False)[0]
+        x64 = x.double()
+        truth = _f64(ref)(x64, x64, x64, attn_mask=tmask, need_weights=False)[0]
+    assert out.dtype == torch.float32
+    natural = mha_natural_size(_arr(x), _arr(x), _arr(x), _weights(mha), H, mask)
+    assert_like_truth(_arr(out), _arr(oracle), _arr(truth), natural, "output")
+
+
+@pytest.mark.parametrize("magnitude", [4e18, 1e20, 1e30])
+def test_huge_activations_give_the_float64_answer_and_gradients(magnitude):
+    """The issue's magnitudes through the module, forward and backward (autograd
+    through the float64 fallback), against the module run in float64 on torch's
+    math backend (whose softmax backward, from the weights, gives the exact zeros
+    of one-hot rows; a fused kernel's exp(s - lse) would leave float64 noise of
+    |s| * 1e-16 there)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mha = at.MultiHeadAttention(16, 2, seed=0).eval()
+    x = (_x(2, 5, 16, seed=3) * magnitude).requires_grad_()
+    out = mha(x, is_causal=True).output
+    x64 = x.detach().double().requires_grad_()
+    with sdpa_kernel(SDPBackend.MATH):
+        truth = _f64(mha)(x64, is_causal=True).output
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), truth, rtol=1e-5, atol=1e-6 * truth.abs().max().item())
+    d_out = _x(2, 5, 16, seed=4)
+    (grad,) = torch.autograd.grad(out, x, d_out)
+    (grad64,) = torch.autograd.grad(truth, x64, d_out.double())
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.double(), grad64, rtol=1e-4, atol=1e-5 * grad64.abs().max().item())

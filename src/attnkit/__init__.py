@@ -3,10 +3,15 @@
 The NumPy core lives in `attnkit.functional` (its main names are re-exported
 here), modules in `attnkit.nn`, real checkpoints in `attnkit.models`, views in
 `attnkit.viz`, and the PyTorch side in `attnkit.torch` (optional extra).
+`attnkit.nn`, `attnkit.models` and `attnkit.viz` are attributes of the package
+that load on first use (PEP 562), like `torch.nn` after `import torch`.
 Importing attnkit never imports torch, matplotlib or a web framework.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -26,6 +31,20 @@ from attnkit.functional import (
     scaled_dot_product_attention_backward,
     softmax,
 )
+
+# Subpackages reachable as attributes, imported on first access.
+_SUBMODULES = ("nn", "models", "viz")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULES:
+        raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    return importlib.import_module(f"attnkit.{name}")  # also sets it as an attribute of this package
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_SUBMODULES))
+
 
 __all__ = [
     "ATTENTION_BACKENDS",

@@ -18,7 +18,8 @@ A suite is a module listed in `SUITES` (name -> module path) that defines
 The CLI (`attnkit.cli.bench`) renders the table with rich, shows a progress bar,
 writes `{"suite", "report": {...}, "system": system_info()}` as JSON with --json,
 and prints which BLAS kernel ran (`blas_info`). Helpers shared by suites live in
-`attnkit.bench.measure` (timing, peak memory, system info).
+`attnkit.bench.measure` (timing, peak memory, system info), and `BenchReport`
+and `Progress` in `attnkit.bench.report` (suites import them from there).
 
 Suites import their heavy dependencies (torch, models) inside `run`.
 """
@@ -26,9 +27,9 @@ Suites import their heavy dependencies (torch, models) inside `run`.
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+
+from attnkit.bench.report import BenchReport, NullProgress, Progress
 
 SUITES: dict[str, str] = {
     "attention": "attnkit.bench.attention",
@@ -37,41 +38,6 @@ SUITES: dict[str, str] = {
     "decoder": "attnkit.bench.decoder",
     "nn": "attnkit.bench.nn",
 }
-
-
-class Progress(Protocol):
-    def total(self, n: int) -> None: ...
-
-    def step(self, description: str) -> None: ...
-
-
-class NullProgress:
-    """A Progress that reports nowhere."""
-
-    def total(self, n: int) -> None:
-        pass
-
-    def step(self, description: str) -> None:
-        pass
-
-
-@dataclass
-class BenchReport:
-    """What a suite measured, ready to render as one table."""
-
-    title: str
-    columns: list[str]
-    rows: list[list[Any]]
-    notes: list[str] = field(default_factory=list)
-    raw: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        for i, row in enumerate(self.rows):
-            if len(row) != len(self.columns):
-                raise ValueError(f"row {i} has {len(row)} values for {len(self.columns)} columns")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def get_suite(name: str) -> ModuleType:

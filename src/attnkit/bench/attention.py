@@ -23,17 +23,17 @@ import time
 
 import numpy as np
 
-from attnkit.bench import BenchReport, Progress
+from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import (
     available_memory_bytes,
     best_time,
     best_times_interleaved,
     blas_summary,
-    cpu_count,
     peak_numpy_bytes,
     peak_rss_bytes,
     system_info,
 )
+from attnkit.runtime import cpu_count
 
 H, E = 8, 64
 FULL_LENGTHS = (512, 1024, 2048, 4096, 8192)

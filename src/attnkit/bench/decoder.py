@@ -39,10 +39,10 @@ def run_decoder_benchmark(
     import transformers
     from threadpoolctl import threadpool_limits
 
-    from attnkit.bench import NullProgress
-    from attnkit.bench.measure import cpu_count
+    from attnkit.bench.report import NullProgress
+    from attnkit.runtime import cpu_count
     from attnkit.models.embedded import smollm2_gguf_path
-    from attnkit.models.generation import CausalLM
+    from attnkit.models.auto import AutoCausalLM
 
     progress = progress or NullProgress()
     threads = threads or cpu_count()
@@ -56,7 +56,7 @@ def run_decoder_benchmark(
             progress.step("loading SmolLM2 in attnkit")
             path = smollm2_gguf_path()
             t0 = time.perf_counter()
-            ours = CausalLM.from_pretrained(path)
+            ours = AutoCausalLM.from_pretrained(path)
             load_ours = time.perf_counter() - t0
             progress.step("loading SmolLM2 in transformers")
             t0 = time.perf_counter()
@@ -130,7 +130,7 @@ def run_decoder_benchmark(
 
 
 def run(quick: bool, progress: Any, threads: int | None = None):
-    from attnkit.bench import BenchReport
+    from attnkit.bench.report import BenchReport
 
     if quick:
         raw = run_decoder_benchmark(new_tokens=16, rounds=1, contexts=(32, 256), threads=threads, progress=progress)

@@ -191,7 +191,7 @@ def run(quick: bool, progress: Any, threads: int | None = None) -> Any:
     """The `attnkit bench encoder` suite (see attnkit.bench for the protocol)."""
     import torch
 
-    from attnkit.bench import BenchReport
+    from attnkit.bench.report import BenchReport
 
     workloads = QUICK_WORKLOADS if quick else FULL_WORKLOADS
     repeats = 3 if quick else 7

@@ -16,12 +16,7 @@ import time
 import tracemalloc
 from typing import Callable
 
-
-def cpu_count() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
+from attnkit.runtime import cpu_count
 
 
 def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5,

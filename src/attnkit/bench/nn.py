@@ -6,7 +6,7 @@ post-LN; float32; padded batches (half the sequences padded to half length,
 passed as attnkit's key_mask and torch's src_key_padding_mask). torch runs
 under inference_mode, where TransformerEncoderLayer takes its fused fast path
 and MultiheadAttention (need_weights=False) its SDPA path. The torch modules
-are built from the attnkit ones (`to_torch`), so both compute the same function
+are built from the attnkit ones (`attnkit.torch.to_torch`), so both compute the same function
 on the same weights; the suite checks that the outputs agree. Contenders are
 timed round-robin; best of the rounds. "speed-up" is torch's time over
 attnkit's (> 1: attnkit is faster).
@@ -14,8 +14,9 @@ attnkit's (> 1: attnkit is faster).
 
 from __future__ import annotations
 
-from attnkit.bench import BenchReport, Progress
-from attnkit.bench.measure import best_times_interleaved, blas_summary, cpu_count
+from attnkit.bench.report import BenchReport, Progress
+from attnkit.bench.measure import best_times_interleaved, blas_summary
+from attnkit.runtime import cpu_count
 
 D_MODEL, HEADS, D_FF = 384, 12, 1536
 FULL_SHAPES = ((1, 16), (32, 32), (32, 128))
@@ -29,6 +30,7 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
     from threadpoolctl import threadpool_limits
 
     from attnkit import nn
+    from attnkit.torch.interop import to_torch
 
     threads = threads or cpu_count()
     shapes = QUICK_SHAPES if quick else FULL_SHAPES
@@ -44,7 +46,7 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
             key_mask = np.ones((B, L), bool)
             key_mask[B // 2 :, L // 2 :] = False
             block = nn.TransformerBlock(D_MODEL, HEADS, D_FF, activation="gelu", seed=0)
-            layer = block.to_torch()
+            layer = to_torch(block)
             x_t, padding_t = torch.from_numpy(x), torch.from_numpy(~key_mask)
             fns = {
                 "block": lambda: block(x, key_mask=key_mask),

@@ -24,8 +24,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from attnkit.bench import BenchReport, Progress
-from attnkit.bench.measure import blas_summary, cpu_count
+from attnkit.bench.report import BenchReport, Progress
+from attnkit.bench.measure import blas_summary
+from attnkit.runtime import cpu_count
 
 D_MODEL, HEADS = 512, 8
 FULL_LENGTHS = (256, 1024, 2048)

@@ -15,6 +15,7 @@ from attnkit.cli import embed  # noqa: F401,E402
 from attnkit.cli import viz  # noqa: F401,E402
 from attnkit.cli import train  # noqa: F401,E402
 from attnkit.cli import generate  # noqa: F401,E402
+from attnkit.cli import chat  # noqa: F401,E402
 from attnkit.cli import models  # noqa: F401,E402
 
 

@@ -14,7 +14,9 @@ line on stderr, `error: ...`, and nothing else; it never shows a traceback.
   the same one line);
 - exit 1, a user error: the command line is well formed but the world refuses
   it: a missing file or folder, a model that is not installed, a layer the
-  model does not have, input on stdin that is not UTF-8, a port in use.
+  model does not have, input on stdin that is not UTF-8, a port in use, an
+  optional package not installed (`MissingExtraError`: the message names the
+  pip extra to install, e.g. `pip install 'attnkit[png]'`).
 
 Anything else that escapes a command is a bug; it is still reported in one
 line (`error: internal error: ...`), with exit code 1.
@@ -31,6 +33,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
+from attnkit.runtime import MissingExtraError
 from attnkit.viz.text import printable, utf8_problem
 
 try:  # typer >= 0.22 carries its own copy of click
@@ -186,6 +189,9 @@ class _Group(TyperGroup):
         except MemoryError:
             print_error("out of memory; try smaller sizes")
             code = USER
+        except MissingExtraError as error:  # an optional package: the message says which extra
+            print_error(str(error))
+            code = USER
         except Exception as error:  # a bug in attnkit: still one line, never a traceback
             print_error(f"internal error: {type(error).__name__}: {error} (please report it)")
             code = USER
@@ -283,6 +289,10 @@ def _main(
     ),
 ) -> None:
     """Attention from first principles to production."""
+    # rich reads $COLUMNS once, when a console is made; the consoles live as long as the
+    # process (tests and notebooks call the app many times), so each call measures anew
+    for each in (console, err_console):
+        each.width = None
 
 
 @app.command()

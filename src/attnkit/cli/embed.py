@@ -86,7 +86,7 @@ def embed(
     as_json: bool = typer.Option(False, "--json", help="Print JSON: model, dim and each text with its embedding."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per batch."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Worker threads (default: all CPUs)."),
-    model: Optional[str] = typer.Option(None, "--model", help=_MODEL_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
 ) -> None:
     """Print sentence embeddings (mean-pooled, L2-normalized, like sentence-transformers)."""
     import numpy as np
@@ -129,7 +129,7 @@ def similarity(
     as_json: bool = typer.Option(False, "--json", help="Print JSON: the texts and the cosine similarity matrix."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per batch."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Worker threads (default: all CPUs)."),
-    model: Optional[str] = typer.Option(None, "--model", help=_MODEL_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
 ) -> None:
     """Print the cosine similarity of every pair of sentences."""
     import numpy as np

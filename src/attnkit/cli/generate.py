@@ -1,44 +1,49 @@
-"""`attnkit generate` and `attnkit chat`: text from a decoder, streamed as it is chosen."""
+"""`attnkit generate`: text from a decoder, streamed as it is chosen; and what `attnkit chat`
+shares with it (loading, checking the sampling options, streaming, cut replies)."""
 
 from __future__ import annotations
 
 import math
-import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import typer
 
-from attnkit.cli._app import app, check_float, check_int, check_text, console, err_console, fail, usage, warn
-from attnkit.cli._input import StdinLines, read_text_file
+from attnkit.cli._app import app, check_float, check_int, check_text, console, err_console, fail, note, usage
+from attnkit.cli.models import DECODER, model_option
 from attnkit.viz.text import printable
 
 MODEL_HELP = "smollm2 (the embedded SmolLM2-135M-Instruct, the default), a .gguf file or a Hugging Face Llama/GPT-2 folder."
 TEMPERATURE_HELP = "0 = greedy; else between 0.0001 and 100 (higher = more random)."
+PENALTY_HELP = ("transformers' repetition penalty: the logits of tokens already in the context are divided by it "
+                "(multiplied when negative); 1 = off, at most 10.")
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
 """Sampling temperatures other than 0 (greedy) lie in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
 
 
-def _load(model_path: Optional[str]):
+def load_decoder(model_path: Optional[str], command: str):
+    """The decoder named by `--model` (checked first; see cli/models.py), with its tokenizer."""
     from attnkit.models.embedded import ModelPackageNotFoundError
-    from attnkit.models.generation import CausalLM
+    from attnkit.models.auto import AutoCausalLM
 
+    model_path = model_option(model_path, DECODER, command)
     try:
         with err_console.status("loading the model..."):
-            model = CausalLM.from_pretrained(model_path)
+            model = AutoCausalLM.from_pretrained(model_path)
     except (ModelPackageNotFoundError, ValueError, OSError, KeyError) as error:
         fail(str(error))
     if model.tokenizer is None:
-        fail(f"{model_path} has no tokenizer.json; attnkit generate needs one to turn text into tokens")
+        fail(f"{model_path} has no tokenizer.json; attnkit {command} needs one to turn text into tokens")
     return model
 
 
-def _check_sampling(
-    max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float], seed: Optional[int]
+def check_sampling(
+    max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float], seed: Optional[int],
+    repetition_penalty: float = 1.0,
 ) -> None:
     """Usage errors for sampling options out of range, before the model loads."""
     check_int("--max-new-tokens", max_new_tokens, 0)
+    check_float("--repetition-penalty", repetition_penalty, 0.0, 10.0, low_open=True)
     if temperature != 0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
         usage(f"expected --temperature 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature}")
     check_int("--top-k", top_k, 1)
@@ -46,7 +51,7 @@ def _check_sampling(
     check_int("--seed", seed, 0)
 
 
-class _Printer:
+class Printer:
     """Streams token ids to the terminal as text (complete UTF-8 characters only)."""
 
     def __init__(self, tokenizer) -> None:
@@ -60,7 +65,7 @@ class _Printer:
             console.file.flush()
 
 
-def _run(model, prompt_ids, printer, *, cache=None, **sampling) -> tuple[list[int], float, bool]:
+def run(model, prompt_ids, printer, *, cache=None, **sampling) -> tuple[list[int], float, bool]:
     """Generate, streaming through `printer`. Returns (new ids, seconds, interrupted)."""
     import numpy as np
 
@@ -77,13 +82,33 @@ def _run(model, prompt_ids, printer, *, cache=None, **sampling) -> tuple[list[in
     return new, time.perf_counter() - start, interrupted
 
 
+def was_cut(model, new: list[int], limit: int) -> bool:
+    """Whether generation stopped at the token limit rather than at an end-of-sequence token."""
+    if not new or len(new) < limit:
+        return False
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    ends = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    ends.add(getattr(model.tokenizer, "eos_token_id", None))
+    return new[-1] not in ends
+
+
+CUT_MARK = " […]"
+"""Shown (on stderr, so the text on stdout stays the model's) after a reply the token limit cut."""
+
+
+def end_reply(cut: bool) -> None:
+    """End a streamed reply's line; a cut reply gets the mark `CUT_MARK` at its end."""
+    if cut:
+        console.file.flush()
+        err_console.out(CUT_MARK, end="", style="yellow", highlight=False)
+        err_console.file.flush()
+    console.out("", highlight=False)
+
+
 def _report(prompt_tokens: int, new_tokens: int, seconds: float) -> None:
     rate = new_tokens / seconds if seconds > 0 else float("inf")
-    err_console.print(
-        f"{new_tokens} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
-        f"(after a prompt of {prompt_tokens} tokens; the time includes its prefill)",
-        style="dim", markup=False, soft_wrap=True,
-    )
+    note(f"{new_tokens} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
+         f"(after a prompt of {prompt_tokens} tokens; the time includes its prefill)")
 
 
 @app.command()
@@ -95,12 +120,13 @@ def generate(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample among the most likely tokens up to this probability."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (>= 0)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help=PENALTY_HELP),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as one user message with the chat template."),
 ) -> None:
     """Continue PROMPT, printing the text as it is generated, then tokens/s."""
     check_text("PROMPT", prompt)
-    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    model = _load(model_path)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
+    model = load_decoder(model_path, "generate")
     tokenizer = model.tokenizer
     if chat:
         try:
@@ -115,110 +141,15 @@ def generate(
         fail(f"the prompt has {len(ids)} tokens, more than the model's context of {model.context_length}")
     if not chat:
         console.out(printable(prompt, lines=True), end="", highlight=False)
-    max_new_tokens = min(max_new_tokens, model.context_length - len(ids))
-    printer = _Printer(tokenizer)
-    new, seconds, interrupted = _run(
-        model, ids, printer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed,
+    limit = min(max_new_tokens, model.context_length - len(ids))
+    new, seconds, interrupted = run(
+        model, ids, Printer(tokenizer), max_new_tokens=limit, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, repetition_penalty=repetition_penalty,
     )
-    console.out("")
+    cut = not interrupted and was_cut(model, new, limit)
+    end_reply(cut)
     if interrupted:
-        err_console.print("interrupted", style="yellow")
+        note("interrupted", style="yellow")
+    elif cut:
+        note(f"stopped at the limit of {limit} new tokens (--max-new-tokens)", style="yellow")
     _report(len(ids), len(new), seconds)
-
-
-@app.command()
-def chat(
-    model_path: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    system_file: Optional[str] = typer.Option(
-        None, "--system-file", metavar="FILE", help="Read the system prompt from a UTF-8 text file."
-    ),
-    explain_attention: bool = typer.Option(
-        False, "--explain-attention", help="Use attnkit's attention-explainer prompt as the system prompt."
-    ),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Tokens per reply at most."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help=TEMPERATURE_HELP),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample among the most likely tokens up to this probability."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (>= 0)."),
-) -> None:
-    """A multi-turn chat in the terminal. Ctrl-C stops a reply; Ctrl-D (or Ctrl-C at the prompt) quits."""
-    check_text("--system", system)
-    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    chosen = [name for name, on in (("--system", system is not None), ("--system-file", system_file is not None),
-                                    ("--explain-attention", explain_attention)) if on]
-    if len(chosen) > 1:
-        usage(f"expected at most one of --system, --system-file, --explain-attention, got {', '.join(chosen)}")
-    if system_file == "-":
-        usage("expected --system-file to name a file: chat reads your messages from stdin")
-    if system_file is not None:
-        system = read_text_file("--system-file", system_file)
-    if explain_attention:
-        from attnkit.models.chat import load_prompt
-
-        system = load_prompt("attention-explainer")
-
-    model = _load(model_path)
-    tokenizer = model.tokenizer
-    if not tokenizer.chat_template:
-        fail("this model has no chat template; use attnkit generate instead")
-    messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system.strip()}]
-    cache = model.new_cache(1, model.context_length)
-    cached: list[int] = []  # the token ids whose keys and values are in `cache`
-    total_new, total_seconds = 0, 0.0
-    if sys.stdin is not None and sys.stdin.isatty():
-        err_console.print("Chat with the model. Ctrl-C stops a reply, Ctrl-D quits.", style="dim")
-    lines = StdinLines()
-
-    def prompt() -> None:
-        console.out("you> ", end="", style="bold green", highlight=False)
-        console.file.flush()
-
-    while True:
-        try:
-            prompt()
-            text = lines.read()
-        except KeyboardInterrupt:
-            text = None
-        if text is None:
-            console.out("")
-            break
-        if not text.strip():
-            continue
-        messages.append({"role": "user", "content": text})
-        try:
-            ids = tokenizer.encode_chat(messages)
-        except ValueError as error:
-            fail(str(error))
-        # Reuse the cache for the conversation so far: only the new turn is prefilled.
-        common = 0
-        while common < min(len(ids) - 1, len(cached)) and ids[common] == cached[common]:
-            common += 1
-        cache.crop(common)
-        cached = cached[:common]
-        room = model.context_length - len(ids)
-        if room <= 0:
-            warn("the conversation is longer than the context; start a new chat")
-            break
-        console.out("model> ", end="", style="bold cyan", highlight=False)
-        printer = _Printer(tokenizer)
-        new, seconds, interrupted = _run(
-            model, ids[common:], printer, cache=cache, max_new_tokens=min(max_new_tokens, room),
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        )
-        console.out("")
-        if interrupted:
-            err_console.print("reply stopped", style="yellow")
-        total_new += len(new)
-        total_seconds += seconds
-        # The cache holds the prompt and every new token but the last (never fed back). After
-        # Ctrl-C in the middle of a step some layers may hold one more: crop them all alike.
-        cached = ids + new[:-1] if new else list(ids)
-        cache.crop(min(cache.length, len(cached)))
-        cached = cached[: cache.length]
-        reply = tokenizer.decode(new, skip_special_tokens=True)
-        messages.append({"role": "assistant", "content": reply.strip()})
-    if total_new:
-        rate = total_new / total_seconds if total_seconds > 0 else float("inf")
-        err_console.print(f"{total_new} tokens in {total_seconds:.2f} s: {rate:.1f} tokens/s", style="dim")

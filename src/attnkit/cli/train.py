@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 from rich.text import Text
 
-from attnkit.cli._app import app, check_float, check_int, console, err_console, fail, say, usage
+from attnkit.cli._app import app, check_float, check_int, console, err_console, say, usage
 from attnkit.cli._output import plan, write_all
+from attnkit.runtime import require
 
 # Sizes that keep one training run on a laptop CPU (each is named in its error).
 LIMITS = {
@@ -51,10 +52,8 @@ def train(
     check_int("--seed", seed, 0)
     check_float("--lr", lr, 0.0, 1.0, low_open=True)
     output = plan("--out", out, (".png",))
-    try:
-        import torch
-    except ImportError:
-        fail("attnkit train needs PyTorch: pip install 'attnkit[torch]'")
+    torch = require("torch", "torch", "attnkit train")
+    require("matplotlib", "png", "attnkit train's PNG")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 

@@ -11,8 +11,12 @@ import typer
 from attnkit.cli._app import app, check_int, check_text, console, fail, say, usage, use_color, warn
 from attnkit.cli._output import Output, beside, plan, write_all
 from attnkit.cli.models import ANY, model_option
+from attnkit.runtime import require
 
 _MODEL_HELP = "minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path."
+_HIDE_HELP = ("Drop the special tokens ([CLS], [SEP], <|im_start|>...) and, in a causal model, the first "
+              "token (the attention sink), then renormalise each row to sum to 1.")
+_LOG_HELP = "Colour on a log scale over the 3 decades below the largest weight, so small weights show."
 MAX_TOKENS = 1024
 """The largest --max-tokens: weights are layers x heads x T x T (SmolLM2 at 1024 tokens: 1.1 GB)."""
 MAX_SERVE_CHARS = 100_000
@@ -57,24 +61,31 @@ def _plan_views(png: Optional[str], html: Optional[str]) -> dict[str, Output]:
     outputs = {}
     if png is not None:
         outputs["png"] = plan("--png", png, (".png",))
+        require("matplotlib", "png", "--png")
         outputs["grid"] = beside(outputs["png"], outputs["png"].path.stem + "-grid.png")
     if html is not None:
         outputs["html"] = plan("--html", html, (".html", ".htm"))
     return outputs
 
 
-def _write_views(outputs: dict[str, Output], maps, layer: int, head: int | None) -> None:
-    """Write the planned files all or none, then say exactly which were written."""
+def _write_views(outputs: dict[str, Output], maps, layer: int, head: int | None, *,
+                 hide_special: bool = False, log_scale: bool = False) -> None:
+    """Write the planned files all or none, then say exactly which were written.
+
+    `maps` are the maps as the model gave them: the PNGs drop the special tokens when
+    `hide_special` says so; the HTML page keeps them all, with its checkbox ticked."""
     from attnkit.viz.html import save_html
 
+    shown = maps.hide_special() if hide_special else maps
     jobs = []
     if "png" in outputs:
         from attnkit.viz.png import save_grid_png, save_head_png
 
-        jobs.append((outputs["png"], lambda path: save_head_png(maps, path, layer, head)))
-        jobs.append((outputs["grid"], lambda path: save_grid_png(maps, path)))
+        jobs.append((outputs["png"], lambda path: save_head_png(shown, path, layer, head, log_scale=log_scale)))
+        jobs.append((outputs["grid"], lambda path: save_grid_png(shown, path, log_scale=log_scale)))
     if "html" in outputs:
-        jobs.append((outputs["html"], lambda path: save_html(maps, path, layer=layer, head=head)))
+        jobs.append((outputs["html"], lambda path: save_html(
+            maps, path, layer=layer, head=head, hide_special=hide_special, log_scale=log_scale)))
     sizes = write_all(jobs)
     if "png" in outputs:
         (w, h), (gw, gh) = sizes[0], sizes[1]
@@ -103,6 +114,8 @@ def show(
     values: bool = typer.Option(False, "--values", help="Print the weights in the heatmap's cells."),
     no_color: bool = typer.Option(False, "--no-color", help="Shade with ░▒▓█ instead of colour."),
     summary: bool = typer.Option(True, "--summary/--no-summary", help="Show what every head does (layers x heads)."),
+    hide_special: bool = typer.Option(False, "--hide-special", help=_HIDE_HELP),
+    log_scale: bool = typer.Option(False, "--log-scale", help=_LOG_HELP),
     max_tokens: int = typer.Option(
         512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
     ),
@@ -117,11 +130,13 @@ def show(
     maps = _compute(text, model, max_tokens)
     layer, chosen = _selection(maps, layer, head, mean)
     color = use_color(no_color)
-    console.print(maps_heatmap(maps, layer, chosen, color=color, values=values, width=console.width))
+    shown = maps.hide_special() if hide_special else maps
+    console.print(maps_heatmap(shown, layer, chosen, color=color, values=values, width=console.width,
+                               log_scale=log_scale))
     if summary:
         console.print()
-        console.print(summary_table(summarize_heads(maps), color=color))
-    _write_views(outputs, maps, layer, chosen)
+        console.print(summary_table(summarize_heads(shown), color=color))
+    _write_views(outputs, maps, layer, chosen, hide_special=hide_special, log_scale=log_scale)
 
 
 @app.command()
@@ -137,6 +152,8 @@ def compare(
         None, "--html", metavar="FILE.html", help="Also write both as one interactive HTML file."
     ),
     no_color: bool = typer.Option(False, "--no-color", help="Shade with ░▒▓█ instead of colour."),
+    hide_special: bool = typer.Option(False, "--hide-special", help=_HIDE_HELP),
+    log_scale: bool = typer.Option(False, "--log-scale", help=_LOG_HELP),
     max_tokens: int = typer.Option(
         512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
     ),
@@ -152,13 +169,14 @@ def compare(
     check_int("--top", top, 0)
     model_option(model, ANY, "compare")
     outputs = {"html": plan("--html", html, (".html", ".htm"))} if html is not None else {}
-    maps_a = _compute(text_a, model, max_tokens)
-    maps_b = _compute(text_b, model, max_tokens)
+    full_a = _compute(text_a, model, max_tokens)
+    full_b = _compute(text_b, model, max_tokens)
+    maps_a, maps_b = (full_a.hide_special(), full_b.hide_special()) if hide_special else (full_a, full_b)
     layer, chosen = _selection(maps_a, layer, head, mean)
     color = use_color(no_color)
     half = max(30, (console.width - 3) // 2)
-    left = maps_heatmap(maps_a, layer, chosen, color=color, width=half)
-    right = maps_heatmap(maps_b, layer, chosen, color=color, width=half)
+    left = maps_heatmap(maps_a, layer, chosen, color=color, width=half, log_scale=log_scale)
+    right = maps_heatmap(maps_b, layer, chosen, color=color, width=half, log_scale=log_scale)
     console.print(side_by_side(left, right))
 
     diff = pattern_difference(maps_a, maps_b)
@@ -191,7 +209,8 @@ def compare(
     if outputs:
         from attnkit.viz.html import save_html
 
-        write_all([(outputs["html"], lambda path: save_html([maps_a, maps_b], path, layer=layer, head=chosen))])
+        write_all([(outputs["html"], lambda path: save_html(
+            [full_a, full_b], path, layer=layer, head=chosen, hide_special=hide_special, log_scale=log_scale))])
         _wrote(f"{outputs['html'].path} (self-contained; open it in a browser)")
 
 
@@ -230,7 +249,9 @@ def _run_server(application, sock: socket.socket) -> None:
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only; IPv6 too, as ::1)."),
     port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (1-65535)."),
-    model: list[str] = typer.Option(["minilm", "smollm2", "random"], "--model", "-m", help=_MODEL_HELP + " Repeat to offer several."),
+    model: list[str] = typer.Option(
+        ["minilm", "smollm2", "random"], "--model", "-m", metavar="MODEL", help=_MODEL_HELP + " Repeat to offer several."
+    ),
     max_chars: int = typer.Option(2000, "--max-chars", help=f"Refuse longer texts (at most {MAX_SERVE_CHARS})."),
     max_tokens: int = typer.Option(
         512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."

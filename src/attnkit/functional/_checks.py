@@ -69,8 +69,15 @@ class AttentionShapes:
 
     @property
     def group(self) -> int:
-        """Query heads per key/value head (1 without GQA)."""
-        return self.q_heads // self.kv_heads
+        """Query heads per key/value head (1 without GQA; 0 when there are none)."""
+        return self.q_heads // self.kv_heads if self.kv_heads else 0
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """No query (an empty batch, no query head, L = 0) or no key at all (S = 0,
+        no key/value head): the result is known without computing, empty or zeros
+        as for fully masked rows."""
+        return 0 in (*self.batch, self.q_heads, self.L, self.S, self.kv_heads)
 
     @property
     def scores_shape(self) -> tuple[int, ...]:
@@ -123,8 +130,9 @@ def check_qkv(query, key, value, enable_gqa: bool) -> tuple[np.ndarray, np.ndarr
             f"expected key and value with the same number of heads, got shapes "
             f"{shape_str(key.shape)} and {shape_str(value.shape)}"
         )
-    kv_heads = max(k_heads, v_heads)
-    if q_heads != kv_heads and kv_heads != 1:
+    kv_heads = v_heads if k_heads == 1 else k_heads  # a single head stretches, to 0 heads too
+    # No key/value head means no key: every query attends to nothing (output 0), as in torch.
+    if q_heads != kv_heads and kv_heads not in (0, 1):
         if q_heads == 1:  # one query head broadcasts over every key/value head
             q_heads = kv_heads
         elif not enable_gqa:
@@ -229,3 +237,70 @@ def check_mask(attn_mask, shapes: AttentionShapes, is_causal: bool) -> np.ndarra
     if mask.dtype != np.bool_:
         mask = mask.astype(shapes.compute_dtype, copy=False)
     return mask
+
+
+# ----------------------------------------------------------------------------- range of the scores
+#
+# Every kernel computes scores as (query * scale) @ key^T: the scale goes on the
+# query before the product, one pass over the query, so a product that would
+# overflow only before scaling (torch's fused CPU kernel, q @ k^T then * scale)
+# never does. What float32 still cannot hold, the kernels recompute in float64,
+# where float32 inputs of any magnitude fit: that is the answer of torch's math
+# backend in float64, rounded to the input dtype.
+
+TINY_SCALE = 2.0 ** -16  # below this, query * scale may fall under float32's normal range
+
+
+def start_dtype(compute_dtype: np.dtype, scale: float) -> np.dtype:
+    """The dtype attention runs in: the compute dtype, or float64 when the scale
+    is below TINY_SCALE (query * scale could then lose digits to subnormals,
+    which no later check would see)."""
+    if compute_dtype != np.float64 and 0 < abs(scale) < TINY_SCALE:
+        return np.dtype(np.float64)
+    return np.dtype(compute_dtype)
+
+
+def _max_abs(x) -> float:
+    """max |x| without a temporary (NaN if x holds one; 0 for an empty array)."""
+    x = np.asarray(x)
+    if x.size == 0:
+        return 0.0
+    return float(max(np.max(x), -np.min(x)))
+
+
+def scores_may_overflow(query, key, scale: float, dtype: np.dtype) -> bool:
+    """Whether (query * scale) @ key^T could leave `dtype`'s range.
+
+    Every score, and every partial sum of one, is at most
+    |scale| max|q| max|k| E in magnitude (the sum of E terms |q_e| |k_e|); while
+    that, and |scale| max|q|, stay under a sixteenth of dtype's largest value,
+    nothing overflows, not even after adding a float mask or subtracting a row
+    maximum. NaN in the inputs answers False: NaN propagates in any dtype.
+    """
+    return scores_bound_exceeds(_max_abs(query) * abs(scale), _max_abs(key), query.shape[-1],
+                                float(np.finfo(dtype).max))
+
+
+def scores_bound_exceeds(max_q_scaled: float, max_k: float, E: int, largest: float) -> bool:
+    """The bound of `scores_may_overflow` from max |query * scale| and max |key|
+    (attnkit.torch computes those with torch and asks this)."""
+    big = largest / 16
+    return max_q_scaled > big or max_q_scaled * max_k * E > big
+
+
+def all_finite(*arrays) -> bool:
+    """Whether no array holds an inf or a NaN (two reductions each, no temporary)."""
+    return all(np.isfinite(_max_abs(x)) for x in arrays)
+
+
+def needs_float64(query, key, scale: float, dtype: np.dtype, lse, value=None, output=None) -> bool:
+    """After a pass in `dtype`: redo it in float64? Yes when a row's lse is not
+    finite (a row with no key allowed, NaN, or an overflow) and the bound says the
+    scores could have overflowed; or, given the output, when it is not finite
+    although every input is (a tiled kernel's unnormalized sum of values near
+    dtype's largest value). Costs one look at lse (and the output) when finite."""
+    if dtype == np.float64:
+        return False
+    if not np.isfinite(lse).all() and scores_may_overflow(query, key, scale, dtype):
+        return True
+    return output is not None and not np.isfinite(output).all() and all_finite(query, key, value)

@@ -1,8 +1,14 @@
 """Scaled dot-product attention and its backward, written as plainly as the math.
 
-    scores  = query @ key^T * scale   (+ mask)        # (..., H, L, S)
+    scores  = (query * scale) @ key^T  (+ mask)       # (..., H, L, S)
     weights = softmax(scores)                          # each row sums to 1
     output  = weights @ value                          # (..., H, L, Ev)
+
+The scale multiplies the query before the product, so large inputs whose
+scaled scores fit do not overflow on the way; scores beyond the compute
+dtype's range (float32 inputs near 1e19 and up), or a scale below 2^-16, are
+computed in float64 instead: finite inputs give torch's math-backend answer in
+float64, rounded to the input dtype, never NaN.
 
 Semantics follow torch's `F.scaled_dot_product_attention`:
 
@@ -17,7 +23,9 @@ Semantics follow torch's `F.scaled_dot_product_attention`:
 - `scale` defaults to 1/sqrt(E).
 - Grouped-query attention (`enable_gqa=True`): query head h reads key/value
   head h // (Hq // Hkv), as torch's `repeat_interleave` lays them out.
-- A query row with every key masked gives output 0 and weights 0, never NaN.
+- A query row with every key masked gives output 0 and weights 0, never NaN;
+  so does every row when there is no key (S = 0, or no key/value head), and
+  an empty input (a batch, head or length of 0) gives an empty result.
 - float16 inputs compute in float32; the output has the input dtype.
 - NaN in an input propagates to the rows it touches, as in torch.
 """
@@ -30,14 +38,17 @@ import numpy as np
 
 from attnkit.functional._checks import (
     AttentionShapes,
+    all_finite,
     check_dropout,
     check_mask,
     check_qkv,
     check_rng,
     check_scale,
+    needs_float64,
     output_ndim,
     require_float_tensor,
     shape_str,
+    start_dtype,
     sum_to_shape,
 )
 from attnkit.functional.masks import causal_mask
@@ -77,14 +88,16 @@ def _ungroup_queries(x: np.ndarray, shapes: AttentionShapes) -> np.ndarray:
     return x.reshape(*shapes.batch, shapes.q_heads, shapes.L, x.shape[-1])
 
 
-def _attention_weights(query, key, shapes, scale, attn_mask, is_causal):
-    """Softmax weights (..., Hq, L, S) in the compute dtype, and lse (..., Hq, L)."""
-    cd = shapes.compute_dtype
-    q = _group_queries(query.astype(cd, copy=False), shapes)  # (..., Hkv, g*L, E)
-    k = key.astype(cd, copy=False)  # (..., Hkv, S, E)
+def _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype):
+    """Softmax weights (..., Hq, L, S) and lse (..., Hq, L), computed in `dtype`.
+
+    The scale multiplies the query before the product, (query * scale) @ key^T,
+    so a product of large inputs does not overflow on its way to being scaled
+    down; torch's math backend scales before the product too."""
+    q = _group_queries(np.multiply(query, scale, dtype=dtype), shapes)  # (..., Hkv, g*L, E)
+    k = key.astype(dtype, copy=False)  # (..., Hkv, S, E)
     scores = np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Hkv, g*L, S)
     scores = scores.reshape(shapes.scores_shape)  # (..., Hq, L, S)
-    scores *= scale
     if is_causal:
         attn_mask = causal_mask(shapes.L, shapes.S)
     if attn_mask is not None:
@@ -105,6 +118,20 @@ def _attention_weights(query, key, shapes, scale, attn_mask, is_causal):
     total[total == 0] = 1
     scores /= total
     return scores, lse
+
+
+def _weights(query, key, shapes, scale, attn_mask, is_causal):
+    """(weights, lse, dtype): the softmax weights in the compute dtype, or in
+    float64 when the compute dtype cannot hold the scores (a scale below
+    TINY_SCALE, or scores beyond float32's range: then the result is torch's
+    math backend's in float64). Finite inputs never give NaN this way."""
+    dtype = start_dtype(shapes.compute_dtype, scale)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
+        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype)
+    if needs_float64(query, key, scale, dtype, lse):
+        dtype = np.dtype(np.float64)
+        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype)
+    return weights, lse, dtype
 
 
 def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa):
@@ -162,16 +189,19 @@ def scaled_dot_product_attention(
     if rng is not None:
         check_rng(rng)  # a bad rng is an error even when dropout is off
     q, k, v, shapes, scale, mask, drop = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    cd = shapes.compute_dtype
 
-    weights, lse = _attention_weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
-    if dropout_p > 0.0:
-        rng = check_rng(rng)
-        keep = rng.random(weights.shape) >= dropout_p
-        weights = np.where(keep, weights * cd.type(1.0 / (1.0 - dropout_p)), cd.type(0))
-
-    out = np.matmul(_group_queries(weights, shapes), v.astype(cd, copy=False))  # (..., Hkv, g*L, Ev)
-    out = _ungroup_queries(out, shapes).astype(shapes.dtype, copy=False)  # (..., Hq, L, Ev)
+    if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
+        weights = np.zeros(shapes.scores_shape, dtype=shapes.dtype)
+        lse = np.full(shapes.scores_shape[:-1], -np.inf, dtype=shapes.dtype)
+        out = np.zeros((*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev), dtype=shapes.dtype)
+    else:
+        weights, lse, cd = _weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+        if dropout_p > 0.0:
+            rng = check_rng(rng)
+            keep = rng.random(weights.shape) >= dropout_p
+            weights = np.where(keep, weights * cd.type(1.0 / (1.0 - dropout_p)), cd.type(0))
+        out = np.matmul(_group_queries(weights, shapes), v.astype(cd, copy=False))  # (..., Hkv, g*L, Ev)
+        out = _ungroup_queries(out, shapes).astype(shapes.dtype, copy=False)  # (..., Hq, L, Ev)
 
     if drop:
         out, weights, lse = out[0], weights[0], lse[0]
@@ -204,13 +234,14 @@ def scaled_dot_product_attention_backward(
         forward: output = P @ value        -> grad_value = P^T @ grad_output
                                               grad_P     = grad_output @ value^T
         forward: P = softmax(S) row-wise   -> grad_S = P * (grad_P - rowsum(P * grad_P))
-        forward: S = query @ key^T * scale -> grad_query = grad_S @ key * scale
-                                              grad_key   = grad_S^T @ query * scale
+        forward: S = (query * scale) @ key^T -> grad_query = grad_S @ (key * scale)
+                                                grad_key   = grad_S^T @ (query * scale)
 
     rowsum(P * grad_P) equals rowsum(grad_output * output), FlashAttention's D.
     With GQA the query heads sharing a key/value head add their contributions.
     Masked positions have P = 0 and so receive no gradient; a fully masked row
-    contributes exactly zero.
+    contributes exactly zero. Where the compute dtype cannot hold the scores or
+    a gradient on the way, the whole backward runs in float64, as the forward.
 
     Returns:
         AttentionGrads(grad_query, grad_key, grad_value), each in its input's
@@ -225,10 +256,25 @@ def scaled_dot_product_attention_backward(
             f"got {shape_str(grad_output.shape)}"
         )
     d_out = grad_output.reshape(expected)
-    cd = shapes.compute_dtype
-    q, k, v, d_out = (x.astype(cd, copy=False) for x in (q, k, v, d_out))
+    if shapes.nothing_to_do:  # an empty result, or no key at all: zero gradients
+        return AttentionGrads(*(np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)))
 
-    P, _ = _attention_weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+    P, _, dtype = _weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
+        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, dtype)
+    if dtype != np.float64 and not all_finite(*grads) and all_finite(q, k, v, d_out):
+        # a gradient beyond the compute dtype's range on the way: torch's float64 answer
+        P, _ = _attention_weights(q, k, shapes, scale, mask, is_causal, np.dtype(np.float64))
+        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, np.dtype(np.float64))
+
+    # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
+    grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
+    return AttentionGrads(*(g.astype(shapes.dtype, copy=False) for g in grads))
+
+
+def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype):
+    """(grad_query, grad_key, grad_value) in `dtype` from the weights P (..., Hq, L, S)."""
+    q, k, v, d_out = (x.astype(dtype, copy=False) for x in (q, k, v, d_out))
     P = _group_queries(P, shapes)  # (..., Hkv, g*L, S)
     d_out = _group_queries(d_out, shapes)  # (..., Hkv, g*L, Ev)
 
@@ -238,15 +284,10 @@ def scaled_dot_product_attention_backward(
     # forward: P = softmax(scores)
     grad_P -= np.sum(P * grad_P, axis=-1, keepdims=True)
     grad_scores = P * grad_P
-    grad_scores *= scale
-    # forward: scores = query @ key^T * scale
-    grad_query = np.matmul(grad_scores, k)  # (..., Hkv, g*L, E)
-    grad_key = np.matmul(np.swapaxes(grad_scores, -1, -2), _group_queries(q, shapes))  # (..., Hkv, S, E)
-    grad_query = _ungroup_queries(grad_query, shapes)  # (..., Hq, L, E)
-
-    # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
-    grads = (
-        sum_to_shape(grad, np.shape(x))
-        for grad, x in zip((grad_query, grad_key, grad_value), (query, key, value))
-    )
-    return AttentionGrads(*(g.astype(shapes.dtype, copy=False) for g in grads))
+    # forward: scores = (query * scale) @ key^T. The scale multiplies key and query
+    # before the products: grad_scores @ key of tiny factors would underflow before
+    # a large scale could bring it back.
+    grad_query = np.matmul(grad_scores, k * dtype.type(scale))  # (..., Hkv, g*L, E)
+    q_scaled = _group_queries(q * dtype.type(scale), shapes)  # (..., Hkv, g*L, E)
+    grad_key = np.matmul(np.swapaxes(grad_scores, -1, -2), q_scaled)  # (..., Hkv, S, E)
+    return _ungroup_queries(grad_query, shapes), grad_key, grad_value  # (..., Hq, L, E), ...

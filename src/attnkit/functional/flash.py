@@ -8,9 +8,17 @@ by exp(m_old - m_new) whenever the reference moves (the online softmax). At the
 end output = acc / l and lse = m + log(l). Extra memory is O(block_q * block_k)
 per thread plus O(L + S) per head; results equal the plain path to rounding.
 
-The backward is FlashAttention-2's: with D = rowsum(dO * O) it recomputes each
-tile's weights P = exp(s - lse) from the saved lse and accumulates dV, dK and dQ
-tile by tile, never holding an (L, S) array either.
+The backward is FlashAttention-2's: with D = rowsum(dO * O) (summed in float64)
+it recomputes each tile's weights P = exp(s - lse) from the saved lse and
+accumulates dV, dK and dQ tile by tile, never holding an (L, S) array either.
+A row that the band lets see a single key takes D from its tile instead,
+sum_j P_ij dP_ij as the plain path does, and so gets exactly the plain path's
+zero dQ (FlashAttention-2's D leaves the rounding of dO . v there).
+
+The scale multiplies q (and, for dQ, k) before each product. Scores beyond the
+compute dtype (float32 inputs near 1e19 and up), a scale below 2^-16, or a
+gradient overflowing on the way make a call run in float64 instead, so that
+finite inputs give torch's math-backend answer in float64, never NaN.
 
 Speed on a CPU comes from NumPy doing the heavy lifting in BLAS matmuls and
 SIMD ufuncs that release the GIL: tiles are large (they fit the L2 cache),
@@ -34,7 +42,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,14 +53,19 @@ from attnkit.functional._checks import (
     AttentionShapes,
     check_mask,
     check_qkv,
+    all_finite,
     check_scale,
+    needs_float64,
     output_ndim,
     require_float_tensor,
+    scores_may_overflow,
     shape_str,
+    start_dtype,
     sum_to_shape,
 )
 from attnkit.functional.attention import AttentionGrads, AttentionOutput
 from attnkit.functional.masks import ALIGNMENTS
+from attnkit.runtime import cpu_count, one_blas_thread
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -78,15 +90,7 @@ class AttentionState(NamedTuple):
 
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
-_blas_controller = None
 _scratch = threading.local()
-
-
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _pool(num_threads: int) -> ThreadPoolExecutor:
@@ -94,16 +98,6 @@ def _pool(num_threads: int) -> ThreadPoolExecutor:
         if num_threads not in _pools:
             _pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix="attnkit-flash")
         return _pools[num_threads]
-
-
-def _blas_one_thread():
-    """A context that holds BLAS to one thread (our threads do the spreading)."""
-    global _blas_controller
-    from threadpoolctl import ThreadpoolController
-
-    if _blas_controller is None:
-        _blas_controller = ThreadpoolController()
-    return _blas_controller.limit(limits=1, user_api="blas")
 
 
 def _buffer(name: str, size: int, dtype: np.dtype) -> np.ndarray:
@@ -128,7 +122,7 @@ _SERIAL_BELOW = 1 << 20  # score elements: below this, waking threads costs more
 
 def _run(tasks: list, fn: Callable, num_threads: int, work: int) -> list:
     """fn(*task) for every task, on the pool unless there is little work."""
-    with _blas_one_thread():
+    with one_blas_thread():  # our threads do the spreading
         if num_threads == 1 or len(tasks) <= 1 or work < _SERIAL_BELOW:
             return [fn(*t) for t in tasks]
         return list(_pool(num_threads).map(lambda t: fn(*t), tasks))
@@ -238,6 +232,23 @@ class _Plan:
         end = self.shapes.L if self.lo is None else min(self.shapes.L, k1 - 1 - self.lo + 1)
         return start, max(start, end)
 
+    def one_key_rows(self, q0: int, q1: int) -> slice | np.ndarray | None:
+        """The rows of [q0, q1), as offsets (a slice when contiguous, as they are for
+        every band), that the band lets see at most one key: row 0 of a causal mask,
+        every row of a (0, 0) window, all rows when S = 1. None when there are none."""
+        if self.shapes.S > 1 and self.lo is None and self.hi is None:
+            return None
+        key = ("one key", q0, q1)
+        if key not in self._band_cache:
+            S, rows = self.shapes.S, np.arange(q0, q1)
+            first = np.zeros_like(rows) if self.lo is None else np.maximum(0, rows + self.lo)
+            last = np.full_like(rows, S - 1) if self.hi is None else np.minimum(S - 1, rows + self.hi)
+            found = np.flatnonzero(last - first <= 0)
+            if found.size and found[-1] - found[0] + 1 == found.size:
+                found = slice(int(found[0]), int(found[-1]) + 1)
+            self._band_cache[key] = found if isinstance(found, slice) or found.size else None
+        return self._band_cache[key]
+
     def batch_index(self, b: int) -> tuple[int, ...]:
         return tuple(int(i) for i in np.unravel_index(b, self.shapes.batch)) if self.shapes.batch else ()
 
@@ -331,7 +342,7 @@ def _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causa
     mask_mod = _check_mod(mask_mod, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
     block_q, block_k = _check_block(block_q, "block_q"), _check_block(block_k, "block_k")
     if num_threads is None:
-        num_threads = _default_threads()
+        num_threads = cpu_count()
     num_threads = _check_block(num_threads, "num_threads")
 
     L, S = shapes.L, shapes.S
@@ -497,7 +508,29 @@ def flash_attention(
     q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
                                window, score_mod, mask_mod, block_q, block_k, num_threads)
     shapes = plan.shapes
-    cd, B, Hq, g, L, S = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.group, shapes.L, shapes.S
+    out_shape = (*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev)
+    if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
+        out = np.zeros(out_shape, dtype=shapes.dtype)
+        lse = np.full(out_shape[:-1], -np.inf, dtype=np.float64)
+    else:
+        dtype = start_dtype(shapes.compute_dtype, plan.scale)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
+            out, lse = _flash_forward(plan, q, k, v, dtype)
+        if needs_float64(q, k, plan.scale, dtype, lse, value=v, output=out):
+            # scores (or a running sum of values) beyond float32: torch's float64 answer
+            out, lse = _flash_forward(plan, q, k, v, np.dtype(np.float64))
+        out = out.reshape(out_shape).astype(shapes.dtype, copy=False)
+        lse = lse.reshape(out_shape[:-1])
+    if drop:
+        out, lse = out[0], lse[0]
+    return AttentionState(out, lse) if return_lse else out
+
+
+def _flash_forward(plan: _Plan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The tiled forward in dtype `cd`: output (B, Hq, L, Ev) in cd and lse
+    (B, Hq, L) in float64, B the flattened batch dims."""
+    shapes = plan.shapes
+    B, Hq, g, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.group, shapes.L, shapes.S
     q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
     k = _flat(k, shapes, shapes.kv_heads, cd)  # (B, Hkv, S, E)
     va = _with_ones(_flat(v, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, Ev+1)
@@ -550,24 +583,32 @@ def flash_attention(
             merged = merge_attention_states(o_parts, l_parts)
             out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
 
-    out = out.reshape(*shapes.batch, Hq, L, shapes.Ev).astype(shapes.dtype, copy=False)
-    lse = lse.reshape(*shapes.batch, Hq, L)
-    if drop:
-        out, lse = out[0], lse[0]
-    return AttentionState(out, lse) if return_lse else out
+    return out, lse
+
+
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_hi, lse_lo, k, va, b, h_kv, k0, k1, dk_out, dv_out):
+class _BackwardInputs(NamedTuple):
+    """What every backward task reads: compute-dtype arrays with the batch dims flattened."""
+
+    qs: np.ndarray  # (B, Hq, L, E) query * scale
+    k: np.ndarray  # (B, Hkv, S, E)
+    ks: np.ndarray  # (B, Hkv, S, E) key * scale: dQ = dS (K * scale), the scale before the product
+    va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
+    do_a: np.ndarray  # (B, Hq, L, Ev+1) [dO, -D]
+    lse_hi: np.ndarray  # (B, Hq, L) lse = lse_hi + lse_lo, two compute-dtype parts (-inf rows at 0)
+    lse_lo: np.ndarray
+
+
+def _backward_cols(plan: _Plan, inputs: _BackwardInputs, b, h_kv, k0, k1, dq_acc, dk_out, dv_out):
     """Keys [k0, k1) of kv head (b, h_kv): accumulate their dK, dV over every query
     head of the group and every query tile that can see them, and add the dQ
-    contributions into this thread's dq_acc (B, Hq, L, E) (dQ / scale).
-
-    qs: (B, Hq, L, E) query * scale; do_a: (B, Hq, L, Ev+1) [dO, -D];
-    lse = lse_hi + lse_lo, (B, Hq, L) compute-dtype parts (-inf rows at 0);
-    k (S, E) keys, va (S, Ev+1) values with a ones column."""
+    contributions into this thread's dq_acc (B, Hq, L, E)."""
+    qs, do_a, lse_hi, lse_lo = inputs.qs, inputs.do_a, inputs.lse_hi, inputs.lse_lo
+    k, ks, va = inputs.k[b, h_kv], inputs.ks[b, h_kv], inputs.va[b, h_kv]  # (S, E), (S, E), (S, Ev+1)
     cd = qs.dtype
     E, Ev = qs.shape[-1], do_a.shape[-1] - 1
     g, bq = plan.shapes.group, plan.block_q
@@ -604,17 +645,25 @@ def _backward_cols(plan: _Plan, qs, dq_acc, do_a, lse_hi, lse_lo, k, va, b, h_kv
             dv[mine] += dv_part
             ds = _tile("ds", r, n, cd)
             np.matmul(do_a[b, h, rows], va[cols].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            one = plan.one_key_rows(q0, q1)
+            if one is not None:
+                # A row that sees a single key takes D from the tile, as the plain path
+                # does, D = sum_j P_ij dP_ij: consistent with the dP just rounded, its
+                # dS is exactly 0 (FlashAttention-2's D would leave the rounding of dO . v).
+                missed = np.einsum("ij,ij->i", ds[one], p[one])  # sum_j P_ij (dP_ij - D_i) / f_i
+                missed *= row_f[one]
+                ds[one] -= missed[:, None]
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             np.multiply(ds, p, out=ds)
             if mod_grad is not None:
                 # forward: s = score_mod(q k^T * scale)  ->  chain rule through the mod
                 ds *= mod_grad
-            # forward: s = (q * scale) k^T  ->  dQ += dS K (times scale later), dK += dS^T (q * scale)
+            # forward: s = (q * scale) k^T  ->  dQ += dS (K * scale), dK += dS^T (q * scale)
             dk_part = _tile("dk_part", n, E, cd)
             np.matmul(ds.T, qs[b, h, rows] * row_f[:, None], out=dk_part)
             dk[mine] += dk_part
             dq_part = _tile("dq_part", r, E, cd)
-            np.matmul(ds, k[cols], out=dq_part)
+            np.matmul(ds, ks[cols], out=dq_part)
             dq_part *= row_f[:, None]
             dq_acc[b, h, rows] += dq_part
     dk_out[...] = dk
@@ -655,6 +704,12 @@ def flash_attention_backward(
     contributions into its own (B, Hq, L, E) buffer, summed at the end: extra
     memory O(threads * L + S), never (L, S).
 
+    D is summed in float64. A row that the band lets see a single key takes D
+    from its tile, sum_j P_ij dP_ij as the plain path does, so its dQ is exactly
+    the plain path's 0. Where float32 cannot hold the scores (or a gradient on
+    the way), or the scale is below 2^-16, everything runs in float64, the
+    forward's lse included: torch's math-backend answer, never NaN.
+
     A score_mod needs its derivative d score_mod / d score for the chain rule:
     ready-made mods carry it (`.grad`); wrap your own function with
     `mods.ScoreMod(fn, grad)`, where grad=None declares it additive
@@ -668,7 +723,7 @@ def flash_attention_backward(
     q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
                                window, score_mod, mask_mod, block_q, block_k, num_threads)
     shapes = plan.shapes
-    cd, B, Hq, Hkv = shapes.compute_dtype, math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads
+    cd, Hq, Hkv = shapes.compute_dtype, shapes.q_heads, shapes.kv_heads
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     out_shape = (*shapes.batch, Hq, L, Ev)
     lse_shape = (*shapes.batch, Hq, L)
@@ -684,20 +739,54 @@ def flash_attention_backward(
             "flash_attention_backward needs the derivative of score_mod: wrap it as "
             "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
         )
+    if shapes.nothing_to_do:  # an empty result, or no key at all: zero gradients
+        return AttentionGrads(*(np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)))
+    wide = np.dtype(np.float64)
+    grads = None
+    if start_dtype(cd, plan.scale) == cd and (cd == wide or not scores_may_overflow(q, k, plan.scale, cd)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            grads = _flash_backward(plan, q, k, v, grad_output, output, lse, cd)
+        if cd != wide and not all_finite(*grads) and all_finite(q, k, v, grad_output, output):
+            grads = None  # a gradient beyond the compute dtype on the way
+    if grads is None:
+        # float64, from the forward on: a tiny scale, or scores or gradients beyond
+        # float32 (torch's float64 answer). The weights exp(s - lse) are rebuilt from
+        # an lse of the same float64 scores, never from float32 ones.
+        out64, lse64 = _flash_forward(plan, q, k, v, wide)
+        grads = _flash_backward(plan, q, k, v, grad_output, out64, lse64, wide)
+    grads = (
+        grads[0].reshape(*shapes.batch, Hq, L, E),
+        grads[1].reshape(*shapes.batch, Hkv, S, E),
+        grads[2].reshape(*shapes.batch, Hkv, S, Ev),
+    )
+    # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
+    grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
+    return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
+
+
+def _flash_backward(plan: _Plan, q, k, v, grad_output, output, lse, cd: np.dtype):
+    """The tiled backward in dtype `cd`: (dQ (B, Hq, L, E), dK (B, Hkv, S, E),
+    dV (B, Hkv, S, Ev)) in cd, B the flattened batch dims."""
+    shapes = plan.shapes
+    B, Hq, Hkv = math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads
+    L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     qs = _flat(q, shapes, Hq, cd) * cd.type(plan.scale)  # (B, Hq, L, E)
     k = _flat(k, shapes, Hkv, cd)  # (B, Hkv, S, E)
+    ks = k * cd.type(plan.scale)  # (B, Hkv, S, E)
     va = _with_ones(_flat(v, shapes, Hkv, cd))  # (B, Hkv, S, Ev+1)
     d_out = np.asarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
     o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)
     do_a = np.empty((B, Hq, L, Ev + 1), dtype=cd)  # [dO, -D]
     do_a[..., :Ev] = d_out
-    do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o)  # D = rowsum(dO * O)
+    # D = rowsum(dO * O), summed in float64: rounded once, to the compute dtype
+    do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o, dtype=np.float64)
     # lse split into two compute-dtype parts so that the matmul subtracts it
     # to float64 accuracy (a float32 lse of 40 is off by up to 2e-6).
     lse64 = np.asarray(lse, dtype=np.float64).reshape(B, Hq, L).copy()
     lse64[np.isneginf(lse64)] = 0  # rows with no key: their tiles are all masked anyway
     lse_hi = lse64.astype(cd)
     lse_lo = (lse64 - lse_hi).astype(cd)
+    inputs = _BackwardInputs(qs, k, ks, va, do_a, lse_hi, lse_lo)
 
     grad_k = np.zeros((B, Hkv, S, E), dtype=cd)
     grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)
@@ -710,8 +799,7 @@ def flash_attention_backward(
             if ident not in dq_buffers:
                 dq_buffers[ident] = np.zeros((B, Hq, L, E), dtype=cd)
             dq_acc = dq_buffers[ident]
-        _backward_cols(plan, qs, dq_acc, do_a, lse_hi, lse_lo, k[b, h_kv], va[b, h_kv], b, h_kv, k0, k1,
-                       grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
+        _backward_cols(plan, inputs, b, h_kv, k0, k1, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
     blocks = []
     for k0 in range(0, S, plan.block_k):
@@ -726,15 +814,7 @@ def flash_attention_backward(
     grad_q = np.zeros((B, Hq, L, E), dtype=cd)
     for buf in dq_buffers.values():
         grad_q += buf
-    grad_q *= cd.type(plan.scale)
-    grads = (
-        grad_q.reshape(*shapes.batch, Hq, L, E),
-        grad_k.reshape(*shapes.batch, Hkv, S, E),
-        grad_v.reshape(*shapes.batch, Hkv, S, Ev),
-    )
-    # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
-    grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
-    return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
+    return grad_q, grad_k, grad_v
 
 
 # ----------------------------------------------------------------------------- merging
@@ -746,8 +826,11 @@ def merge_attention_states(outputs: Sequence[np.ndarray], lses: Sequence[np.ndar
     With per-part outputs o_i and logsumexps lse_i of the same queries,
         lse = log(sum_i exp(lse_i)),   output = sum_i exp(lse_i - lse) * o_i,
     exactly what attention over all the keys at once gives (split-KV decoding,
-    chunked prefill). Parts where a row saw no key (lse -inf) weigh 0; a row
-    no part saw stays output 0, lse -inf.
+    chunked prefill). A part where a row saw no key weighs 0, whatever its
+    output holds there; both markers of such a row are accepted: lse -inf
+    (attnkit, FlexAttention: the log of an empty sum) and lse +inf
+    (FlashAttention-2, vLLM). A row no part saw comes out output 0, lse -inf,
+    never NaN. NaN in a part that counts propagates.
 
     Arguments:
         outputs: n arrays (..., L, Ev), or one stacked array (n, ..., L, Ev).
@@ -774,16 +857,19 @@ def merge_attention_states(outputs: Sequence[np.ndarray], lses: Sequence[np.ndar
     dtype = outs[0].dtype
     cd = np.dtype(np.float32) if dtype == np.float16 else np.result_type(dtype, ls[0].dtype)
     lse_stack = np.stack([x.astype(cd, copy=False) for x in ls])  # (n, ..., L)
+    empty = np.isinf(lse_stack)  # -inf (ours, FlexAttention's) or +inf (FlashAttention-2's): no key
+    lse_stack[empty] = -np.inf
     top = np.max(lse_stack, axis=0)
     top = np.where(np.isneginf(top), cd.type(0), top)
     weights = np.exp(lse_stack - top)  # (n, ..., L); 0 for parts that saw nothing
-    total = weights.sum(axis=0)
+    total = weights.sum(axis=0)  # 0 where no part saw a key; NaN propagates
     with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), cd.type(-np.inf))
+        lse = np.where(total == 0, cd.type(-np.inf), top + np.log(np.where(total == 0, 1, total)))
     out = np.zeros(outs[0].shape, dtype=cd)
-    for w, o in zip(weights, outs):
-        out += w[..., None] * o.astype(cd, copy=False)
-    out /= np.where(total > 0, total, 1)[..., None]
+    for w, o, nothing in zip(weights, outs, empty):
+        part = w[..., None] * o.astype(cd, copy=False)
+        out += np.where(nothing[..., None], cd.type(0), part)  # an empty part's output is never read
+    out /= np.where(total == 0, 1, total)[..., None]
     return AttentionState(out.astype(dtype, copy=False), lse.astype(cd, copy=False))
 
 

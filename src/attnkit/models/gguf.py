@@ -5,36 +5,20 @@ GGUF is llama.cpp's single-file format: a header of typed key/value metadata
 the chat template) followed by tensors, often quantized in blocks (Q4_1 stores
 32 weights as 4-bit integers with one float16 scale and one float16 minimum).
 
-The `gguf` package (the reference reader, maintained in llama.cpp) parses the
-file and dequantizes; this module maps what it returns to attnkit:
+The `gguf` package (the reference reader, maintained in llama.cpp; the pip
+extra `attnkit[gguf]`) parses the file and dequantizes, through its public API
+only (`gguf.GGUFReader`, `gguf.quants.dequantize`, `gguf.GGML_QUANT_SIZES`).
+This module knows the format and nothing about any one model:
 
-    gguf_file = GGUFFile(path)
-    config = llama_config_from_gguf(gguf_file)          # every key checked
-    tokenizer = tokenizer_from_gguf(gguf_file)
-    state = llama_state_from_gguf(gguf_file, config)    # attnkit names, float32
+    gguf_file = GGUFFile(path)                    # metadata, tensor shapes and types
+    gguf_file.tensor("token_embd.weight")         # one tensor, float32
+    tokenizer = tokenizer_from_gguf(gguf_file)    # the `tokenizer.*` keys, rebuilt
+    check_metadata_keys(gguf_file, ...)           # every key read, harmless, or refused
 
-The checkpoint rule of `attnkit.models.checkpoint` holds here too: every
-metadata key is read, known to change nothing (names, licenses, fill-in-the-
-middle token ids, ...) or refused by name; every tensor's shape is checked
-against the metadata before any tensor is dequantized; every tensor is used.
-What a Llama GGUF may carry beyond the plain model, and what attnkit does with it:
-
-- `blk.N.attn_{q,k,v,output}.bias`, `blk.N.ffn_{gate,up,down}.bias`: biases
-  (a missing one of a set is zero). llama.cpp uses them; transformers' GGUF
-  loader drops them.
-- `rope_freqs.weight`: llama.cpp's per-frequency divisors of the rotary
-  frequencies, which is how its converter stores Llama 3.1's rope scaling
-  (no scaling-type key). transformers' GGUF loader ignores it.
-- `{arch}.rope.scaling.type` "linear" (or `rope.scale_linear`) with its
-  factor; "yarn" and "longrope" are refused.
-- `tokenizer.ggml.pre`: how text is split before BPE (`GGUF_PRE_TOKENIZERS`).
-
-One detail matters for correctness: llama.cpp's converter permutes the rows of
-the query and key projections (and their biases) so that its rotary embedding
-can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves
-(x_i, x_{i+E/2}) that Hugging Face's Llama rotates. `llama_state_from_gguf`
-undoes that permutation, as transformers does, so one rotary embedding serves
-GGUF and safetensors checkpoints alike.
+What the keys and tensors of an architecture mean lives with the model: the
+Llama mapping (config keys, tensor names, llama.cpp's rotary row permutation)
+is in `attnkit.models.llama`. `attnkit.models.auto` picks the model class by
+`general.architecture`.
 """
 
 from __future__ import annotations
@@ -47,26 +31,28 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.models.checkpoint import CheckpointError, ConfigReader, TensorInfo, check_tensors
+from attnkit.models.checkpoint import CheckpointError, ConfigReader, TensorInfo
+from attnkit.runtime import require
 
 __all__ = [
     "GGUFFile",
     "GGUF_PRE_TOKENIZERS",
-    "SUPPORTED_ARCHITECTURES",
-    "llama_config_from_gguf",
-    "llama_state_from_gguf",
+    "check_metadata_keys",
     "supported_tensor_types",
     "tokenizer_from_gguf",
-    "unpermute_rotary_rows",
 ]
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _gguf():
+    """The `gguf` package, or a `MissingExtraError` naming the extra that installs it."""
+    return require("gguf", "gguf", "reading GGUF files")
 
 
 @lru_cache(maxsize=1)
@@ -74,13 +60,19 @@ def supported_tensor_types() -> tuple[str, ...]:
     """Names of the GGML tensor types this reader turns into float32.
 
     F32, F16, BF16, F64 and every block quantization that `gguf.quants.dequantize`
-    implements (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ types, ...).
+    implements (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ types, ...): each type
+    of `gguf.GGML_QUANT_SIZES` is asked to dequantize one block of zeros.
     """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits  # the dequantizers the package implements
+    gguf = _gguf()
+    from gguf.quants import dequantize
 
-    names = {"F32", "F16", "F64"}
-    names.update(t.name for t in GGMLQuantizationType if t in _type_traits)
+    names = {"F64"}  # converted in `GGUFFile.tensor`: the package has no dequantizer for it
+    for kind, (_, type_size) in gguf.GGML_QUANT_SIZES.items():
+        try:
+            dequantize(np.zeros(type_size, dtype=np.uint8), kind)
+        except (NotImplementedError, ValueError, TypeError, KeyError):
+            continue
+        names.add(kind.name)
     return tuple(sorted(names))
 
 
@@ -102,29 +94,6 @@ def _check_magic(path: Path) -> None:
         )
 
 
-def _reader_class():
-    """`gguf.GGUFReader` reading through a plain ndarray view of its memory map.
-
-    The reader slices its `np.memmap` once per metadata item; each slice of a memmap
-    subclass runs Python-level bookkeeping, which for a 49152-token vocabulary takes seconds.
-    A base-class view of the same mapping reads the same bytes without it.
-    """
-    from gguf import GGUFReader
-
-    class _Reader(GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
-            count = int(count)
-            dtype = np.dtype(dtype)
-            array = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
-            order = self.byte_order if override_order is None else override_order
-            return array.view(array.dtype.newbyteorder(order))
-
-    return _Reader
-
-
 class GGUFFile:
     """An opened GGUF file: `metadata` (a dict of plain Python values) and its tensors.
 
@@ -137,13 +106,15 @@ class GGUFFile:
     Raises:
         ValueError: the file does not exist, is not GGUF, or its header is truncated or corrupt;
             the message names the file.
+        MissingExtraError: the `gguf` package is not installed (`pip install 'attnkit[gguf]'`).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         _check_magic(self.path)
+        gguf = _gguf()
         try:
-            self._reader = _reader_class()(self.path)
+            self._reader = gguf.GGUFReader(self.path)
             self.metadata: dict[str, Any] = {
                 key: field.contents() for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
             }
@@ -180,6 +151,24 @@ class GGUFFile:
             raise ValueError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
         return self.tensor_infos[name]
 
+    def check_tensor_types(self, names: Any = None) -> None:
+        """Refuse, before anything is dequantized, a tensor whose GGML type has no dequantizer.
+
+        Arguments:
+            names: the tensors to check (default: every tensor of the file).
+
+        Raises:
+            ValueError: naming the file, the tensor, its type and the supported types.
+        """
+        supported = supported_tensor_types()
+        for name in self.tensor_infos if names is None else names:
+            kind = self._info(name).dtype
+            if kind not in supported:
+                raise ValueError(
+                    f"tensor {name!r} in {str(self.path)!r} has GGML type {kind}, which attnkit cannot "
+                    f"dequantize; expected one of {', '.join(supported)}"
+                )
+
     def tensor(self, name: str) -> np.ndarray:
         """Tensor `name` as float32 in NumPy (row-major) order, e.g. (out_features, in_features).
 
@@ -190,14 +179,10 @@ class GGUFFile:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        self.check_tensor_types([name])
         info = self._info(name)
         tensor = self._tensors[name]
         kind = tensor.tensor_type
-        if info.dtype not in supported_tensor_types():
-            raise ValueError(
-                f"tensor {name!r} in {str(self.path)!r} has GGML type {kind.name}, which attnkit cannot "
-                f"dequantize; expected one of {', '.join(supported_tensor_types())}"
-            )
         try:
             if kind == GGMLQuantizationType.F64:
                 values = np.asarray(tensor.data).view(np.float64).astype(np.float32)
@@ -211,45 +196,10 @@ class GGUFFile:
             ) from None
 
 
-# ----------------------------------------------------------------------------- metadata
+# ----------------------------------------------------------------------------- metadata keys
 
-
-def _require_architecture(gguf_file: GGUFFile) -> str:
-    architecture = gguf_file.architecture
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"expected a GGUF model of architecture {' or '.join(map(repr, SUPPORTED_ARCHITECTURES))}, "
-            f"got {architecture!r} in {str(gguf_file.path)!r}"
-        )
-    general_type = gguf_file.metadata.get("general.type", "model")
-    if general_type != "model":
-        raise CheckpointError(
-            f"{gguf_file.path}: general.type is {general_type!r}; expected 'model' (adapters and other "
-            "partial files cannot run on their own)"
-        )
-    return architecture
-
-
-# `{arch}.` keys of a Llama that attnkit reads ...
-_LLAMA_KEYS = {
-    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-    "attention.head_count_kv", "attention.key_length", "attention.value_length",
-    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "vocab_size",
-    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
-}
-# ... that change nothing for the models attnkit runs ...
-_LLAMA_HARMLESS = {
-    "rope.scaling.original_context_length",  # read by yarn only, which is refused
-    "rope.scaling.finetuned",
-}
-# ... and that are harmless at these values only.
-_LLAMA_NEUTRAL = {
-    "expert_count": (0,),
-    "expert_used_count": (0,),
-    "attention.causal": (True,),
-    "rope.scaling.attn_factor": (1.0,),
-}
-# `tokenizer.` keys read, and those that change nothing for a byte-level BPE tokenizer.
+# `tokenizer.` keys read by `tokenizer_from_gguf`, and those that change nothing for a
+# byte-level BPE tokenizer.
 _TOKENIZER_KEYS = {
     "ggml.model", "ggml.pre", "ggml.tokens", "ggml.token_type", "ggml.merges", "ggml.bos_token_id",
     "ggml.eos_token_id", "ggml.eot_token_id", "ggml.eom_token_id", "ggml.padding_token_id",
@@ -270,11 +220,30 @@ _TOKENIZER_HARMLESS = {
 _TOKENIZER_NEUTRAL = {"ggml.add_sep_token": (False,)}
 
 
-def check_gguf_keys(gguf_file: GGUFFile, arch: str) -> None:
-    """Refuse, by name, every metadata key a Llama GGUF may not carry unread.
+def check_metadata_keys(
+    gguf_file: GGUFFile,
+    arch: str,
+    *,
+    known: set[str],
+    harmless: set[str],
+    neutral: dict[str, tuple[Any, ...]],
+    what: str,
+) -> None:
+    """Refuse, by name, every metadata key a GGUF model may not carry unread.
 
     `general.*` (names, license, quantization) and `quantize.*` (importance-matrix notes) never
-    change the math; `split.count` above 1 means this file holds only part of the tensors.
+    change the math; `split.count` above 1 means this file holds only part of the tensors;
+    `tokenizer.*` keys are this module's (`tokenizer_from_gguf`); the `{arch}.` keys are the
+    model's, given as `ConfigReader.check_keys` takes them.
+
+    Arguments:
+        arch: the architecture prefix (`"llama"`).
+        known, harmless, neutral: the `{arch}.` keys (without the prefix) that the model reads,
+            that change nothing, and that change nothing at the listed values only.
+        what: the model, for messages (`"attnkit's Llama"`).
+
+    Raises:
+        CheckpointError (a ValueError): naming the file and the key.
     """
     source = gguf_file.path
     metadata = gguf_file.metadata
@@ -285,274 +254,20 @@ def check_gguf_keys(gguf_file: GGUFFile, arch: str) -> None:
             "(llama-gguf-split --merge)"
         )
     ConfigReader(metadata, source, prefix=f"{arch}.").check_keys(
-        _LLAMA_KEYS, neutral=_LLAMA_NEUTRAL, harmless=_LLAMA_HARMLESS, common=False, what="attnkit's Llama"
+        known, neutral=neutral, harmless=harmless, common=False, what=what
     )
     named_templates = {key.removeprefix("tokenizer.") for key in metadata if key.startswith("tokenizer.chat_template.")}
     ConfigReader(metadata, source, prefix="tokenizer.").check_keys(
         _TOKENIZER_KEYS, neutral=_TOKENIZER_NEUTRAL, harmless=_TOKENIZER_HARMLESS | named_templates, common=False,
         what="attnkit's GGUF tokenizer",
     )
-    known = ("general.", "quantize.", "split.", "tokenizer.", f"{arch}.")
-    other = [key for key in metadata if not key.startswith(known)]
+    prefixes = ("general.", "quantize.", "split.", "tokenizer.", f"{arch}.")
+    other = [key for key in metadata if not key.startswith(prefixes)]
     if other:
         raise CheckpointError(
-            f"{source}: attnkit's Llama does not know the metadata key(s) {', '.join(map(repr, sorted(other)))}; "
+            f"{source}: {what} does not know the metadata key(s) {', '.join(map(repr, sorted(other)))}; "
             "they may change what the model computes, so the file is refused"
         )
-
-
-def llama_config_from_gguf(gguf_file: GGUFFile):
-    """A `LlamaConfig` from llama.cpp's metadata keys (`llama.block_count`, ...) and the
-    tensors the file has (a separate head, biases, `rope_freqs.weight`).
-
-    Raises:
-        ValueError: naming the file: not a Llama model, a missing or invalid key, a key or
-            feature attnkit does not implement (yarn, a partial rotary dimension, ...).
-    """
-    from attnkit.models.llama import LlamaConfig
-    from attnkit.nn.positional import RopeScaling
-
-    arch = _require_architecture(gguf_file)
-    check_gguf_keys(gguf_file, arch)
-    source = gguf_file.path
-    read = ConfigReader(gguf_file.metadata, source, prefix=f"{arch}.")
-    hidden_size = read.integer("embedding_length")
-    num_heads = read.integer("attention.head_count")
-    num_kv_heads = read.integer("attention.head_count_kv", num_heads)
-    if num_heads % num_kv_heads:
-        raise CheckpointError(
-            f"{source}: expected {arch}.attention.head_count ({num_heads}) to be a multiple of "
-            f"{arch}.attention.head_count_kv ({num_kv_heads})"
-        )
-    if read.has("attention.key_length"):
-        head_dim = read.integer("attention.key_length")
-    elif hidden_size % num_heads:
-        raise CheckpointError(
-            f"{source}: expected {arch}.embedding_length ({hidden_size}) to be a multiple of "
-            f"{arch}.attention.head_count ({num_heads}), or an attention.key_length key"
-        )
-    else:
-        head_dim = hidden_size // num_heads
-    value_dim = read.integer("attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise CheckpointError(
-            f"{source}: expected {arch}.attention.value_length equal to the key length {head_dim}, got {value_dim}"
-        )
-    if head_dim % 2:
-        raise CheckpointError(f"{source}: expected an even head dimension for rotary embeddings, got {head_dim}")
-    rotary_dim = read.integer("rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
-        raise CheckpointError(
-            f"{source}: expected {arch}.rope.dimension_count equal to the head dimension {head_dim}, got "
-            f"{rotary_dim} (partial rotary embeddings are not supported)"
-        )
-    tokens = gguf_file.metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise CheckpointError(f"{source} lacks tokenizer.ggml.tokens (the vocabulary), which a Llama GGUF needs")
-    vocab_size = read.integer("vocab_size", len(tokens))
-    if vocab_size != len(tokens):
-        raise CheckpointError(
-            f"{source}: {arch}.vocab_size is {vocab_size} but tokenizer.ggml.tokens has {len(tokens)} tokens"
-        )
-    infos = gguf_file.tensor_infos
-    layers = read.integer("block_count")
-    bias_names = [f"blk.{i}.{part}.bias" for i in range(layers) for part in _ATTENTION_PARTS]
-    mlp_bias_names = [f"blk.{i}.{part}.bias" for i in range(layers) for part in _MLP_PARTS]
-    special = ConfigReader(gguf_file.metadata, source, prefix="tokenizer.ggml.")
-    # llama.cpp ends generation at any of EOS, end-of-turn and end-of-message; so does attnkit
-    stop_ids = [i for key in ("eos_token_id", "eot_token_id", "eom_token_id") for i in special.token_ids(key)]
-    bos = special.token_ids("bos_token_id")
-    outside = [i for i in [*stop_ids, *bos] if i >= vocab_size]
-    if outside:
-        raise CheckpointError(
-            f"{source}: bos/eos/eot/eom token id(s) {outside} are outside the vocabulary of {vocab_size} tokens"
-        )
-    try:
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=read.integer("feed_forward_length"),
-            num_layers=layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rope_theta=read.number("rope.freq_base", 10000.0, positive=True),
-            rope_scaling=_gguf_rope_scaling(gguf_file, read, arch, head_dim, RopeScaling),
-            rms_norm_eps=read.number("attention.layer_norm_rms_epsilon", 1e-5, positive=True),
-            max_position_embeddings=read.integer("context_length", 2048),
-            tie_word_embeddings="output.weight" not in infos,
-            attention_bias=any(name in infos for name in bias_names),
-            mlp_bias=any(name in infos for name in mlp_bias_names),
-            bos_token_id=bos[0] if bos else None,
-            eos_token_id=tuple(dict.fromkeys(stop_ids)),
-        )
-    except ValueError as error:
-        if isinstance(error, CheckpointError):
-            raise
-        raise CheckpointError(f"{source}: {error}") from None
-
-
-def _gguf_rope_scaling(gguf_file: GGUFFile, read: ConfigReader, arch: str, head_dim: int, RopeScaling):
-    """RoPE scaling from `rope_freqs.weight` (divisors) or `rope.scaling.type` "linear"."""
-    source = gguf_file.path
-    kind = read.text("rope.scaling.type", "none")
-    factor = read.number("rope.scaling.factor", None, positive=True)
-    if factor is None:
-        factor = read.number("rope.scale_linear", None, positive=True)
-    if kind not in ("none", "linear"):
-        raise CheckpointError(
-            f"{source}: {arch}.rope.scaling.type {kind!r} is not supported; expected 'none' or 'linear' "
-            "(yarn and longrope GGUF files are refused rather than run with the wrong positions)"
-        )
-    has_freqs = "rope_freqs.weight" in gguf_file.tensor_infos
-    linear = factor is not None and factor != 1.0
-    if linear and kind == "none":
-        raise CheckpointError(
-            f"{source}: {arch}.rope.scaling.type is 'none' but rope.scaling.factor is {factor}; expected "
-            "one of them to say how positions are scaled"
-        )
-    if linear and has_freqs:
-        raise CheckpointError(
-            f"{source}: both rope_freqs.weight and a linear rope scaling factor ({factor}); attnkit "
-            "implements one at a time"
-        )
-    if has_freqs:
-        info = gguf_file.tensor_infos["rope_freqs.weight"]
-        if info.shape != (head_dim // 2,):
-            raise CheckpointError(
-                f"{source}: tensor 'rope_freqs.weight' has shape {info.shape}, expected ({head_dim // 2},) "
-                "(one divisor per rotary frequency, head_dim / 2)"
-            )
-        divisors = gguf_file.tensor("rope_freqs.weight")
-        if not (np.all(np.isfinite(divisors)) and np.all(divisors > 0)):
-            raise CheckpointError(f"{source}: expected rope_freqs.weight to hold finite divisors > 0")
-        return RopeScaling(rope_type="divisors", divisors=tuple(float(x) for x in divisors))
-    if linear:
-        return RopeScaling(rope_type="linear", factor=factor)
-    return None
-
-
-# ----------------------------------------------------------------------------- tensors
-
-
-def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of a query or key projection (or its bias).
-
-    llama.cpp's converter reorders each head's rows from halves
-    (r_0..r_{E/2-1}, r_{E/2}..r_{E-1}) to interleaved pairs (r_0, r_{E/2}, r_1, ...).
-    This restores the halves order Hugging Face's `rotate_half` expects.
-
-    Arguments:
-        weight: (num_heads * head_dim, in_features) or (num_heads * head_dim,) as stored.
-        num_heads: heads of this projection (query heads for Q, key/value heads for K).
-    """
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    # stored row h*E + 2*i + j  came from  original row h*E + j*E/2 + i
-    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # (H, E/2, 2, ...)
-    return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(weight.shape))
-
-
-# GGUF tensor names -> attnkit Llama names ({i} = layer index).
-_LLAMA_NAMES = {
-    "token_embd.weight": "embed.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
-    "blk.{i}.attn_q.weight": "layers.{i}.attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "layers.{i}.attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "layers.{i}.attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "layers.{i}.attn.out_proj.weight",
-    "blk.{i}.ffn_norm.weight": "layers.{i}.mlp_norm.weight",
-    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
-    "blk.{i}.attn_q.bias": "layers.{i}.attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "layers.{i}.attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "layers.{i}.attn.v_proj.bias",
-    "blk.{i}.attn_output.bias": "layers.{i}.attn.out_proj.bias",
-    "blk.{i}.ffn_gate.bias": "layers.{i}.mlp.gate_proj.bias",
-    "blk.{i}.ffn_up.bias": "layers.{i}.mlp.up_proj.bias",
-    "blk.{i}.ffn_down.bias": "layers.{i}.mlp.down_proj.bias",
-}
-_ATTENTION_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output")
-_MLP_PARTS = ("ffn_gate", "ffn_up", "ffn_down")
-
-
-def gguf_tensor_shapes(config) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """(expected, optional): GGUF tensor name -> shape (NumPy order) for a `LlamaConfig`.
-
-    Optional: biases (a missing one of a present set is zero), `rope_freqs.weight` (read into
-    the config already).
-    """
-    c = config
-    d, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    expected: dict[str, tuple[int, ...]] = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
-    if not c.tie_word_embeddings:
-        expected["output.weight"] = (c.vocab_size, d)
-    optional: dict[str, tuple[int, ...]] = {"rope_freqs.weight": (c.head_dim // 2,)}
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        expected.update({
-            p + "attn_norm.weight": (d,), p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d),
-            p + "attn_v.weight": (kv, d), p + "attn_output.weight": (d, q), p + "ffn_norm.weight": (d,),
-            p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff),
-        })
-        optional.update({
-            p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,), p + "attn_output.bias": (d,),
-            p + "ffn_gate.bias": (ff,), p + "ffn_up.bias": (ff,), p + "ffn_down.bias": (d,),
-        })
-    return expected, optional
-
-
-def llama_state_from_gguf(gguf_file: GGUFFile, config) -> dict[str, np.ndarray]:
-    """All weights of a Llama GGUF as float32 arrays under attnkit's names.
-
-    Every tensor's name and shape is checked against `config` first (nothing is dequantized
-    before); query and key rows, and their biases, are un-permuted (`unpermute_rotary_rows`);
-    a bias missing from a set the file has is zero.
-
-    Raises:
-        CheckpointError (a ValueError): naming the file and every missing, unused or mis-shaped tensor.
-    """
-    _require_architecture(gguf_file)
-    c = config
-    expected, optional = gguf_tensor_shapes(c)
-    check_tensors(
-        gguf_file.tensor_infos, expected, optional=optional, dtypes=None, source=gguf_file.path,
-        config=(
-            f"embedding_length={c.hidden_size}, feed_forward_length={c.intermediate_size}, head_count={c.num_heads}, "
-            f"head_count_kv={c.num_kv_heads}, head dimension {c.head_dim}, vocabulary {c.vocab_size}"
-        ),
-    )
-    for name, info in gguf_file.tensor_infos.items():
-        if info.dtype not in supported_tensor_types():
-            raise ValueError(
-                f"tensor {name!r} in {str(gguf_file.path)!r} has GGML type {info.dtype}, which attnkit cannot "
-                f"dequantize; expected one of {', '.join(supported_tensor_types())}"
-            )
-    wanted = {**optional, **expected}
-    state: dict[str, np.ndarray] = {}
-    for layer in [None, *range(c.num_layers)]:
-        for gguf_pattern, ours_pattern in _LLAMA_NAMES.items():
-            if ("{i}" in gguf_pattern) != (layer is not None):
-                continue
-            gguf_name = gguf_pattern.format(i=layer)
-            ours = ours_pattern.format(i=layer)
-            is_bias = gguf_name.endswith(".bias")
-            if is_bias and not (c.attention_bias if gguf_name.split(".")[2] in _ATTENTION_PARTS else c.mlp_bias):
-                continue
-            if gguf_name not in gguf_file.tensor_infos:
-                if is_bias:
-                    state[ours] = np.zeros(wanted[gguf_name], np.float32)
-                continue  # output.weight of a tied model
-            weight = gguf_file.tensor(gguf_name)
-            if ".attn_q." in gguf_name:
-                weight = unpermute_rotary_rows(weight, c.num_heads)
-            elif ".attn_k." in gguf_name:
-                weight = unpermute_rotary_rows(weight, c.num_kv_heads)
-            state[ours] = weight
-    return state
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -17,6 +17,27 @@ the `gguf` package dequantizes) and `LlamaForCausalLM.from_folder(path)`
 (Hugging Face `config.json` + safetensors). Both follow the checkpoint rule of
 `attnkit.models.checkpoint`: every key understood or refused by name, shapes
 checked against the file header before anything is allocated, every tensor used.
+The names of both formats stop here: `LlamaConfig.from_hf` / `from_gguf` read the
+config keys, `_HF_LLAMA_NAMES` / `_GGUF_LLAMA_NAMES` map the tensor names
+(`attnkit.models.gguf` only reads the file).
+
+One detail of GGUF matters for correctness: llama.cpp's converter permutes the
+rows of the query and key projections (and their biases) so that its rotary
+embedding can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two
+halves (x_i, x_{i+E/2}) that Hugging Face's Llama rotates. `state_from_gguf`
+undoes that permutation (`unpermute_rotary_rows`), as transformers does, so one
+rotary embedding serves GGUF and safetensors checkpoints alike.
+
+What a Llama GGUF may carry beyond the plain model, and what attnkit does with it:
+
+- `blk.N.attn_{q,k,v,output}.bias`, `blk.N.ffn_{gate,up,down}.bias`: biases
+  (a missing one of a set is zero). llama.cpp uses them; transformers' GGUF
+  loader drops them.
+- `rope_freqs.weight`: llama.cpp's per-frequency divisors of the rotary
+  frequencies, which is how its converter stores Llama 3.1's rope scaling
+  (no scaling-type key). transformers' GGUF loader ignores it.
+- `{arch}.rope.scaling.type` "linear" (or `rope.scale_linear`) with its
+  factor; "yarn" and "longrope" are refused.
 
 Speed: a decode step is a chain of matrix-vector products, bound by reading
 the weights once per token. Each layer keeps its query/key/value projections
@@ -28,20 +49,35 @@ per sublayer instead of five; the head keeps a (d_model, vocab) transposed copy.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from attnkit.models.chat import DecoderTokenizer
+from attnkit.models.checkpoint import (
+    CheckpointError,
+    ConfigReader,
+    check_folder,
+    check_tensors,
+    check_tied_copy,
+    find_safetensors,
+    map_names,
+    read_config,
+    read_header,
+    read_json,
+    read_safetensors,
+)
 from attnkit.models.generation import CausalLM
+from attnkit.models.gguf import GGUFFile, check_metadata_keys, tokenizer_from_gguf
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, RotaryEmbedding, SwiGLU
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, ModuleList, make_rng
 from attnkit.nn.positional import RopeScaling
 
-__all__ = ["LlamaConfig", "LlamaBlock", "LlamaForCausalLM"]
+__all__ = ["LlamaConfig", "LlamaBlock", "LlamaForCausalLM", "unpermute_rotary_rows"]
 
 
 @dataclass(frozen=True)
@@ -98,8 +134,6 @@ class LlamaConfig:
         Raises:
             CheckpointError (a ValueError): naming `source`, the key, what was expected and found.
         """
-        from attnkit.models.checkpoint import CheckpointError, ConfigReader
-
         read = ConfigReader(config, source)
         if config.get("model_type") != "llama":
             raise CheckpointError(f"{source}: expected model_type 'llama', got {config.get('model_type')!r}")
@@ -150,6 +184,95 @@ class LlamaConfig:
             eos_token_id=eos,
         )
 
+    @classmethod
+    def from_gguf(cls, gguf_file: GGUFFile) -> "LlamaConfig":
+        """A `LlamaConfig` from llama.cpp's metadata keys (`llama.block_count`, ...) and the
+        tensors the file has (a separate head, biases, `rope_freqs.weight`).
+
+        Raises:
+            ValueError: naming the file: not a Llama model, a missing or invalid key, a key or
+                feature attnkit does not implement (yarn, a partial rotary dimension, ...).
+        """
+        arch = _require_gguf_architecture(gguf_file)
+        check_metadata_keys(gguf_file, arch, known=_GGUF_LLAMA_KEYS, harmless=_GGUF_LLAMA_HARMLESS,
+                            neutral=_GGUF_LLAMA_NEUTRAL, what="attnkit's Llama")
+        source = gguf_file.path
+        read = ConfigReader(gguf_file.metadata, source, prefix=f"{arch}.")
+        hidden_size = read.integer("embedding_length")
+        num_heads = read.integer("attention.head_count")
+        num_kv_heads = read.integer("attention.head_count_kv", num_heads)
+        if num_heads % num_kv_heads:
+            raise CheckpointError(
+                f"{source}: expected {arch}.attention.head_count ({num_heads}) to be a multiple of "
+                f"{arch}.attention.head_count_kv ({num_kv_heads})"
+            )
+        if read.has("attention.key_length"):
+            head_dim = read.integer("attention.key_length")
+        elif hidden_size % num_heads:
+            raise CheckpointError(
+                f"{source}: expected {arch}.embedding_length ({hidden_size}) to be a multiple of "
+                f"{arch}.attention.head_count ({num_heads}), or an attention.key_length key"
+            )
+        else:
+            head_dim = hidden_size // num_heads
+        value_dim = read.integer("attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise CheckpointError(
+                f"{source}: expected {arch}.attention.value_length equal to the key length {head_dim}, got {value_dim}"
+            )
+        if head_dim % 2:
+            raise CheckpointError(f"{source}: expected an even head dimension for rotary embeddings, got {head_dim}")
+        rotary_dim = read.integer("rope.dimension_count", head_dim)
+        if rotary_dim != head_dim:
+            raise CheckpointError(
+                f"{source}: expected {arch}.rope.dimension_count equal to the head dimension {head_dim}, got "
+                f"{rotary_dim} (partial rotary embeddings are not supported)"
+            )
+        tokens = gguf_file.metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise CheckpointError(f"{source} lacks tokenizer.ggml.tokens (the vocabulary), which a Llama GGUF needs")
+        vocab_size = read.integer("vocab_size", len(tokens))
+        if vocab_size != len(tokens):
+            raise CheckpointError(
+                f"{source}: {arch}.vocab_size is {vocab_size} but tokenizer.ggml.tokens has {len(tokens)} tokens"
+            )
+        infos = gguf_file.tensor_infos
+        layers = read.integer("block_count")
+        bias_names = [f"blk.{i}.{part}.bias" for i in range(layers) for part in _GGUF_ATTENTION_PARTS]
+        mlp_bias_names = [f"blk.{i}.{part}.bias" for i in range(layers) for part in _GGUF_MLP_PARTS]
+        special = ConfigReader(gguf_file.metadata, source, prefix="tokenizer.ggml.")
+        # llama.cpp ends generation at any of EOS, end-of-turn and end-of-message; so does attnkit
+        stop_ids = [i for key in ("eos_token_id", "eot_token_id", "eom_token_id") for i in special.token_ids(key)]
+        bos = special.token_ids("bos_token_id")
+        outside = [i for i in [*stop_ids, *bos] if i >= vocab_size]
+        if outside:
+            raise CheckpointError(
+                f"{source}: bos/eos/eot/eom token id(s) {outside} are outside the vocabulary of {vocab_size} tokens"
+            )
+        try:
+            return cls(
+                vocab_size=vocab_size,
+                hidden_size=hidden_size,
+                intermediate_size=read.integer("feed_forward_length"),
+                num_layers=layers,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                rope_theta=read.number("rope.freq_base", 10000.0, positive=True),
+                rope_scaling=_gguf_rope_scaling(gguf_file, read, arch, head_dim),
+                rms_norm_eps=read.number("attention.layer_norm_rms_epsilon", 1e-5, positive=True),
+                max_position_embeddings=read.integer("context_length", 2048),
+                tie_word_embeddings="output.weight" not in infos,
+                attention_bias=any(name in infos for name in bias_names),
+                mlp_bias=any(name in infos for name in mlp_bias_names),
+                bos_token_id=bos[0] if bos else None,
+                eos_token_id=tuple(dict.fromkeys(stop_ids)),
+            )
+        except ValueError as error:
+            if isinstance(error, CheckpointError):
+                raise
+            raise CheckpointError(f"{source}: {error}") from None
+
 
 # config.json keys of a Llama: read and implemented ...
 _HF_LLAMA_KEYS = {
@@ -189,8 +312,6 @@ def _hf_rope(config: dict[str, Any], read, max_positions: int, source) -> tuple[
     """(rope_theta, RopeScaling or None) from `rope_parameters` (transformers 5) or `rope_scaling` +
     `rope_theta` (earlier), with transformers' precedence: `rope_scaling`, then `rope_parameters`;
     the dict's own `rope_theta`, then the top-level one."""
-    from attnkit.models.checkpoint import CheckpointError, ConfigReader
-
     name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     params = config.get(name) or {}
     if not isinstance(params, dict):
@@ -237,6 +358,85 @@ def _hf_rope(config: dict[str, Any], read, max_positions: int, source) -> tuple[
         raise CheckpointError(f"{where}: {error}") from None
 
 
+# GGUF (llama.cpp) metadata: the architectures read as a Llama, and its `{arch}.` keys ...
+_GGUF_ARCHITECTURES = ("llama",)
+_GGUF_LLAMA_KEYS = {
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "vocab_size",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+}
+# ... that change nothing for the models attnkit runs ...
+_GGUF_LLAMA_HARMLESS = {
+    "rope.scaling.original_context_length",  # read by yarn only, which is refused
+    "rope.scaling.finetuned",
+}
+# ... and that are harmless at these values only.
+_GGUF_LLAMA_NEUTRAL = {
+    "expert_count": (0,),
+    "expert_used_count": (0,),
+    "attention.causal": (True,),
+    "rope.scaling.attn_factor": (1.0,),
+}
+
+
+def _require_gguf_architecture(gguf_file: GGUFFile) -> str:
+    """`general.architecture` "llama" and `general.type` "model" (not an adapter), or a ValueError."""
+    architecture = gguf_file.architecture
+    if architecture not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"expected a GGUF model of architecture {' or '.join(map(repr, _GGUF_ARCHITECTURES))}, "
+            f"got {architecture!r} in {str(gguf_file.path)!r}"
+        )
+    general_type = gguf_file.metadata.get("general.type", "model")
+    if general_type != "model":
+        raise CheckpointError(
+            f"{gguf_file.path}: general.type is {general_type!r}; expected 'model' (adapters and other "
+            "partial files cannot run on their own)"
+        )
+    return architecture
+
+
+def _gguf_rope_scaling(gguf_file: GGUFFile, read: ConfigReader, arch: str, head_dim: int) -> RopeScaling | None:
+    """RoPE scaling from `rope_freqs.weight` (divisors) or `rope.scaling.type` "linear"."""
+    source = gguf_file.path
+    kind = read.text("rope.scaling.type", "none")
+    factor = read.number("rope.scaling.factor", None, positive=True)
+    if factor is None:
+        factor = read.number("rope.scale_linear", None, positive=True)
+    if kind not in ("none", "linear"):
+        raise CheckpointError(
+            f"{source}: {arch}.rope.scaling.type {kind!r} is not supported; expected 'none' or 'linear' "
+            "(yarn and longrope GGUF files are refused rather than run with the wrong positions)"
+        )
+    has_freqs = "rope_freqs.weight" in gguf_file.tensor_infos
+    linear = factor is not None and factor != 1.0
+    if linear and kind == "none":
+        raise CheckpointError(
+            f"{source}: {arch}.rope.scaling.type is 'none' but rope.scaling.factor is {factor}; expected "
+            "one of them to say how positions are scaled"
+        )
+    if linear and has_freqs:
+        raise CheckpointError(
+            f"{source}: both rope_freqs.weight and a linear rope scaling factor ({factor}); attnkit "
+            "implements one at a time"
+        )
+    if has_freqs:
+        info = gguf_file.tensor_infos["rope_freqs.weight"]
+        if info.shape != (head_dim // 2,):
+            raise CheckpointError(
+                f"{source}: tensor 'rope_freqs.weight' has shape {info.shape}, expected ({head_dim // 2},) "
+                "(one divisor per rotary frequency, head_dim / 2)"
+            )
+        divisors = gguf_file.tensor("rope_freqs.weight")
+        if not (np.all(np.isfinite(divisors)) and np.all(divisors > 0)):
+            raise CheckpointError(f"{source}: expected rope_freqs.weight to hold finite divisors > 0")
+        return RopeScaling(rope_type="divisors", divisors=tuple(float(x) for x in divisors))
+    if linear:
+        return RopeScaling(rope_type="linear", factor=factor)
+    return None
+
+
 class LlamaBlock(Module):
     """Pre-norm decoder block: attention then SwiGLU, each around a residual.
 
@@ -268,7 +468,7 @@ class LlamaForCausalLM(CausalLM):
 
     Children: ``embed``, ``layers.{i}`` (`LlamaBlock`), ``norm``, and ``lm_head`` unless the
     head is tied to the embedding. Random weights from `seed`; load real ones with
-    `from_gguf`, `from_folder` or `CausalLM.from_pretrained`.
+    `from_gguf`, `from_folder` or `attnkit.models.AutoCausalLM.from_pretrained`.
     """
 
     def __init__(self, config: LlamaConfig, *, seed: int | np.random.Generator | None = None, tokenizer=None):
@@ -317,22 +517,24 @@ class LlamaForCausalLM(CausalLM):
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str]) -> "LlamaForCausalLM":
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile) -> "LlamaForCausalLM":
         """Load a llama.cpp GGUF file (weights dequantized to float32, tokenizer from metadata).
 
         The metadata and the tensor shapes are checked before any tensor is dequantized; every
-        tensor is used (see `attnkit.models.gguf`).
+        tensor is used (`LlamaConfig.from_gguf`, `state_from_gguf`).
+
+        Arguments:
+            path: the `.gguf` file, or the `GGUFFile` already opened on it.
 
         Raises:
             ValueError: naming the file: not a GGUF file, not a Llama model, a key or tensor
                 attnkit does not implement, sizes that disagree, an unsupported tensor type.
+            MissingExtraError: the `gguf` package is not installed (`pip install 'attnkit[gguf]'`).
         """
-        from attnkit.models.gguf import GGUFFile, llama_config_from_gguf, llama_state_from_gguf, tokenizer_from_gguf
-
-        gguf_file = GGUFFile(path)
-        config = llama_config_from_gguf(gguf_file)
+        gguf_file = path if isinstance(path, GGUFFile) else GGUFFile(path)
+        config = LlamaConfig.from_gguf(gguf_file)
         tokenizer = tokenizer_from_gguf(gguf_file)
-        state = llama_state_from_gguf(gguf_file, config)
+        state = state_from_gguf(gguf_file, config)
         model = cls(config, seed=0, tokenizer=tokenizer)
         model.load_state_dict(state)
         return model
@@ -347,18 +549,6 @@ class LlamaForCausalLM(CausalLM):
         buffers excepted). `eos_token_id` from generation_config.json, when there, is what
         transformers' `generate` stops on, and so is it here.
         """
-        from attnkit.models.chat import DecoderTokenizer
-        from attnkit.models.checkpoint import (
-            check_folder,
-            check_tensors,
-            check_tied_copy,
-            find_safetensors,
-            map_names,
-            read_config,
-            read_header,
-            read_safetensors,
-        )
-
         folder = check_folder(folder)
         config = LlamaConfig.from_hf(read_config(folder), source=folder / "config.json")
         config = _with_generation_config(config, folder)
@@ -389,10 +579,6 @@ def _describe(config: LlamaConfig) -> str:
 
 def _with_generation_config(config: LlamaConfig, folder: Path) -> LlamaConfig:
     """`eos_token_id` of generation_config.json, which transformers' `generate` uses over config.json's."""
-    from dataclasses import replace
-
-    from attnkit.models.checkpoint import ConfigReader, read_json
-
     path = folder / "generation_config.json"
     if not path.is_file():
         return config
@@ -444,3 +630,121 @@ _HF_LLAMA_NAMES = [
 ]
 # The ignore list: rotary inverse-frequency buffers older transformers saved (recomputed from the config).
 _HF_LLAMA_IGNORE = [r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"]
+
+
+# ----------------------------------------------------------------------------- GGUF tensors
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a query or key projection (or its bias).
+
+    llama.cpp's converter reorders each head's rows from halves
+    (r_0..r_{E/2-1}, r_{E/2}..r_{E-1}) to interleaved pairs (r_0, r_{E/2}, r_1, ...).
+    This restores the halves order Hugging Face's `rotate_half` expects.
+
+    Arguments:
+        weight: (num_heads * head_dim, in_features) or (num_heads * head_dim,) as stored.
+        num_heads: heads of this projection (query heads for Q, key/value heads for K).
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    # stored row h*E + 2*i + j  came from  original row h*E + j*E/2 + i
+    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # (H, E/2, 2, ...)
+    return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(weight.shape))
+
+
+# GGUF tensor names -> attnkit Llama names ({i} = layer index).
+_GGUF_LLAMA_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "layers.{i}.attn.out_proj.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.mlp_norm.weight",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.attn_q.bias": "layers.{i}.attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "layers.{i}.attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "layers.{i}.attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "layers.{i}.attn.out_proj.bias",
+    "blk.{i}.ffn_gate.bias": "layers.{i}.mlp.gate_proj.bias",
+    "blk.{i}.ffn_up.bias": "layers.{i}.mlp.up_proj.bias",
+    "blk.{i}.ffn_down.bias": "layers.{i}.mlp.down_proj.bias",
+}
+_GGUF_ATTENTION_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output")
+_GGUF_MLP_PARTS = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_tensor_shapes(config: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(expected, optional): GGUF tensor name -> shape (NumPy order) for a `LlamaConfig`.
+
+    Optional: biases (a missing one of a present set is zero), `rope_freqs.weight` (read into
+    the config already).
+    """
+    c = config
+    d, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    expected: dict[str, tuple[int, ...]] = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
+    if not c.tie_word_embeddings:
+        expected["output.weight"] = (c.vocab_size, d)
+    optional: dict[str, tuple[int, ...]] = {"rope_freqs.weight": (c.head_dim // 2,)}
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        expected.update({
+            p + "attn_norm.weight": (d,), p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d),
+            p + "attn_v.weight": (kv, d), p + "attn_output.weight": (d, q), p + "ffn_norm.weight": (d,),
+            p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff),
+        })
+        optional.update({
+            p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,), p + "attn_output.bias": (d,),
+            p + "ffn_gate.bias": (ff,), p + "ffn_up.bias": (ff,), p + "ffn_down.bias": (d,),
+        })
+    return expected, optional
+
+
+def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.ndarray]:
+    """All weights of a Llama GGUF as float32 arrays under attnkit's names.
+
+    Every tensor's name and shape is checked against `config` first (nothing is dequantized
+    before); query and key rows, and their biases, are un-permuted (`unpermute_rotary_rows`);
+    a bias missing from a set the file has is zero.
+
+    Raises:
+        CheckpointError (a ValueError): naming the file and every missing, unused or mis-shaped tensor.
+    """
+    _require_gguf_architecture(gguf_file)
+    c = config
+    expected, optional = gguf_tensor_shapes(c)
+    check_tensors(
+        gguf_file.tensor_infos, expected, optional=optional, dtypes=None, source=gguf_file.path,
+        config=(
+            f"embedding_length={c.hidden_size}, feed_forward_length={c.intermediate_size}, head_count={c.num_heads}, "
+            f"head_count_kv={c.num_kv_heads}, head dimension {c.head_dim}, vocabulary {c.vocab_size}"
+        ),
+    )
+    gguf_file.check_tensor_types()
+    wanted = {**optional, **expected}
+    state: dict[str, np.ndarray] = {}
+    for layer in [None, *range(c.num_layers)]:
+        for gguf_pattern, ours_pattern in _GGUF_LLAMA_NAMES.items():
+            if ("{i}" in gguf_pattern) != (layer is not None):
+                continue
+            gguf_name = gguf_pattern.format(i=layer)
+            ours = ours_pattern.format(i=layer)
+            is_bias = gguf_name.endswith(".bias")
+            if is_bias and not (c.attention_bias if gguf_name.split(".")[2] in _GGUF_ATTENTION_PARTS else c.mlp_bias):
+                continue
+            if gguf_name not in gguf_file.tensor_infos:
+                if is_bias:
+                    state[ours] = np.zeros(wanted[gguf_name], np.float32)
+                continue  # output.weight of a tied model
+            weight = gguf_file.tensor(gguf_name)
+            if ".attn_q." in gguf_name:
+                weight = unpermute_rotary_rows(weight, c.num_heads)
+            elif ".attn_k." in gguf_name:
+                weight = unpermute_rotary_rows(weight, c.num_kv_heads)
+            state[ours] = weight
+    return state

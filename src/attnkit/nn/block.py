@@ -15,7 +15,7 @@ branch), active only in training mode.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -137,88 +137,6 @@ class TransformerBlock(Module):
         if need_weights:
             return BlockOutput(out, weights.astype(x.dtype, copy=False))
         return out
-
-    # ----- torch interchange ------------------------------------------------------------
-
-    @classmethod
-    def from_torch(cls, layer: Any) -> TransformerBlock:
-        """Copy a ``torch.nn.TransformerEncoderLayer`` into a new TransformerBlock.
-
-        Supports norm_first True and False, activation relu / gelu (string,
-        F.relu / F.gelu, nn.ReLU / nn.GELU including approximate="tanh"), any
-        layer_norm_eps, bias True or False. batch_first is not recorded (this
-        block is batch-first). torch's src_key_padding_mask is True = padding:
-        pass its negation as key_mask; negate boolean src_mask too.
-        """
-        import torch
-        import torch.nn.functional as F
-
-        if not isinstance(layer, torch.nn.TransformerEncoderLayer):
-            raise TypeError(f"expected a torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
-        act = layer.activation
-        if act is F.relu or isinstance(act, torch.nn.ReLU):
-            activation = "relu"
-        elif act is F.gelu or (isinstance(act, torch.nn.GELU) and act.approximate == "none"):
-            activation = "gelu"
-        elif isinstance(act, torch.nn.GELU) and act.approximate == "tanh":
-            activation = "gelu_tanh"
-        else:
-            raise ValueError(f"expected a relu or gelu activation, got {act!r}")
-        if layer.norm1.eps != layer.norm2.eps:
-            raise ValueError(f"expected one LayerNorm eps, got {layer.norm1.eps} and {layer.norm2.eps}")
-        bias = layer.linear1.bias is not None
-        attn = MultiHeadAttention.from_torch(layer.self_attn)
-        if (attn.q_proj.bias is not None) != bias:
-            raise ValueError("expected bias on all linear layers or on none")
-        ours = cls(
-            attn.d_model, attn.num_heads, layer.linear1.out_features, dropout=float(layer.dropout.p),
-            activation=activation, norm_first=layer.norm_first, eps=layer.norm1.eps, seed=0, bias=bias,
-        )
-
-        def arr(t):
-            return t.detach().cpu().numpy()
-
-        state = {f"attn.{k}": v for k, v in attn.state_dict().items()}
-        for ours_name, theirs in (("ffn.fc1", layer.linear1), ("ffn.fc2", layer.linear2)):
-            state[f"{ours_name}.weight"] = arr(theirs.weight)
-            if bias:
-                state[f"{ours_name}.bias"] = arr(theirs.bias)
-        for name in ("norm1", "norm2"):
-            norm = getattr(layer, name)
-            d = norm.normalized_shape[0]
-            state[f"{name}.weight"] = arr(norm.weight) if norm.weight is not None else np.ones(d)
-            if bias:
-                state[f"{name}.bias"] = arr(norm.bias) if norm.bias is not None else np.zeros(d)
-        ours.astype(attn.dtype)
-        ours.load_state_dict(state)
-        return ours
-
-    def to_torch(self, batch_first: bool = True) -> Any:
-        """A ``torch.nn.TransformerEncoderLayer`` (eval mode) computing the same function."""
-        import torch
-
-        activation: Any = self.ffn.activation
-        if activation == "gelu_tanh":
-            activation = torch.nn.GELU(approximate="tanh")
-        bias = self.ffn.fc1.bias is not None
-        dtype = torch.float64 if self.dtype == np.float64 else torch.float32
-        layer = torch.nn.TransformerEncoderLayer(
-            self.d_model, self.attn.num_heads, dim_feedforward=self.ffn.d_ff, dropout=self.dropout,
-            activation=activation, layer_norm_eps=self.norm1.eps, batch_first=batch_first,
-            norm_first=self.norm_first, bias=bias, dtype=dtype,
-        )
-        layer.self_attn = self.attn.to_torch(batch_first=batch_first)
-
-        def t(a):
-            return torch.from_numpy(np.array(a))
-
-        with torch.no_grad():
-            for ours, theirs in ((self.ffn.fc1, layer.linear1), (self.ffn.fc2, layer.linear2),
-                                 (self.norm1, layer.norm1), (self.norm2, layer.norm2)):
-                theirs.weight.copy_(t(ours.weight))
-                if bias:
-                    theirs.bias.copy_(t(ours.bias))
-        return layer.eval()
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}, dropout={self.dropout}"

@@ -8,6 +8,7 @@ the keys (bottom-right); a query whose keys are all masked outputs 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from attnkit.nn.attention import check_attention_dims
 from attnkit.torch.cache import KVCache
+from attnkit.torch.flash import scores_may_overflow
 from attnkit.torch.layers import Linear, _check_dropout, _init_from_numpy, _NumpyStateDict
 
 __all__ = ["AttentionResult", "MultiHeadAttention"]
@@ -90,6 +92,11 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
     with one matrix product and no copy; under autograd a small Function computes
     the fused weight gradient with one GEMM and gives each parameter its rows
     (first-order gradients only: double backward through it raises).
+
+    Any finite magnitude: the queries are scaled before SDPA's product (SDPA's
+    fused CPU kernel multiplies q @ k^T first and gives NaN from activations near
+    4e18); scores beyond float32 run torch's math backend in float64, forward and
+    backward, rounded back to the module's dtype, never NaN.
     """
 
     def __init__(
@@ -312,33 +319,28 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         mask, causal = self._mask(attn_mask, key_mask, is_causal, B, L, S, kv_cache)
         dropout_p = self.dropout if self.training else 0.0
 
+        dtype = q.dtype
+        q = q * (1.0 / math.sqrt(E))  # scaled before the product, as torch's math backend does
+        wide = scores_may_overflow(q, k)
+        if wide:
+            # scores beyond float32 (activations near 1e19 and up): torch's math backend in
+            # float64, rounded back (its gradients too: the backward runs in float64)
+            q, k, v = q.double(), k.double(), v.double()
+            if mask is not None and mask.is_floating_point():
+                mask = mask.double()
         weights = None
         if need_weights:
             heads, weights = _attention_with_weights(q, k, v, mask, causal, dropout_p)  # (B, H, L, E)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (B, L, S)
+            weights = weights.to(dtype)
         else:
-            heads = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, enable_gqa=Hkv != H
-            )  # (B, H, L, E)
-        merged = heads.transpose(1, 2).flatten(2)  # (B, L, d_model)
+            with _math_backend() if wide else contextlib.nullcontext():
+                heads = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=1.0, enable_gqa=Hkv != H
+                )  # (B, H, L, E)
+        merged = heads.to(dtype).transpose(1, 2).flatten(2)  # (B, L, d_model)
         return AttentionResult(self.out_proj(merged), weights)
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
-        """A copy of a torch.nn.MultiheadAttention (packed or separate in-projections;
-        float64 stays float64, anything else becomes float32). Its boolean masks read
-        True = masked: pass ~key_padding_mask as key_mask and ~attn_mask as attn_mask."""
-        import attnkit.nn
-        from attnkit.torch.convert import from_numpy
-
-        return from_numpy(attnkit.nn.MultiHeadAttention.from_torch(module))
-
-    def to_torch(self, batch_first: bool = True) -> nn.MultiheadAttention:
-        """A torch.nn.MultiheadAttention (eval mode) with these weights; not possible with GQA."""
-        from attnkit.torch.convert import to_numpy
-
-        return to_numpy(self).to_torch(batch_first=batch_first)
 
     def new_kv_cache(self, batch_size: int, max_length: int, num_layers: int = 1) -> KVCache:
         """An empty KVCache shaped for this module, on its device and dtype."""
@@ -353,8 +355,15 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         return f"d_model={self.d_model}, num_heads={self.num_heads}{extra}, dropout={self.dropout}"
 
 
+def _math_backend():
+    """A context in which F.scaled_dot_product_attention runs torch's math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def _attention_with_weights(q, k, v, mask, is_causal, dropout_p):
-    """Attention written out, for when the weights are wanted.
+    """Attention written out, for when the weights are wanted; q is already scaled.
 
     Returns (output (B, H, L, E), weights (B, H, L, S)); weights before dropout,
     fully masked rows 0.
@@ -363,7 +372,7 @@ def _attention_with_weights(q, k, v, mask, is_causal, dropout_p):
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, E)
         v = v.repeat_interleave(H // Hkv, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, L, S)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (B, H, L, S)
     if is_causal:
         L, S = scores.shape[-2:]
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()

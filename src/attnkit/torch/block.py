@@ -109,19 +109,5 @@ class TransformerBlock(_NumpyStateDict, nn.Module):
             return BlockOutput(x, weights)
         return x
 
-    @classmethod
-    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> TransformerBlock:
-        """A copy of a torch.nn.TransformerEncoderLayer (relu/gelu, pre- or post-LN)."""
-        import attnkit.nn
-        from attnkit.torch.convert import from_numpy
-
-        return from_numpy(attnkit.nn.TransformerBlock.from_torch(layer))
-
-    def to_torch(self, batch_first: bool = True) -> nn.TransformerEncoderLayer:
-        """A torch.nn.TransformerEncoderLayer (eval mode) computing the same function."""
-        from attnkit.torch.convert import to_numpy
-
-        return to_numpy(self).to_torch(batch_first=batch_first)
-
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}, dropout={self.dropout}"

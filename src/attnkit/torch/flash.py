@@ -6,10 +6,17 @@ it runs wherever torch runs (CPU, CUDA) and plugs into autograd:
 - forward: the keys are visited block by block with an online softmax (running
   row max `m`, running denominator `l`); only `output` and the row log-sum-exp
   `lse = m + log(l)` are kept, never the (L, S) weights;
-- backward (FlashAttention-2): `D = rowsum(dO * O)`, then for each key block and
-  each query block the scores are recomputed, `P = exp(S - lse)`,
-  `dV += P^T dO`, `dP = dO V^T`, `dS = P * (dP - D)`, `dQ += dS K * scale`,
-  `dK += dS^T Q * scale`.
+- backward (FlashAttention-2): `D = rowsum(dO * O)` (summed in float64; a row
+  that sees a single key takes it from its tile, `sum_j P_ij dP_ij`, so that its
+  `dS` is exactly 0 as in the plain path), then for each key block and each
+  query block the scores are recomputed, `P = exp(S - lse)`, `dV += P^T dO`,
+  `dP = dO V^T`, `dS = P * (dP - D)`, `dQ += dS (K * scale)`,
+  `dK += dS^T (Q * scale)`.
+
+The scale multiplies q (and, for dQ, k) before each product. Scores beyond the
+accumulator dtype, a scale below 2^-16 or a gradient overflowing on the way
+make the work run in float64 (attnkit.functional's rule): finite inputs give
+torch's math-backend answer in float64, rounded back, never NaN.
 
 Conventions are attnkit's: layout (..., H, L, E); boolean mask True = may
 attend, float mask added to the scores; `is_causal` is top-left aligned
@@ -25,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from attnkit.functional._checks import TINY_SCALE, scores_bound_exceeds
+
 __all__ = ["FlashAttentionFunction", "FlashOutput", "flash_attention"]
 
 
@@ -38,6 +47,38 @@ class FlashOutput(NamedTuple):
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     # float16/bfloat16 accumulate in float32; float32 and float64 stay as they are.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    if x.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(x.detach())
+    return float(torch.maximum(high, -low))  # NaN if x holds one
+
+
+def _needs_float64(q_scaled: torch.Tensor, key: torch.Tensor, scale: float) -> bool:
+    """Whether the tiled kernel runs in float64 instead (attnkit.functional's rule):
+    a scale below TINY_SCALE (q * scale would lose digits to subnormals), scores
+    beyond the accumulator dtype, or keys times the scale beyond it (dQ = dS (K * scale))."""
+    dtype = _accumulator_dtype(q_scaled.dtype)
+    if dtype == torch.float64:
+        return False
+    if 0 < abs(scale) < TINY_SCALE:
+        return True
+    max_k, largest = _max_abs(key), torch.finfo(dtype).max
+    return max_k * abs(scale) > largest / 16 or scores_bound_exceeds(
+        _max_abs(q_scaled), max_k, q_scaled.shape[-1], largest
+    )
+
+
+def scores_may_overflow(q_scaled: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether q_scaled @ key^T could leave the accumulator dtype of q_scaled's
+    dtype (float32 for half types): attnkit.functional's bound for tensors,
+    one reduction over each input (and a device sync). float64 never does here."""
+    dtype = _accumulator_dtype(q_scaled.dtype)
+    if dtype == torch.float64:
+        return False
+    return scores_bound_exceeds(_max_abs(q_scaled), _max_abs(key), q_scaled.shape[-1], torch.finfo(dtype).max)
 
 
 def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols):
@@ -59,8 +100,140 @@ def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols):
     return s
 
 
+def _one_key_rows(i0: int, i1: int, S: int, causal_offset: int | None) -> tuple[int, int]:
+    """The query rows [a, z) of [i0, i1) that see at most one key: all of them when
+    S <= 1; with causal (keys j <= i + offset), those with i + offset <= 0."""
+    if S <= 1:
+        return i0, i1
+    z = i0 if causal_offset is None else min(i1, 1 - causal_offset)
+    return i0, max(i0, z)
+
+
 def _zero_where_neg_inf(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == -math.inf, torch.zeros_like(x), x)
+
+
+class _Tiling(NamedTuple):
+    """How one call is cut and masked: causal (aligned by offset), tile sizes, scale."""
+
+    is_causal: bool
+    offset: int
+    block_q: int
+    block_k: int
+    scale: float
+
+
+def _all_finite(*tensors) -> bool:
+    """Whether no tensor holds an inf or a NaN (None counts as finite)."""
+    return all(bool(torch.isfinite(x).all()) for x in tensors if x is not None)
+
+
+def _forward_tiles(q, k, v, mask, tiling: _Tiling):
+    """The online-softmax forward in q's dtype; q already scaled. Returns output
+    (..., Hkv, G, L, Ev) and lse (..., Hkv, G, L)."""
+    block_q, block_k, is_causal, offset = tiling.block_q, tiling.block_k, tiling.is_causal, tiling.offset
+    L, S = q.shape[-2], k.shape[-2]
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))  # (..., Hkv, G, L, Ev)
+    lse = q.new_full(q.shape[:-1], -math.inf)  # (..., Hkv, G, L)
+    rows = torch.arange(L, device=q.device) + offset  # aligned query positions
+    cols = torch.arange(S, device=q.device)
+
+    for i0 in range(0, L, block_q):
+        i1 = min(i0 + block_q, L)
+        q_tile = q[..., i0:i1, :]  # (..., G, bq, E)
+        m = q.new_full(q_tile.shape[:-1], -math.inf)  # running row max (..., G, bq)
+        l = q.new_zeros(q_tile.shape[:-1])  # running denominator
+        acc = q.new_zeros(q_tile.shape[:-1] + (v.shape[-1],))  # (..., G, bq, Ev)
+        k_end = max(0, min(S, i1 + offset)) if is_causal else S  # keys after that are masked for every row
+        for j0 in range(0, k_end, block_k):
+            # whole tiles of the block_k grid, the backward's: it rebuilds bitwise these
+            # scores, so a row with one key gets exp(s - lse) = 1 exactly there
+            j1 = min(j0 + block_k, S)
+            mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
+            on_diagonal = is_causal and j1 - 1 > i0 + offset
+            s = _scores(
+                q_tile,
+                k[..., j0:j1, :],
+                mask_tile,
+                rows[i0:i1] if on_diagonal else None,
+                cols[j0:j1] if on_diagonal else None,
+            )
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_base = _zero_where_neg_inf(m_new)  # rows with no key yet: exp(-inf - 0) = 0
+            p = s.sub_(m_base[..., None]).exp_()  # (..., G, bq, bk), in the scores' memory
+            alpha = torch.exp(m - m_base)  # rescales what was accumulated so far
+            l.mul_(alpha).add_(p.sum(dim=-1))
+            acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[..., j0:j1, :]))
+            m = m_new
+        seen = l > 0
+        out[..., i0:i1, :] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
+        lse[..., i0:i1] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+    return out, lse
+
+
+def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad: bool):
+    """FlashAttention-2's backward in q's dtype; q already scaled. Returns dq, dk
+    and dv (key/value summed over the G query heads that share them) and the
+    gradient of a float mask (..., Hkv, G, L, S) when asked for, else None."""
+    block_q, block_k, is_causal, offset = tiling.block_q, tiling.block_k, tiling.is_causal, tiling.offset
+    L, S = q.shape[-2], k.shape[-2]
+    # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term,
+    # summed in float64 and rounded once.
+    delta = (do.double() * out.double()).sum(dim=-1).to(q.dtype)  # (..., Hkv, G, L)
+    lse_base = _zero_where_neg_inf(lse)  # fully masked rows: all scores -inf, P = 0
+    k_scaled = k * tiling.scale  # dQ = dS (K * scale): no product of two small numbers underflows first
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(q.shape[:-3] + (q.shape[-3],) + k.shape[-2:], dtype=q.dtype, device=q.device)
+    dv = torch.zeros(q.shape[:-3] + (q.shape[-3],) + v.shape[-2:], dtype=q.dtype, device=q.device)
+    dmask = q.new_zeros(q.shape[:-1] + (S,)) if want_mask_grad else None  # (..., Hkv, G, L, S)
+    rows = torch.arange(L, device=q.device) + offset  # aligned query positions
+    cols = torch.arange(S, device=q.device)
+
+    for j0 in range(0, S, block_k):
+        j1 = min(j0 + block_k, S)
+        k_tile = k[..., j0:j1, :]  # (..., 1, bk, E)
+        v_tile = v[..., j0:j1, :]  # (..., 1, bk, Ev)
+        dk_tile = torch.zeros(dk.shape[:-2] + k_tile.shape[-2:], dtype=q.dtype, device=q.device)
+        dv_tile = torch.zeros(dv.shape[:-2] + v_tile.shape[-2:], dtype=q.dtype, device=q.device)
+        # queries i with i + offset < j0 see none of these keys
+        first_query = (max(0, j0 - offset) // block_q) * block_q if is_causal else 0
+        for i0 in range(first_query, L, block_q):
+            i1 = min(i0 + block_q, L)
+            q_tile = q[..., i0:i1, :]
+            mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
+            on_diagonal = is_causal and j1 - 1 > i0 + offset
+            # in the forward pass this was: p = exp(s - m) / l, with lse = m + log(l)
+            s = _scores(
+                q_tile,
+                k_tile,
+                mask_tile,
+                rows[i0:i1] if on_diagonal else None,
+                cols[j0:j1] if on_diagonal else None,
+            )
+            p = s.sub_(lse_base[..., i0:i1, None]).exp_()  # (..., G, bq, bk)
+            do_tile = do[..., i0:i1, :]
+            # in the forward pass this was: out = p @ v
+            dv_tile += torch.matmul(p.transpose(-1, -2), do_tile)
+            dp = torch.matmul(do_tile, v_tile.transpose(-1, -2))
+            # softmax backward: ds = p * (dp - rowsum(p * dp)), and rowsum(p * dp) = D
+            dp.sub_(delta[..., i0:i1, None])
+            a, z = _one_key_rows(i0, i1, S, offset if is_causal else None)
+            if z > a:
+                # a row that sees a single key takes D from the tile, as the plain path
+                # does: consistent with the dp just rounded, its ds is exactly 0
+                local = dp[..., a - i0 : z - i0, :]
+                local.sub_((local * p[..., a - i0 : z - i0, :]).sum(dim=-1, keepdim=True))
+            ds = dp.mul_(p)
+            if dmask is not None:
+                dmask[..., i0:i1, j0:j1] = ds
+            # in the forward pass this was: s = (q * scale) @ k^T; q here is already scaled
+            dq[..., i0:i1, :] += torch.matmul(ds, k_scaled[..., j0:j1, :])  # scaled before the product
+            dk_tile += torch.matmul(ds.transpose(-1, -2), q_tile)
+        dk[..., j0:j1, :] = dk_tile
+        dv[..., j0:j1, :] = dv_tile
+
+    # key/value were broadcast over the G query heads that share them: sum back.
+    return dq, dk.sum(dim=-3, keepdim=True), dv.sum(dim=-3, keepdim=True), dmask
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -70,124 +243,49 @@ class FlashAttentionFunction(torch.autograd.Function):
     already grouped for GQA: query (..., Hkv, G, L, E), key (..., Hkv, 1, S, E),
     value (..., Hkv, 1, S, Ev), mask None or broadcastable to (..., Hkv, G, L, S).
     Returns output (..., Hkv, G, L, Ev) and lse (..., Hkv, G, L); lse carries no
-    gradient.
+    gradient. The scale multiplies the query before the product; where float32
+    cannot hold the scores (or a tiny scale would cost q * scale its digits, or a
+    gradient overflows on the way) the work runs in float64: torch's math
+    backend's float64 answer, rounded to the input dtype.
     """
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, offset, scale, block_q, block_k):
+        tiling = _Tiling(is_causal, offset, block_q, block_k, scale)
         acc_dtype = _accumulator_dtype(query.dtype)
-        q = query.to(acc_dtype) * scale  # scaled once: every tile's scores are q k^T
-        k = key.to(acc_dtype)
-        v = value.to(acc_dtype)
-        mask = attn_mask
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(acc_dtype)
-        L, S = q.shape[-2], k.shape[-2]
-        out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))  # (..., Hkv, G, L, Ev)
-        lse = q.new_full(q.shape[:-1], -math.inf)  # (..., Hkv, G, L)
-        rows = torch.arange(L, device=q.device) + offset  # aligned query positions
-        cols = torch.arange(S, device=q.device)
-
-        for i0 in range(0, L, block_q):
-            i1 = min(i0 + block_q, L)
-            q_tile = q[..., i0:i1, :]  # (..., G, bq, E)
-            m = q.new_full(q_tile.shape[:-1], -math.inf)  # running row max (..., G, bq)
-            l = q.new_zeros(q_tile.shape[:-1])  # running denominator
-            acc = q.new_zeros(q_tile.shape[:-1] + (v.shape[-1],))  # (..., G, bq, Ev)
-            k_end = max(0, min(S, i1 + offset)) if is_causal else S  # keys after that are masked for every row
-            for j0 in range(0, k_end, block_k):
-                j1 = min(j0 + block_k, k_end)
-                mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
-                on_diagonal = is_causal and j1 - 1 > i0 + offset
-                s = _scores(
-                    q_tile,
-                    k[..., j0:j1, :],
-                    mask_tile,
-                    rows[i0:i1] if on_diagonal else None,
-                    cols[j0:j1] if on_diagonal else None,
-                )
-                m_new = torch.maximum(m, s.amax(dim=-1))
-                m_base = _zero_where_neg_inf(m_new)  # rows with no key yet: exp(-inf - 0) = 0
-                p = s.sub_(m_base[..., None]).exp_()  # (..., G, bq, bk), in the scores' memory
-                alpha = torch.exp(m - m_base)  # rescales what was accumulated so far
-                l.mul_(alpha).add_(p.sum(dim=-1))
-                acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[..., j0:j1, :]))
-                m = m_new
-            seen = l > 0
-            out[..., i0:i1, :] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
-            lse[..., i0:i1] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+        q = query.to(acc_dtype) * scale  # scaled once, before the product: every tile's scores are q k^T
+        wide = _needs_float64(q, key, scale)
+        if wide:
+            q = query.double() * scale
+        k, v, mask = _as_dtype(q.dtype, key, value, attn_mask)
+        out, lse = _forward_tiles(q, k, v, mask, tiling)
+        if not wide and q.dtype != torch.float64 and not _all_finite(out) and _all_finite(query, key, value):
+            # a running sum of values near float32's largest: float64 instead
+            q = query.double() * scale
+            k, v, mask = _as_dtype(q.dtype, key, value, attn_mask)
+            out, lse = _forward_tiles(q, k, v, mask, tiling)
 
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.attn_mask_dtype = None if attn_mask is None else attn_mask.dtype
-        ctx.is_causal = is_causal
-        ctx.offset = offset
-        ctx.scale = scale
-        ctx.blocks = (block_q, block_k)
+        ctx.tiling = tiling
         ctx.input_dtypes = (query.dtype, key.dtype, value.dtype)
         ctx.mark_non_differentiable(lse)
-        return out.to(query.dtype), lse
+        return out.to(query.dtype), lse.to(acc_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output, grad_lse):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        block_q, block_k = ctx.blocks
-        scale, is_causal, offset = ctx.scale, ctx.is_causal, ctx.offset
-        L, S = q.shape[-2], k.shape[-2]
-        do = grad_output.to(q.dtype)  # (..., Hkv, G, L, Ev)
-        # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term.
-        delta = (do * out).sum(dim=-1)  # (..., Hkv, G, L)
-        lse_base = _zero_where_neg_inf(lse)  # fully masked rows: all scores -inf, P = 0
-        dq = torch.zeros_like(q)
-        dk = torch.zeros(q.shape[:-3] + (q.shape[-3],) + k.shape[-2:], dtype=q.dtype, device=q.device)
-        dv = torch.zeros(q.shape[:-3] + (q.shape[-3],) + v.shape[-2:], dtype=q.dtype, device=q.device)
         want_mask_grad = ctx.needs_input_grad[3]
-        dmask = None
-        if want_mask_grad:
-            dmask = q.new_zeros(q.shape[:-1] + (S,))  # (..., Hkv, G, L, S)
-        rows = torch.arange(L, device=q.device) + offset  # aligned query positions
-        cols = torch.arange(S, device=q.device)
-
-        for j0 in range(0, S, block_k):
-            j1 = min(j0 + block_k, S)
-            k_tile = k[..., j0:j1, :]  # (..., 1, bk, E)
-            v_tile = v[..., j0:j1, :]  # (..., 1, bk, Ev)
-            dk_tile = torch.zeros(dk.shape[:-2] + k_tile.shape[-2:], dtype=q.dtype, device=q.device)
-            dv_tile = torch.zeros(dv.shape[:-2] + v_tile.shape[-2:], dtype=q.dtype, device=q.device)
-            # queries i with i + offset < j0 see none of these keys
-            first_query = (max(0, j0 - offset) // block_q) * block_q if is_causal else 0
-            for i0 in range(first_query, L, block_q):
-                i1 = min(i0 + block_q, L)
-                q_tile = q[..., i0:i1, :]
-                mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
-                on_diagonal = is_causal and j1 - 1 > i0 + offset
-                # in the forward pass this was: p = exp(s - m) / l, with lse = m + log(l)
-                s = _scores(
-                    q_tile,
-                    k_tile,
-                    mask_tile,
-                    rows[i0:i1] if on_diagonal else None,
-                    cols[j0:j1] if on_diagonal else None,
-                )
-                p = s.sub_(lse_base[..., i0:i1, None]).exp_()  # (..., G, bq, bk)
-                do_tile = do[..., i0:i1, :]
-                # in the forward pass this was: out = p @ v
-                dv_tile += torch.matmul(p.transpose(-1, -2), do_tile)
-                dp = torch.matmul(do_tile, v_tile.transpose(-1, -2))
-                # softmax backward: ds = p * (dp - rowsum(p * dp)), and rowsum(p * dp) = D
-                ds = dp.sub_(delta[..., i0:i1, None]).mul_(p)
-                if dmask is not None:
-                    dmask[..., i0:i1, j0:j1] = ds
-                # in the forward pass this was: s = (q * scale) @ k^T; q here is already scaled
-                dq[..., i0:i1, :] += torch.matmul(ds, k_tile)  # times scale once, at the end
-                dk_tile += torch.matmul(ds.transpose(-1, -2), q_tile)
-            dk[..., j0:j1, :] = dk_tile
-            dv[..., j0:j1, :] = dv_tile
-
-        dq.mul_(scale)
-        # key/value were broadcast over the G query heads that share them: sum back.
-        dk = dk.sum(dim=-3, keepdim=True)
-        dv = dv.sum(dim=-3, keepdim=True)
+        do = grad_output.to(q.dtype)  # (..., Hkv, G, L, Ev)
+        dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad)
+        if q.dtype != torch.float64 and not _all_finite(dq, dk, dv) and _all_finite(q, k, v, do, out):
+            # a gradient beyond float32 on the way (dP = dO V^T, say): float64 from the
+            # forward on, so that exp(s - lse) sees the scores lse came from
+            q, k, v, mask, do = (None if x is None else x.double() if x.is_floating_point() else x
+                                 for x in (q, k, v, mask, do))
+            out, lse = _forward_tiles(q, k, v, mask, ctx.tiling)
+            dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad)
         q_dtype, k_dtype, v_dtype = ctx.input_dtypes
         grad_mask = None
         if dmask is not None:
@@ -195,6 +293,13 @@ class FlashAttentionFunction(torch.autograd.Function):
             # gradient back to the caller's broadcast shape.
             grad_mask = dmask.to(ctx.attn_mask_dtype)
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), grad_mask, None, None, None, None, None
+
+
+def _as_dtype(dtype, key, value, mask):
+    """key, value and a float mask in the working dtype (a boolean mask as it is)."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    return key.to(dtype), value.to(dtype), mask
 
 
 def _check_tensor(name: str, x, ndim_min: int = 3) -> None:
@@ -259,19 +364,25 @@ def flash_attention(
         raise ValueError(
             f"expected value of shape (..., {num_kv_heads}, {S}, Ev) like key, got {tuple(value.shape)}"
         )
-    if num_kv_heads != num_heads:
+    if num_kv_heads != num_heads and num_kv_heads != 0:  # no key/value head: no key, below
         if not enable_gqa:
             raise ValueError(
                 f"query has {num_heads} heads but key/value have {num_kv_heads}; pass enable_gqa=True for GQA"
             )
-        if num_kv_heads == 0 or num_heads % num_kv_heads:
+        if num_heads % num_kv_heads:
             raise ValueError(f"GQA needs key/value heads dividing query heads, got Hq={num_heads}, Hkv={num_kv_heads}")
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"expected {name} to be a positive int, got {block!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
-    groups = num_heads // num_kv_heads
+    if num_kv_heads == 0:
+        # No key/value head means no key: as torch does, every query attends to
+        # nothing and gets 0. Run it as S = 0 keys shared by every query head.
+        key = key.reshape(*batch, num_heads, 0, E)
+        value = value.reshape(*batch, num_heads, 0, value.shape[-1])
+        num_kv_heads = num_heads
+    groups = num_heads // num_kv_heads if num_kv_heads else 1
     if causal_align not in ("top_left", "bottom_right"):
         raise ValueError(f"expected causal_align to be 'top_left' or 'bottom_right', got {causal_align!r}")
     offset = 0 if causal_align == "top_left" else S - L
@@ -290,6 +401,7 @@ def flash_attention(
             raise ValueError(
                 f"expected attn_mask broadcastable to (..., Hq, L, S) = {full}, got {tuple(attn_mask.shape)}"
             ) from None
+        expanded = expanded[..., : key.shape[-2]]  # no column left when there is no key/value head
         grouped_mask = expanded.unflatten(-3, (num_kv_heads, groups))  # (..., Hkv, G, L, S)
 
     q = query.unflatten(-3, (num_kv_heads, groups))  # (..., Hkv, G, L, E)

@@ -2,7 +2,7 @@
 
 Every view draws an `AttentionMaps` (tokens + weights of shape
 (layers, heads, T, T)); providers (`get_provider("minilm")`) compute one from
-a text. matplotlib (PNG) and FastAPI (the web app) are imported only when
+a text. In Jupyter, `head_view(...)` and `model_view(...)` render inline. matplotlib (PNG) and FastAPI (the web app) are imported only when
 their functions are first used: `import attnkit.viz` stays light.
 """
 
@@ -23,6 +23,9 @@ _LAZY = {
     "render_html": "html",
     "save_html": "html",
     "create_app": "server",
+    "head_view": "notebook",
+    "model_view": "notebook",
+    "NotebookView": "notebook",
     "get_provider": "providers",
     "ModelNotAvailableError": "providers",
     "PROVIDERS": "providers",

@@ -55,6 +55,7 @@ def doc_payload(maps: AttentionMaps, level: int = 6) -> dict[str, Any]:
         "heads": maps.num_heads,
         "causal": maps.causal,
         "truncated_from": maps.truncated_from,
+        "hide": maps.hidden_tokens().tolist(),  # what "hide special tokens" drops
         "weights": encode_weights(maps.weights, level),
         "summary": {
             "pattern": summary.pattern.tolist(),
@@ -134,6 +135,9 @@ def render_html(
     layer: int = 0,
     head: int | None = 0,
     title: str | None = None,
+    hide_special: bool = False,
+    log_scale: bool = False,
+    view: str = "all",
 ) -> str:
     """One self-contained HTML page showing `maps` (one text, or two to compare).
 
@@ -141,8 +145,15 @@ def render_html(
         maps: one AttentionMaps, or two from the same model to compare.
         layer, head: what the page shows first (head None = mean of the layer's heads).
         title: the page title; by default names the model.
+        hide_special, log_scale: the page's two checkboxes, ticked or not at first
+            ("hide special tokens", "log colour scale"); the page can change both.
+        view: "all", "head" (the head view and matrix only) or "model" (the model view only).
     """
+    if view not in ("all", "head", "model"):
+        raise ValueError(f"expected view 'all', 'head' or 'model', got {view!r}")
     config = payload(maps, layer=layer, head=head)
+    config["options"] = {"hide_special": bool(hide_special), "log_scale": bool(log_scale)}
+    config["view"] = view
     docs = [maps] if isinstance(maps, AttentionMaps) else list(maps)
     config["mode"] = "file"
     config["title"] = title or f"attnkit: attention of {docs[0].model}"

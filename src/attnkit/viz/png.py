@@ -15,8 +15,8 @@ import numpy as np
 
 from attnkit.viz.data import AttentionMaps
 from attnkit.viz.summary import summarize_heads
-from attnkit.viz.terminal import viridis
-from attnkit.viz.text import printable
+from attnkit.viz.terminal import LOG_DECADES, colour_scale, viridis
+from attnkit.viz.text import printable, token_label
 
 INCHES_PER_TOKEN = 0.11  # one tick label per token: ~8 pt apart
 MAX_MATRIX_INCHES = 57.0  # 512 tokens still get a label each
@@ -36,15 +36,16 @@ def head_figure_size(tokens: tuple[str, ...] | list[str]) -> tuple[float, float,
     font = _label_font(side / T)
     chars = min(16, max(len(t) for t in tokens))
     margin = 0.6 + chars * font / 72 * 0.62  # room for the longest tick label
-    layout = {"side": side, "font": font, "left": margin, "bottom": margin, "top": 0.7, "right": 1.3}
+    # The bottom holds the tick labels, the axis label and two lines of legend (0.45 inch).
+    layout = {"side": side, "font": font, "left": margin, "bottom": margin + 0.45, "top": 0.8, "right": 1.3}
     width = layout["left"] + side + layout["right"]
     height = layout["bottom"] + side + layout["top"]
     return width, height, layout
 
 
 def _short(token: str) -> str:
-    """A tick label: control characters shown, BPE's leading space dropped, at most 16 characters."""
-    token = printable(token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥")).strip(" ") or "␣"
+    """A tick label (`token_label`), at most 16 characters."""
+    token = token_label(token)
     return token if len(token) <= 16 else token[:15] + "…"
 
 
@@ -55,6 +56,55 @@ def _save(fig, path: str | Path, dpi: int) -> None:
         fig.savefig(path, dpi=dpi, format="png")
 
 
+PATTERN_WORDS = {
+    "previous": ("P", "previous token"),
+    "first": ("F", "first token"),
+    "self": ("S", "itself"),
+    "broad": ("B", "broad (near uniform)"),
+    "mixed": ("", "mixed"),
+}
+LETTER_LEGEND = "Letters: P previous token · F first token · S itself · B broad (near uniform) · none: mixed"
+"""The legend of the head-pattern letters, as every PNG prints it."""
+_BADGE = {"boxstyle": "round,pad=0.18", "facecolor": "black", "alpha": 0.7, "linewidth": 0}
+
+
+def _pattern_line(maps: AttentionMaps, weights: np.ndarray) -> str:
+    """What one (T, T) matrix does, in words: 'P: 99% of the weight on the previous token'."""
+    one = AttentionMaps(tokens=maps.tokens, weights=weights[None, None], causal=maps.causal, special=maps.special)
+    summary = summarize_heads(one)
+    pattern = summary.pattern[0, 0]
+    code, words = PATTERN_WORDS[pattern]
+    if pattern in ("previous", "first", "self"):
+        score = {"previous": summary.previous, "first": summary.first, "self": summary.self}[pattern][0, 0]
+        return f"Pattern {code}: {100 * score:.0f}% of each token's weight on the {words}"
+    detail = f"entropy {summary.entropy[0, 0]:.1f} bits; uniform {summary.max_entropy[0, 0]:.1f}"
+    if code:
+        return f"Pattern {code}: {words} ({detail})"
+    return f"No single pattern: mixed ({detail})"
+
+
+def _matplotlib():
+    """matplotlib, or a `MissingExtraError` naming the extra that installs it."""
+    from attnkit.runtime import require
+
+    return require("matplotlib", "png", "PNG output")
+
+
+def _norm(vmax: float, log_scale: bool):
+    from matplotlib.colors import LogNorm, Normalize
+
+    if log_scale:
+        return LogNorm(vmin=vmax / 10**LOG_DECADES, vmax=vmax, clip=True)
+    return Normalize(vmin=0.0, vmax=vmax)
+
+
+def _viridis():
+    from matplotlib import colormaps
+
+    low = colormaps["viridis"](0.0)
+    return colormaps["viridis"].with_extremes(bad=low, under=low)  # zeros on a log scale: the lowest colour
+
+
 def save_head_png(
     maps: AttentionMaps,
     path: str | Path,
@@ -62,15 +112,22 @@ def save_head_png(
     head: int | None = 0,
     *,
     dpi: int = 100,
+    log_scale: bool = False,
 ) -> tuple[int, int]:
     """Write one head (or a layer's mean when head is None) as a labelled heatmap.
 
-    Rows are queries (the token attending), columns keys (the token attended
-    to); every token gets a tick label up to 512 tokens.
+    Rows are queries (the token attending), columns keys (the token attended to);
+    every token gets a tick label up to 512 tokens. A colour bar gives the scale
+    (linear from 0, or with `log_scale` the 3 decades below the largest weight), and
+    two lines under the picture name the head's pattern and the pattern letters.
 
     Returns:
         The (width, height) of the file in pixels.
+
+    Raises:
+        MissingExtraError: matplotlib is not installed (`pip install 'attnkit[png]'`).
     """
+    _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -82,7 +139,8 @@ def save_head_png(
     ax = fig.add_axes(
         (lay["left"] / width, lay["bottom"] / height, lay["side"] / width, lay["side"] / height)
     )
-    image = ax.imshow(weights, cmap="viridis", vmin=0.0, interpolation="nearest", aspect="auto")
+    vmax = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
+    image = ax.imshow(weights, cmap=_viridis(), norm=_norm(vmax, log_scale), interpolation="nearest", aspect="auto")
     step = max(1, math.ceil(T / (MAX_MATRIX_INCHES / INCHES_PER_TOKEN)))
     ticks = np.arange(0, T, step)
     labels = [_short(maps.tokens[i]) for i in ticks]
@@ -92,11 +150,16 @@ def save_head_png(
     ax.set_yticklabels(labels, fontsize=lay["font"], parse_math=False)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
-    ax.set_title(f"{printable(maps.model)}: {maps.label(layer, head)}", parse_math=False)
+    title = f"{printable(maps.model)}: {maps.label(layer, head)}"
+    ax.set_title(title + (f"\n{maps.hidden_note}" if maps.hidden else ""), parse_math=False,
+                 fontsize=10 if maps.hidden else 12)
     cax = fig.add_axes(
         ((lay["left"] + lay["side"] + 0.25) / width, lay["bottom"] / height, 0.2 / width, lay["side"] / height)
     )
-    fig.colorbar(image, cax=cax, label="attention weight")
+    fig.colorbar(image, cax=cax, label="attention weight" + (" (log scale)" if log_scale else ""))
+    for line, text in enumerate((_pattern_line(maps, weights), LETTER_LEGEND)):
+        fig.text(0.15 / width, (0.32 - 0.18 * line) / height, text, fontsize=8, ha="left", va="center",
+                 parse_math=False)
     _save(fig, path, dpi)
     return fig.canvas.get_width_height()
 
@@ -113,7 +176,7 @@ def resample(weights: np.ndarray, size: int) -> np.ndarray:
     return weights[np.ix_(source, source)]
 
 
-def grid_image(maps: AttentionMaps, thumbnail: int = THUMBNAIL_PIXELS) -> np.ndarray:
+def grid_image(maps: AttentionMaps, thumbnail: int = THUMBNAIL_PIXELS, *, log_scale: bool = False) -> np.ndarray:
     """All heads as one RGB mosaic, (layers x heads) thumbnails, each scaled to its own max.
 
     Returns:
@@ -125,32 +188,52 @@ def grid_image(maps: AttentionMaps, thumbnail: int = THUMBNAIL_PIXELS) -> np.nda
     for layer in range(L):
         for head in range(H):
             small = resample(maps.weights[layer, head].astype(np.float64), thumbnail)
-            top = small.max()
-            rgb = viridis(small / top if top > 0 else small)
+            top = float(small.max())
+            rgb = viridis(colour_scale(small, top if top > 0 else 1.0, log_scale))
             mosaic[layer * step : layer * step + thumbnail, head * step : head * step + thumbnail] = rgb
     return mosaic
 
 
-def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100) -> tuple[int, int]:
+GRID_MARGINS = {"left": 0.6, "right": 1.1, "top": 0.75, "bottom": 0.75, "min_width": 6.8}
+"""Inches around the grid's mosaic: room for the title, the labels, the colour bar and the legend."""
+
+
+def grid_figure_size(maps: AttentionMaps, dpi: int = 100) -> tuple[float, float]:
+    """(width, height) in inches of `save_grid_png`'s figure."""
+    step = THUMBNAIL_PIXELS + _GAP_PIXELS
+    cols, rows = maps.num_heads * step - _GAP_PIXELS, maps.num_layers * step - _GAP_PIXELS
+    m = GRID_MARGINS
+    width = max(m["left"] + cols / dpi + m["right"], m["min_width"])
+    return width, m["top"] + rows / dpi + m["bottom"]
+
+
+def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_scale: bool = False) -> tuple[int, int]:
     """Write every head as a thumbnail, layers down and heads across.
 
-    Each thumbnail is scaled to its own largest weight; the letter above it
-    names the head's dominant pattern (P previous, F first, S self, B broad).
+    Each thumbnail is scaled to its own largest weight (the colour bar: 0 to that
+    maximum, or its 3 decades below with `log_scale`); a badge in its corner names the
+    head's dominant pattern (P previous, F first, S self, B broad), and the legend under
+    the grid says so.
 
     Returns:
         The (width, height) of the file in pixels.
+
+    Raises:
+        MissingExtraError: matplotlib is not installed (`pip install 'attnkit[png]'`).
     """
+    _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
-    mosaic = grid_image(maps)
+    mosaic = grid_image(maps, log_scale=log_scale)
     rows, cols = mosaic.shape[:2]
-    left, right, top, bottom = 0.7, 0.2, 0.9, 0.3
-    width = left + cols / dpi + right
-    height = top + rows / dpi + bottom
+    m = GRID_MARGINS
+    width, height = grid_figure_size(maps, dpi)
     fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((left / width, bottom / height, cols / dpi / width, rows / dpi / height))
+    ax = fig.add_axes((m["left"] / width, m["bottom"] / height, cols / dpi / width, rows / dpi / height))
     ax.imshow(mosaic, interpolation="nearest")
     step = THUMBNAIL_PIXELS + _GAP_PIXELS
     centers = np.arange(THUMBNAIL_PIXELS / 2, step * maps.num_heads, step)[: maps.num_heads]
@@ -164,13 +247,27 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100) -> t
     for spine in ax.spines.values():
         spine.set_visible(False)
     summary = summarize_heads(maps)
-    codes = {"previous": "P", "first": "F", "self": "S", "broad": "B", "mixed": ""}
     for layer in range(maps.num_layers):
         for head in range(maps.num_heads):
-            code = codes[summary.pattern[layer, head]]
-            if code:
-                ax.text(head * step + 3, layer * step + 3, code, color="white", fontsize=7,
-                        va="top", ha="left", fontweight="bold")
-    fig.suptitle(f"{printable(maps.model)}: all heads ({maps.num_tokens} tokens)", fontsize=10, parse_math=False)
+            code = PATTERN_WORDS[summary.pattern[layer, head]][0]
+            if code:  # white on a dark badge: readable on any colour
+                ax.text(head * step + 5, layer * step + 5, code, color="white", fontsize=9, va="top", ha="left",
+                        fontweight="bold", bbox=_BADGE)
+    title = f"{printable(maps.model)}: all heads ({maps.num_tokens} tokens"
+    title += f"; {maps.hidden_note})" if maps.hidden else ")"
+    # The title sits in its own band above the column labels, never on them.
+    fig.text(0.5, 1 - 0.2 / height, title, fontsize=10, ha="center", va="center", parse_math=False)
+    bar_height = min(rows / dpi, 2.5)  # beside the first rows of the mosaic
+    cax = fig.add_axes(((m["left"] + cols / dpi + 0.3) / width, (m["bottom"] + rows / dpi - bar_height) / height,
+                        0.18 / width, bar_height / height))
+    bar = fig.colorbar(ScalarMappable(norm=Normalize(0, 1), cmap=_viridis()), cax=cax)
+    bar.set_ticks([0, 1])
+    low = f"max/10^{LOG_DECADES}" if log_scale else "0"
+    bar.set_ticklabels([low, "max"], fontsize=7)
+    bar.set_label("each head's\nown scale" + ("\n(log)" if log_scale else ""), fontsize=7)
+    fig.text(m["left"] / width, 0.42 / height, LETTER_LEGEND, fontsize=8, ha="left", va="center")
+    fig.text(m["left"] / width, 0.22 / height,
+             "Rows: query (attending); columns: key (attended to). Each thumbnail is scaled to its own largest weight.",
+             fontsize=8, ha="left", va="center")
     _save(fig, path, dpi)
     return fig.canvas.get_width_height()

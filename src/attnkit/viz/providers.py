@@ -220,6 +220,10 @@ def _run_random(text: str, limit: int) -> RunResult:
 
 def _missing(provider: str, error: Exception) -> ModelNotAvailableError:
     """The error for a model that cannot load: how to install it, when that is the cause."""
+    from attnkit.runtime import MissingExtraError
+
+    if isinstance(error, MissingExtraError):  # an optional package: its message names the extra
+        return ModelNotAvailableError(str(error))
     if _is_missing_package(error):
         return ModelNotAvailableError(
             f"the {provider} model is not installed; install it with: {PROVIDERS[provider].install}"
@@ -251,9 +255,9 @@ def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
 
 def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
     try:
-        from attnkit.models.generation import CausalLM
+        from attnkit.models.auto import AutoCausalLM
 
-        model = CausalLM.from_pretrained(path)
+        model = AutoCausalLM.from_pretrained(path)
     except (ImportError, AttributeError) as error:
         if path is None:
             raise _missing("smollm2", error) from error
@@ -314,7 +318,7 @@ def availability(name: str) -> tuple[bool, str]:
             from attnkit.models.bert import SentenceEncoder  # noqa: F401
         else:
             embedded.smollm2_gguf_path()
-            from attnkit.models.generation import CausalLM  # noqa: F401
+            from attnkit.models.auto import AutoCausalLM  # noqa: F401
     except (ImportError, AttributeError) as error:
         return False, str(_missing(name, error))
     return True, ""

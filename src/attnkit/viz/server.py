@@ -26,6 +26,8 @@ from attnkit.viz.providers import (
 from attnkit.viz.text import utf8_problem
 
 DEFAULT_MAX_CHARS = 2000
+EXAMPLE = "The cat sat on the mat because it was tired."
+"""The sentence the page opens with (already drawn with the first installed model)."""
 
 
 def host_name(header: str) -> str:
@@ -152,6 +154,7 @@ def create_app(
             f"At most {max_chars} characters and {max_tokens} tokens.",
             "models": model_list(),
             "max_chars": max_chars,
+            "example": EXAMPLE if len(EXAMPLE) <= max_chars else "",  # drawn as soon as the page opens
             "docs": [],
         }
         return HTMLResponse(render_page(config, server=True), headers=headers)

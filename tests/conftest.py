@@ -209,3 +209,20 @@ def assert_within_budget(actual, oracle, truth, what: str = "result", factor: fl
         f"{theirs:.3e} + {epsilon:.1e} (= {budget:.3e})"
     )
     return ours, theirs
+
+
+def score_conditioning(q, k, scale=None, group: int = 1) -> float:
+    """max(1, s_abs/√E) with s_abs = |scale|·max Σ_e |q_e k_e|: the typical float32
+    rounding of an attention score, in ulps of 1. Any float32 implementation rounds
+    each score by about that much, which moves the weights (and the lse) by as much
+    and the output by max|v| times it; attention budgets count their epsilon's ulps
+    at that size, else an ill-conditioned small case (E=111, scale 1.7) would ask the
+    larger of two float32 errors to stay within twice the luckier one."""
+    q = np.abs(np.asarray(q, dtype=np.float64))
+    k = np.repeat(np.abs(np.asarray(k, dtype=np.float64)), group, axis=-3)
+    E = q.shape[-1]
+    if not q.size or not k.size or E == 0:
+        return 1.0
+    scale = 1.0 / np.sqrt(E) if scale is None else scale
+    s_abs = abs(scale) * float(np.einsum("...le,...se->...ls", q, k).max())
+    return max(1.0, s_abs / np.sqrt(E))

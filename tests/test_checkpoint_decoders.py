@@ -620,7 +620,7 @@ class ScriptedLM(CausalLM):
     def new_cache(self, batch_size, max_length):
         return KVCache(1, batch_size, 1, 2, max_length)
 
-    def _hidden_states(self, ids, positions, cache, weights):
+    def _hidden_states(self, ids, positions, cache):
         B, T = ids.shape
         empty = np.zeros((B, 1, T, 2), np.float32)
         cache.update(0, empty, empty)  # only to advance the cache's length

@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.functional import mods
-from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention
+from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention, score_conditioning
 from wide_range import row_natural_sizes
 
 torch = optional("torch")  # tests that use it ask for the `torch` fixture
@@ -39,12 +39,7 @@ ULPS = 4.0
 
 
 def _conditioning(q, k, scale, group: int) -> float:
-    """max(1, s_abs / sqrt(E)): the typical float32 error of a score, in ulps."""
-    E = q.shape[-1]
-    scale = 1.0 / np.sqrt(E) if scale is None else scale
-    k = np.repeat(np.abs(np.asarray(k, np.float64)), group, axis=-3)
-    s_abs = scale * float((np.abs(np.asarray(q, np.float64)) @ np.swapaxes(k, -1, -2)).max(initial=0.0))
-    return max(1.0, s_abs / np.sqrt(E))
+    return score_conditioning(q, k, scale, group)
 
 
 def _assert_within(ours, oracle, truth, natural_size: float, what: str, factor: float = 2.0):

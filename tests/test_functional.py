@@ -25,7 +25,7 @@ from attnkit.functional import (
     scaled_dot_product_attention as sdpa,
     scaled_dot_product_attention_backward as sdpa_backward,
 )
-from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention
+from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention, score_conditioning
 from wide_range import EXPONENTS, SCALES, assert_like_truth, natural_sizes, torch_math, wide
 
 torch = optional("torch")
@@ -57,17 +57,19 @@ def torch_sdpa(q, k, v, mask=None, dtype=np.float64, **kw):
     return np.nan_to_num(out.double().numpy())
 
 
-def assert_budget(actual, oracle, truth, dtype, what, factor=2.0):
+def assert_budget(actual, oracle, truth, dtype, what, factor=2.0, natural=None):
     """A float32 or float16 result against the float64 truth: entries where the
     truth is infinite (a -inf lse, an inf logsumexp) must be matched exactly, the
-    finite ones meet the budget set by the oracle's error in the same dtype."""
+    finite ones meet the budget set by the oracle's error in the same dtype, its
+    epsilon counted at `natural` (see conftest.score_conditioning) when given."""
     actual, oracle, truth = (np.asarray(a, dtype=np.float64) for a in (actual, oracle, truth))
     finite = np.isfinite(truth)
     np.testing.assert_array_equal(actual[~finite], truth[~finite], err_msg=what)
-    assert_within_budget(actual[finite], oracle[finite], truth[finite], what=what, factor=factor, ulps=ULPS[dtype])
+    assert_within_budget(actual[finite], oracle[finite], truth[finite], what=what, factor=factor, ulps=ULPS[dtype],
+                         scale=natural)
 
 
-def check_result(actual, truth, oracle, dtype, what, factor=2.0):
+def check_result(actual, truth, oracle, dtype, what, factor=2.0, natural=None):
     """float64: within 1e-10 of the float64 truth (relative to its largest entry).
     float32/float16: the budget; `oracle` is a callable giving torch's result in
     that dtype (only called there)."""
@@ -78,7 +80,7 @@ def check_result(actual, truth, oracle, dtype, what, factor=2.0):
         if finite.any():
             assert_close(actual[finite], truth[finite], 1e-10, what)
     else:
-        assert_budget(actual, oracle(), truth, dtype, what, factor)
+        assert_budget(actual, oracle(), truth, dtype, what, factor, natural)
 
 
 # ================================================================ softmax family
@@ -261,11 +263,13 @@ def test_sdpa_matches_torch_and_reference(torch, case):
 
     # torch in float64 is a second float64 truth, and must agree with the reference
     assert_close(torch_out(np.float64), truth, 1e-10, "torch float64 vs reference")
-    check_result(out.output, truth, lambda: torch_out(dtype), dtype, "output")
+    size = score_conditioning(q, k, scale, group)
+    vmax = float(np.abs(v).max()) if v.size else 0.0
+    check_result(out.output, truth, lambda: torch_out(dtype), dtype, "output", natural=vmax * size)
     oracle = None if dtype == np.float64 else _torch_weights_and_lse(q, k, group, scale, mask, causal, dtype)
-    check_result(out.weights, truth_w, lambda: oracle[0], dtype, "weights")
+    check_result(out.weights, truth_w, lambda: oracle[0], dtype, "weights", natural=size)
     np.testing.assert_array_equal(np.isneginf(out.lse), np.isneginf(truth_lse))
-    check_result(out.lse, truth_lse, lambda: oracle[1], dtype, "lse")
+    check_result(out.lse, truth_lse, lambda: oracle[1], dtype, "lse", natural=size)
 
 
 MASK_SHAPES = [(6,), (1, 6), (4, 6), (3, 1, 6), (3, 4, 6), (2, 1, 1, 6), (2, 3, 4, 6), (5, 2, 1, 1, 6),

@@ -49,6 +49,16 @@ def test_subpackages_are_attributes_after_import_attnkit():
     assert not heavy, f"attnkit.nn / models / viz pulled in {heavy}"
 
 
+def test_record_attention_is_a_lazy_attribute():
+    """`attnkit.record_attention` loads attnkit.nn on first use, not on `import attnkit`."""
+    assert "attnkit.nn" not in _imported_after("import attnkit")
+    code = "import attnkit\nassert attnkit.record_attention is attnkit.nn.record_attention\n" \
+           "assert 'record_attention' in dir(attnkit)"
+    loaded = _imported_after(code)
+    assert "attnkit.nn.interface" in loaded
+    assert not sorted(m for m in loaded if m.split(".")[0] in HEAVY)
+
+
 def test_models_viz_and_bench_stay_light():
     """Importing the model, view and benchmark packages (and the names they load lazily)
     loads no optional package: not even the checkpoint readers until a model loads."""

@@ -34,16 +34,22 @@ from attnkit.functional import (
 
 # Subpackages reachable as attributes, imported on first access.
 _SUBMODULES = ("nn", "models", "viz")
+# Names from those subpackages, also imported on first access.
+_LAZY_NAMES = {"record_attention": "attnkit.nn.interface"}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+        globals()[name] = value
+        return value
     if name not in _SUBMODULES:
         raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
     return importlib.import_module(f"attnkit.{name}")  # also sets it as an attribute of this package
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_SUBMODULES))
+    return sorted(list(globals()) + list(_SUBMODULES) + list(_LAZY_NAMES))
 
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "masks",
+    "record_attention",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "softmax",

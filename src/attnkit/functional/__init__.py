@@ -31,6 +31,12 @@ ATTENTION_BACKENDS: dict[str, Callable] = {
     "flash": flash_backend,
 }
 
+# Backends that never form the (L, S) weights. When weights are only wanted for
+# recording (attnkit.record_attention), an attention module uses "naive" for that
+# call instead, as transformers falls back to eager attention for output_attentions.
+# A user-registered backend that cannot return weights belongs here too.
+WEIGHTLESS_BACKENDS: set[str] = {"flash"}
+
 
 def get_attention(name: str) -> Callable:
     """The attention implementation registered under `name` (e.g. "naive", "flash")."""
@@ -44,6 +50,7 @@ def get_attention(name: str) -> Callable:
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "WEIGHTLESS_BACKENDS",
     "AttentionGrads",
     "AttentionOutput",
     "AttentionState",

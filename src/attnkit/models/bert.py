@@ -20,6 +20,7 @@ the mean, L2-normalized), with inputs truncated to the folder's max_seq_length.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnkit.functional import get_attention
 from attnkit.models.checkpoint import (
     FLOAT_DTYPES,
     HARMLESS_CONFIG_KEYS,
@@ -52,6 +52,7 @@ from attnkit.models.sentence import (
     read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
+from attnkit.nn.interface import record_attention
 from attnkit.runtime import cpu_count, one_blas_thread
 
 # ----------------------------------------------------------------------------- config
@@ -422,21 +423,21 @@ class BertModel(Module):
                 raise ValueError(f"expected attention_mask of shape {(B, T)}, got {key_mask.shape}")
             key_mask = key_mask.astype(bool)
 
-        x = self.embeddings(ids, types)  # (B, T, D)
-        hidden_states = [x] if output_hidden_states else None
-        attentions = [] if output_attentions else None
-        for block in self.blocks:
-            if output_attentions:
-                x, weights = block(x, key_mask=key_mask, need_weights=True, average_attn_weights=False)
-                attentions.append(weights)  # (B, H, T, T)
-            else:
+        recording = record_attention(self) if output_attentions else contextlib.nullcontext()
+        with recording as recorded:
+            x = self.embeddings(ids, types)  # (B, T, D)
+            hidden_states = [x] if output_hidden_states else None
+            for block in self.blocks:
                 x = block(x, key_mask=key_mask)
-            if output_hidden_states:
-                hidden_states.append(x)
+                if output_hidden_states:
+                    hidden_states.append(x)
+        attentions = None
+        if output_attentions:
+            attentions = tuple(w.astype(x.dtype, copy=False) for w in recorded.maps)  # each (B, H, T, T)
         return BertOutput(
             last_hidden_state=x,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
-            attentions=tuple(attentions) if output_attentions else None,
+            attentions=attentions,
         )
 
 
@@ -681,12 +682,12 @@ class _PackedBert:
 
     ATTENTION_GROUP = 16  # sentences padded together for attention
 
-    def __init__(self, model: BertModel, attention: str = "naive") -> None:
+    def __init__(self, model: BertModel) -> None:
         config = model.config
         self.config = config
         self.eps = np.float32(config.layer_norm_eps)
-        self.attend = get_attention(attention)
-        self.attend_with_weights = get_attention("naive")  # weights need the plain path
+        # each layer attends through the model's own attention module: its backend, its recordings
+        self.attention = [block.attn for block in model.blocks]
         emb = model.embeddings
         self.word = np.asarray(emb.word.weight, np.float32)
         self.position = np.asarray(emb.position.weight, np.float32)
@@ -710,11 +711,11 @@ class _PackedBert:
                 )
             )
 
-    def _attend(self, qkv: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, need_weights: bool):
-        """Self-attention of packed (N, 3D) projections -> (N, D) context [, weights]."""
+    def _attend(self, module: Module, qkv: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Self-attention of packed (N, 3D) projections -> (N, D) context, through the
+        attention `module` (`attend`: its backend; recorded maps are per group (G, H, L, L))."""
         D, H, E = self.config.hidden_size, self.config.num_attention_heads, self.config.head_dim
         context = np.empty((qkv.shape[0], D), np.float32)
-        weights = []
         for first in range(0, len(lengths), self.ATTENTION_GROUP):
             last = min(first + self.ATTENTION_GROUP, len(lengths))
             group = lengths[first:last]
@@ -725,38 +726,25 @@ class _PackedBert:
             # on strided head views would skip BLAS. Padding rows stay zero.
             heads = np.zeros((3, G, H, L, E), np.float32)
             heads.transpose(1, 3, 0, 2, 4)[real] = qkv[rows].reshape(-1, 3, H, E)
-            attend = self.attend_with_weights if need_weights else self.attend
-            result = attend(
+            out = module.attend(
                 heads[0], heads[1], heads[2],
                 attn_mask=None if G == 1 else real[:, None, None, :],  # (G, 1, 1, L)
-                return_weights=need_weights,
-            )
-            out = result.output if need_weights else result  # (G, H, L, E)
-            if need_weights:
-                weights.append(result.weights)
+            )  # (G, H, L, E)
             context[rows] = out.transpose(0, 2, 1, 3)[real].reshape(-1, D)  # real tokens (n, D)
-        return context, weights
+        return context
 
-    def forward(
-        self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray, need_weights: bool = False
-    ) -> tuple[np.ndarray, list]:
-        """Packed ids/types (N,) of sentences with `lengths` -> hidden states (N, D).
-
-        With need_weights, also each layer's per-group attention weights (only
-        meaningful for one sentence: a list of (1, H, T, T) per layer).
-        """
+    def forward(self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Packed ids/types (N,) of sentences with `lengths` -> hidden states (N, D)."""
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         positions = np.concatenate([np.arange(n) for n in lengths])
         x = self.word[ids]  # (N, D)
         x += self.position[positions]
         x += self.token_type[types]
         _layer_norm_inplace(x, *self.norm, self.eps)
-        all_weights = []
-        for layer in self.layers:
+        for layer, module in zip(self.layers, self.attention):
             qkv = x @ layer.qkv_weight.T  # (N, 3D)
             qkv += layer.qkv_bias
-            context, weights = self._attend(qkv, lengths, offsets, need_weights)
-            all_weights.append(weights)
+            context = self._attend(module, qkv, lengths, offsets)
             y = context @ layer.out_weight.T  # (N, D)
             y += layer.out_bias
             y += x
@@ -767,7 +755,7 @@ class _PackedBert:
             y += layer.fc2_bias
             y += x
             x = _layer_norm_inplace(y, *layer.norm2, self.eps)
-        return x, all_weights
+        return x
 
 
 def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
@@ -819,7 +807,7 @@ class SentenceEncoder:
         self.head = head
         self.num_threads = num_threads or cpu_count()
         self.path = path
-        self._packed = _PackedBert(model, attention)
+        self._packed = _PackedBert(model)
         self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -865,6 +853,17 @@ class SentenceEncoder:
             )
         return cls(model, tokenizer, head=head, num_threads=num_threads, attention=attention, path=folder)
 
+    def set_attention_backend(self, name: str) -> SentenceEncoder:
+        """Use attention backend `name` ("naive", "flash", or any registered in
+        attnkit.functional.ATTENTION_BACKENDS) for `encode`, `attention` and `model`;
+        returns self. An unknown name raises ValueError naming the known ones."""
+        self.model.set_attention_backend(name)
+        return self
+
+    def named_modules(self, prefix: str = ""):
+        """The model's modules (what `attnkit.record_attention(encoder)` records)."""
+        return self.model.named_modules(prefix)
+
     @property
     def pooling(self) -> str:
         """The pooling mode ("mean", "cls", "max", ...; modes joined by "+" when concatenated)."""
@@ -889,7 +888,7 @@ class SentenceEncoder:
     def _embed_chunk(self, ids: list[np.ndarray], types: list[np.ndarray]) -> np.ndarray:
         """Embeddings (n, dim) of a few tokenized sentences."""
         lengths = np.array([len(i) for i in ids])
-        hidden, _ = self._packed.forward(np.concatenate(ids), np.concatenate(types), lengths)
+        hidden = self._packed.forward(np.concatenate(ids), np.concatenate(types), lengths)
         return self.head(hidden, lengths)
 
     def encode(
@@ -981,8 +980,9 @@ class SentenceEncoder:
         encoding = self.tokenizer.encode([text])[0]
         ids = np.asarray(encoding.ids, dtype=np.intp)
         types = np.asarray(encoding.type_ids, dtype=np.intp)
-        _, weights = self._packed.forward(ids, types, np.array([len(ids)]), need_weights=True)
-        stacked = np.stack([layer[0][0] for layer in weights])  # (layers, H, T, T)
+        with record_attention(self.model) as recording:
+            self._packed.forward(ids, types, np.array([len(ids)]))
+        stacked = np.stack([w[0] for w in recording.maps])  # (layers, H, T, T)
         return list(encoding.tokens), stacked.astype(np.float32, copy=False)
 
     def __repr__(self) -> str:

@@ -13,7 +13,11 @@ things: `new_cache`, `_hidden_states` (embeddings -> blocks -> final norm) and
   at a time; greedy when `temperature == 0`, otherwise temperature, top-k and
   top-p (nucleus) sampling in the order transformers applies them, from a
   seeded NumPy Generator.
-- `attention(text)`: the attention weights of every layer and head for a prompt.
+- `attention(text)`: the attention weights of every layer and head for a prompt,
+  recorded with `attnkit.record_attention` (which works on any model).
+
+The attention backend is an attribute of each layer's attention module:
+`model.set_attention_backend("flash")` (from `Module`) switches them all.
 
 Loading is not here: `attnkit.models.auto.AutoCausalLM.from_pretrained(path)`
 picks the subclass for a checkpoint (this base class never imports its subclasses).
@@ -28,6 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnkit.nn.cache import KVCache
+from attnkit.nn.interface import record_attention
 from attnkit.nn.module import Module
 from attnkit.runtime import one_blas_thread
 
@@ -195,17 +200,14 @@ class CausalLM(Module):
 
     config: Any
     tokenizer: Any = None
-    attention_backend: str = "naive"
     single_thread_decode: bool = True
 
     # -- what subclasses implement ---------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         raise NotImplementedError
 
-    def _hidden_states(
-        self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, weights: list | None
-    ) -> np.ndarray:
-        """ids (B, T), positions (B, T) -> final hidden states (B, T, d); appends to `weights`."""
+    def _hidden_states(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        """ids (B, T), positions (B, T) -> final hidden states (B, T, d)."""
         raise NotImplementedError
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -224,8 +226,7 @@ class CausalLM(Module):
         attention_mask: Any = None,
         cache: KVCache | None = None,
         last_only: bool = False,
-        return_weights: bool = False,
-    ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray]]:
+    ) -> np.ndarray:
         """Logits for every position of `input_ids`.
 
         Arguments:
@@ -235,10 +236,10 @@ class CausalLM(Module):
             cache: a `KVCache` holding earlier positions; the new ones are appended. Without
                 one, a temporary cache is used and the whole sequence is attended causally.
             last_only: compute logits for the last position only (B, 1, vocab).
-            return_weights: also return each layer's attention weights (B, Hq, T, S).
 
         Returns:
-            logits (B, T, vocab) float32 ((T, vocab) for 1-D input), or (logits, weights).
+            logits (B, T, vocab) float32 ((T, vocab) for 1-D input). For the attention
+            weights, run it inside `attnkit.record_attention(model)`.
         """
         ids, mask, was_1d = prepare_prompts(input_ids, attention_mask, self._pad_id())
         B, T = ids.shape
@@ -254,17 +255,16 @@ class CausalLM(Module):
                 f"{self.context_length} tokens"
             )
         positions = self._positions(cache, mask)
-        weights: list | None = [] if return_weights else None
         if T == 1 and self.single_thread_decode:
             with one_blas_thread():
-                hidden = self._hidden_states(ids, positions, cache, weights)  # (B, 1, d)
+                hidden = self._hidden_states(ids, positions, cache)  # (B, 1, d)
                 logits = self._logits(hidden)  # (B, 1, V)
         else:
-            hidden = self._hidden_states(ids, positions, cache, weights)  # (B, T, d)
+            hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
             logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
         if was_1d:
             logits = logits[0]
-        return (logits, weights) if return_weights else logits
+        return logits
 
     def _pad_id(self) -> int:
         if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
@@ -542,7 +542,8 @@ class CausalLM(Module):
             ids = np.asarray(text_or_ids, dtype=np.int64)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
-        _, weights = self.forward(ids, return_weights=True)
-        stacked = np.stack([w[0] for w in weights]).astype(np.float32, copy=False)  # (layers, H, T, T)
+        with record_attention(self) as recording:
+            self.forward(ids)
+        stacked = np.stack([w[0] for w in recording.maps]).astype(np.float32, copy=False)  # (layers, H, T, T)
         tokens = self.tokenizer.tokens(ids) if self.tokenizer is not None else [str(int(i)) for i in ids]
         return AttentionMap(tokens=tokens, weights=stacked)

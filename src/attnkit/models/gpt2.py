@@ -146,8 +146,8 @@ class GPT2Block(Module):
         self.mlp_norm = LayerNorm(d, config.layer_norm_eps)
         self.mlp = FeedForward(d, config.intermediate_size, activation=config.activation, seed=rng)
 
-    def forward(self, x, cache, layer, *, backend="naive", weights=None) -> np.ndarray:
-        h = x + self.attn(self.attn_norm(x), cache, layer, backend=backend, weights=weights)
+    def forward(self, x, cache, layer) -> np.ndarray:
+        h = x + self.attn(self.attn_norm(x), cache, layer)
         out = self.mlp(self.mlp_norm(h))
         out += h
         return out
@@ -178,10 +178,10 @@ class GPT2LMHeadModel(CausalLM):
         head_dim = c.hidden_size // c.num_heads
         return KVCache(c.num_layers, batch_size, c.num_heads, head_dim, max_length, dtype=self.dtype)
 
-    def _hidden_states(self, ids, positions, cache, weights):
+    def _hidden_states(self, ids, positions, cache):
         x = self.embed.weight[ids] + self.pos_embed.weight[positions]  # (B, T, d)
         for index, block in enumerate(self.layers):
-            x = block(x, cache, index, backend=self.attention_backend, weights=weights)
+            x = block(x, cache, index)
         return self.norm(x)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -454,12 +454,12 @@ class LlamaBlock(Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, seed=rng)
 
-    def forward(self, x, cos, sin, cache, layer, *, backend="naive", weights=None) -> np.ndarray:
+    def forward(self, x, cos, sin, cache, layer) -> np.ndarray:
         """x: the residual stream (B, T, d), float64 (see `_hidden_states`); the
         sublayers compute in the parameters' dtype."""
         dt = self.attn_norm.weight.dtype
         normed = self.attn_norm(x).astype(dt, copy=False)
-        h = x + self.attn(normed, cache, layer, cos=cos, sin=sin, backend=backend, weights=weights)
+        h = x + self.attn(normed, cache, layer, cos=cos, sin=sin)
         return h + self.mlp(self.mlp_norm(h).astype(dt, copy=False))
 
 
@@ -488,7 +488,7 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_length, dtype=self.dtype)
 
-    def _hidden_states(self, ids, positions, cache, weights):
+    def _hidden_states(self, ids, positions, cache):
         # The residual stream is carried in float64: 30 layers each add a float32
         # sublayer output to it, and rounding those sums in float32 doubled the
         # logits' distance from transformers (1.04e-4 -> 7.9e-5 on SmolLM2). It is
@@ -496,7 +496,7 @@ class LlamaForCausalLM(CausalLM):
         x = self.embed.weight[ids].astype(np.float64)  # (B, T, d)
         cos, sin = self.rotary.cos_sin(positions)  # (B, T, E) each
         for index, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache, index, backend=self.attention_backend, weights=weights)
+            x = block(x, cos, sin, cache, index)
         return self.norm(x).astype(self.embed.weight.dtype, copy=False)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:

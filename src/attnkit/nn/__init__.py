@@ -8,6 +8,7 @@ True = a real token. See docs/nn.md.
 
 from __future__ import annotations
 
+from attnkit.nn.interface import AttentionModule, AttentionRecording, record_attention
 from attnkit.nn.attention import AttentionResult, MultiHeadAttention, SingleHeadSelfAttention
 from attnkit.nn.block import BlockOutput, TransformerBlock
 from attnkit.nn.layers import ACTIVATIONS, FeedForward, LayerNorm, dropout, gelu, gelu_tanh, layer_norm, relu
@@ -22,6 +23,8 @@ from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, R
 
 __all__ = [
     "ACTIVATIONS",
+    "AttentionModule",
+    "AttentionRecording",
     "AttentionResult",
     "BlockOutput",
     "CausalSelfAttention",
@@ -45,6 +48,7 @@ __all__ = [
     "gelu_tanh",
     "layer_norm",
     "linear",
+    "record_attention",
     "relu",
     "sinusoidal_positional_encoding",
 ]

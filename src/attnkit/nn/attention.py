@@ -1,7 +1,8 @@
 """Attention modules: one self-attention head, and batch-first multi-head attention.
 
-Both call `attnkit.functional.scaled_dot_product_attention` for the attention
-itself; this file only projects, splits heads, builds masks and merges heads.
+Both attend through their backend (`AttentionModule.attend`, "naive" =
+`attnkit.functional.scaled_dot_product_attention` by default); this file only
+projects, splits heads, builds masks and merges heads.
 
 Masks use attnkit's one polarity: boolean True = may attend, float masks are
 added to the scores. `key_mask` (B, S) is True for a real token. torch's
@@ -15,10 +16,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnkit.functional import get_attention, scaled_dot_product_attention
+from attnkit.nn.interface import AttentionModule
 from attnkit.nn.layers import check_dropout
 from attnkit.nn.linear import Linear, linear
-from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
+from attnkit.nn.module import check_float_input, compute_dtype, make_rng
 
 
 class AttentionResult(NamedTuple):
@@ -137,7 +138,7 @@ def build_attention_mask(
     return np.where(allowed, attn_mask, dtype.type(-np.inf)), False
 
 
-class SingleHeadSelfAttention(Module):
+class SingleHeadSelfAttention(AttentionModule):
     """One self-attention head (the first seed's class, with torch-layout weights).
 
     output = softmax(q @ k^T / sqrt(d_head) + mask) @ v, with q, k, v = x @ W.T.
@@ -184,14 +185,14 @@ class SingleHeadSelfAttention(Module):
         q = linear(xc, self.q_proj.weight, self.q_proj.bias)  # (..., L, d_head)
         k = linear(xc, self.k_proj.weight, self.k_proj.bias)
         v = linear(xc, self.v_proj.weight, self.v_proj.bias)
-        result = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, return_weights=True)
+        result = self.attend(q, k, v, attn_mask=mask, is_causal=is_causal, return_weights=True)
         return AttentionResult(result.output.astype(x.dtype, copy=False), result.weights.astype(x.dtype, copy=False))
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_head={self.d_head}"
 
 
-class MultiHeadAttention(Module):
+class MultiHeadAttention(AttentionModule):
     """Multi-head attention, batch-first, split-head (one projection per role).
 
     Arguments:
@@ -217,7 +218,8 @@ class MultiHeadAttention(Module):
 
     The attention itself is ``ATTENTION_BACKENDS[self.backend]`` ("naive" by
     default; set ``mha.backend = "flash"``, or ``set_attention_backend`` on a
-    parent module, for the tiled kernel, which returns no weights).
+    parent module, for the tiled kernel, which returns no weights), called
+    through `AttentionModule.attend`, which records maps for `record_attention`.
     """
 
     def __init__(
@@ -243,7 +245,6 @@ class MultiHeadAttention(Module):
         self.v_proj = Linear(self.vdim, kv_width, bias, seed=rng)
         self.out_proj = Linear(self.d_model, self.d_model, bias, seed=rng)
         self.rng = rng
-        self.backend = "naive"  # a key of attnkit.functional.ATTENTION_BACKENDS
         self._fused: dict[tuple[str, np.dtype], tuple[tuple, np.ndarray, np.ndarray | None]] = {}
 
     # ----- fused projections ---------------------------------------------------------
@@ -350,8 +351,7 @@ class MultiHeadAttention(Module):
         q = q.reshape(B, L, H, E).transpose(0, 2, 1, 3)  # (B, H, L, E)
         k = k.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
         v = v.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
-        attend = get_attention(self.backend)
-        result = attend(
+        result = self.attend(
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=Hkv != H, rng=self.rng, return_weights=need_weights,

@@ -20,9 +20,11 @@ positions hold real tokens; padded keys are never attended to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from attnkit.functional import ATTENTION_BACKENDS, AttentionOutput
+from attnkit.functional import AttentionOutput, get_attention
 from attnkit.functional.masks import causal_mask
 
 __all__ = ["KVCache"]
@@ -181,7 +183,7 @@ class KVCache:
         value: np.ndarray,
         *,
         scale: float | None = None,
-        backend: str = "naive",
+        attention: str | Callable = "naive",
         return_weights: bool = False,
     ) -> np.ndarray | AttentionOutput:
         """Append `key`/`value` to `layer`, then attend from `query` over everything stored.
@@ -190,7 +192,9 @@ class KVCache:
             query: (B, Hq, L, E) for the L new positions; Hq a multiple of Hkv (GQA).
             key, value: (B, Hkv, L, E) / (B, Hkv, L, Ev) of the same positions.
             scale: score scale, default 1/sqrt(E).
-            backend: name in `attnkit.functional.ATTENTION_BACKENDS`.
+            attention: a name in `attnkit.functional.ATTENTION_BACKENDS`, or a function with
+                `scaled_dot_product_attention`'s signature; attention modules pass their
+                `attend`, which dispatches on their `backend` and records maps.
             return_weights: also return the (B, Hq, L, S) attention weights.
 
         Returns:
@@ -198,7 +202,8 @@ class KVCache:
         """
         keys, values = self.update(layer, key, value)  # (B, Hkv, S, E)
         L, S = query.shape[-2], keys.shape[-2]
-        attention = ATTENTION_BACKENDS[backend]
+        if isinstance(attention, str):
+            attention = get_attention(attention)
         return attention(
             query,
             keys,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnkit.nn.cache import KVCache
+from attnkit.nn.interface import AttentionModule
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, make_rng
 from attnkit.nn.positional import RopeScaling, rope_frequencies
@@ -221,13 +222,14 @@ class SwiGLU(Module):
         return f"d_model={self.d_model}, d_ff={self.d_ff}, bias={self.gate_proj.bias is not None}"
 
 
-class CausalSelfAttention(Module):
+class CausalSelfAttention(AttentionModule):
     """Self-attention of a decoder, through a `KVCache`.
 
     Projects x to queries (Hq heads), keys and values (Hkv heads, Hq a multiple of Hkv:
     grouped-query attention when fewer), optionally rotates queries and keys (RoPE), appends
     keys and values to the cache and attends over everything cached with bottom-right
-    causal alignment (`KVCache.attend`).
+    causal alignment (`KVCache.attend`), through `self.backend` (an `AttentionModule`:
+    `model.set_attention_backend(name)` reaches it, `record_attention` records it).
 
     Arguments:
         d_model: model width.
@@ -287,16 +289,12 @@ class CausalSelfAttention(Module):
         *,
         cos: np.ndarray | None = None,
         sin: np.ndarray | None = None,
-        backend: str = "naive",
-        weights: list | None = None,
     ) -> np.ndarray:
         """x (B, T, d) -> (B, T, d).
 
         Arguments:
             cache, layer: where this layer's keys and values are appended.
             cos, sin: (B, T, E) rotary tables for the T positions, or None for no rotation.
-            backend: attention implementation (`attnkit.functional.ATTENTION_BACKENDS`).
-            weights: a list to append this layer's (B, Hq, T, S) attention weights to.
         """
         B, T, _ = x.shape
         Hq, Hkv, E = self.num_heads, self.num_kv_heads, self.head_dim
@@ -311,10 +309,7 @@ class CausalSelfAttention(Module):
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, E)
             q = RotaryEmbedding.apply(q, cos, sin)
             k = RotaryEmbedding.apply(k, cos, sin)
-        result = cache.attend(layer, q, k, v, scale=self.scale, backend=backend, return_weights=weights is not None)
-        if weights is not None:
-            weights.append(result.weights)
-            result = result.output
+        result = cache.attend(layer, q, k, v, scale=self.scale, attention=self.attend)  # (B, Hq, T, E)
         out = result.transpose(0, 2, 1, 3).reshape(B, T, Hq * E)  # (B, T, Hq*E)
         out = out @ out_t  # (B, T, d)
         if out_bias is not None:

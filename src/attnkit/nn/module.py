@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attnkit.functional import get_attention
+
 # dtypes a module's parameters may have.
 PARAMETER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -297,14 +299,15 @@ class Module:
 
     def set_attention_backend(self, name: str) -> Module:
         """Use attention backend `name` (a key of attnkit.functional.ATTENTION_BACKENDS,
-        e.g. "naive" or "flash") in every attention module inside this one; returns self."""
-        from attnkit.functional import get_attention
-
-        get_attention(name)  # raises ValueError naming the known backends
+        e.g. "naive" or "flash") in every attention module inside this one, encoder or
+        decoder alike; returns self. An unknown name raises ValueError naming the known ones."""
+        get_attention(name)
         for _, module in self.named_modules():
-            if "backend" in module.__dict__:
-                object.__setattr__(module, "backend", name)
+            module._use_backend(name)
         return self
+
+    def _use_backend(self, name: str) -> None:
+        """Hook: attention modules (attnkit.nn.interface.AttentionModule) take backend `name`."""
 
     # ----- calling ----------------------------------------------------------------
 

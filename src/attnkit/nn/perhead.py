@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.functional import scaled_dot_product_attention
+from attnkit.functional import get_attention
 from attnkit.nn.attention import (
     AttentionResult,
     MultiHeadAttention,
@@ -23,10 +23,11 @@ from attnkit.nn.attention import (
 )
 from attnkit.nn.layers import check_dropout
 from attnkit.nn.linear import Linear, linear
-from attnkit.nn.module import Module, ModuleList, check_float_input, compute_dtype, make_rng
+from attnkit.nn.interface import AttentionModule
+from attnkit.nn.module import ModuleList, check_float_input, compute_dtype, make_rng
 
 
-class PerHeadMultiHeadAttention(Module):
+class PerHeadMultiHeadAttention(AttentionModule):
     """Multi-head attention as num_heads separate heads, concatenated, then out_proj.
 
     Arguments:
@@ -104,12 +105,13 @@ class PerHeadMultiHeadAttention(Module):
             head_mask = mask
             if mask is not None and mask.ndim == 4 and mask.shape[1] > 1:
                 head_mask = mask[:, h : h + 1]  # (B or 1, 1, L, S)
-            result = scaled_dot_product_attention(
+            result = get_attention(self.backend)(
                 q, k, v, attn_mask=head_mask, is_causal=causal,
                 dropout_p=self.dropout if self.training else 0.0, rng=self.rng, return_weights=True,
             )
             outputs.append(result.output[:, 0])  # (B, L, E)
             weights.append(result.weights[:, 0])  # (B, L, S)
+        self._record(np.stack(weights, axis=1))  # (B, H, L, S), one map for all heads
         concatenated = np.concatenate(outputs, axis=-1)  # (B, L, d_model)
         out = linear(concatenated, self.out_proj.weight, self.out_proj.bias).astype(query.dtype, copy=False)
         all_weights = None

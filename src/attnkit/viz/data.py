@@ -177,7 +177,7 @@ def maps_from_random_model(
     Returns:
         AttentionMaps with float32 weights of shape (layers, heads, T, T).
     """
-    from attnkit.nn import TransformerBlock, sinusoidal_positional_encoding
+    from attnkit.nn import TransformerBlock, record_attention, sinusoidal_positional_encoding
 
     tokens = tuple(tokens)
     if not tokens:
@@ -197,8 +197,9 @@ def maps_from_random_model(
         for name in ("attn.q_proj.weight", "attn.k_proj.weight"):
             state[name] = state[name] * np.float32(3.0)
         block.load_state_dict(state)
-        x, w = block(x, is_causal=causal, need_weights=True, average_attn_weights=False)
-        weights[layer] = w[0]  # (H, T, T)
+        with record_attention(block) as recording:
+            x = block(x, is_causal=causal)
+        weights[layer] = recording.maps[0][0]  # (H, T, T)
     return AttentionMaps(tokens=tokens, weights=weights, model=model, text=" ".join(tokens), causal=causal)
 
 

@@ -268,7 +268,8 @@ def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
 
 
 def _encoder_runner(model) -> Callable[[str, int], RunResult]:
-    """Adapt `SentenceEncoder.attention` (its tokenizer truncates at max_seq_length)."""
+    """Adapt `SentenceEncoder.attention` (its tokenizer truncates at max_seq_length; the
+    maps come from `attnkit.record_attention`)."""
 
     def run(text: str, limit: int) -> RunResult:
         encoding = model.tokenizer.encode([text])[0]
@@ -289,7 +290,8 @@ def _encoder_runner(model) -> Callable[[str, int], RunResult]:
 
 
 def _decoder_runner(model) -> Callable[[str, int], RunResult]:
-    """Adapt `CausalLM.attention`, truncating the token ids to `limit`."""
+    """Adapt `CausalLM.attention` (maps from `attnkit.record_attention`), truncating the
+    token ids to `limit`."""
     added = getattr(model.tokenizer.tokenizer, "get_added_tokens_decoder", dict)()
     special_ids = {int(i) for i, token in added.items() if getattr(token, "special", False)}
 

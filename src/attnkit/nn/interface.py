@@ -1,0 +1,145 @@
+"""What every attention module shares: a backend chosen by name, and recording.
+
+`AttentionModule` is the base of attnkit's NumPy attention modules
+(`MultiHeadAttention`, `SingleHeadSelfAttention`, `PerHeadMultiHeadAttention`,
+`CausalSelfAttention`). Each owns a `backend`, a name in
+`attnkit.functional.ATTENTION_BACKENDS` ("naive" by default; an unknown name is
+refused with ValueError), and computes its attention with `self.attend(q, k, v, ...)`:
+the one place a backend is looked up and the one place attention maps are
+recorded. `Module.set_attention_backend(name)` sets the backend of every
+attention module in a model, encoder or decoder alike.
+
+`record_attention(model)` collects the weights of every attention call inside
+`model` while the context is open:
+
+    with attnkit.record_attention(model) as recording:
+        model(input_ids)
+    recording.maps   # [(B, H, L, S), ...] one per attention call, in call order
+
+Outside the context nothing extra is computed: a backend is asked for weights
+only while a module is recorded, or when a caller asks (need_weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from attnkit.functional import WEIGHTLESS_BACKENDS, AttentionOutput, get_attention
+from attnkit.nn.module import Module
+
+__all__ = ["AttentionModule", "AttentionRecording", "record_attention"]
+
+
+class AttentionModule(Module):
+    """A module that attends through a named backend (see the module docstring).
+
+    Subclasses call `super().__init__()` and compute attention with `self.attend`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = "naive"
+        object.__setattr__(self, "_recorders", ())
+
+    @property
+    def backend(self) -> str:
+        """The name of the attention implementation (a key of ATTENTION_BACKENDS)."""
+        return self.__dict__["_backend"]
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        get_attention(name)  # raises ValueError naming the known backends
+        object.__setattr__(self, "_backend", name)
+
+    def _use_backend(self, name: str) -> None:
+        self.backend = name
+
+    def attend(
+        self, query: np.ndarray, key: np.ndarray, value: np.ndarray, *, return_weights: bool = False, **options: Any
+    ) -> np.ndarray | AttentionOutput:
+        """`scaled_dot_product_attention(query, key, value, **options)` through this
+        module's backend, with its arguments and results.
+
+        While the module is recorded (`record_attention`), the (..., H, L, S) weights are
+        formed and appended to each recording; a backend that never forms them
+        (`WEIGHTLESS_BACKENDS`, e.g. "flash") gives way to "naive" for that call.
+        `return_weights=True` asks the module's own backend for them (flash refuses).
+        """
+        recorders = self._recorders
+        if not (return_weights or recorders):
+            return get_attention(self.backend)(query, key, value, **options)
+        name = self.backend if return_weights or self.backend not in WEIGHTLESS_BACKENDS else "naive"
+        result = get_attention(name)(query, key, value, return_weights=True, **options)
+        self._record(result.weights)
+        return result if return_weights else result.output
+
+    def _record(self, weights: np.ndarray) -> None:
+        """Append (B, H, L, S) `weights` to every recording open on this module."""
+        for maps in self._recorders:
+            maps.append(weights)
+
+
+class AttentionRecording:
+    """What `record_attention` yields: `maps`, the weights of every attention call,
+    each (B, H, L, S), in call order (for a decoder's `generate`: layer by layer,
+    step by step). Also a sequence itself: `len(recording)`, `recording[i]`."""
+
+    def __init__(self) -> None:
+        self.maps: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self.maps)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self.maps)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.maps[index]
+
+    def __repr__(self) -> str:
+        shapes = sorted({m.shape for m in self.maps})
+        return f"AttentionRecording(calls={len(self.maps)}, shapes={shapes})"
+
+
+def attention_modules(model: Any) -> list[AttentionModule]:
+    """The attention modules inside `model` (a Module, or a wrapper such as
+    `SentenceEncoder` with `named_modules()`), in registration order."""
+    named_modules = getattr(model, "named_modules", None)
+    if not callable(named_modules):
+        raise TypeError(
+            f"expected a model or module (an attnkit.nn.Module or a SentenceEncoder), got {type(model).__name__}"
+        )
+    return [module for _, module in named_modules() if isinstance(module, AttentionModule)]
+
+
+@contextmanager
+def record_attention(model: Any) -> Iterator[AttentionRecording]:
+    """Record the attention weights of every attention module in `model` while open.
+
+    Arguments:
+        model: any attnkit model or module (BertModel, SentenceEncoder, a CausalLM,
+            MultiHeadAttention, TransformerBlock, ...).
+
+    Yields:
+        An `AttentionRecording`; `.maps` fills with one (B, H, L, S) array per attention
+        call, in call order. Recordings may nest; each sees every call made while it is open.
+
+    Raises:
+        TypeError: `model` is not a module; ValueError: it has no attention module.
+    """
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention module to record")
+    recording = AttentionRecording()
+    for module in modules:
+        object.__setattr__(module, "_recorders", module._recorders + (recording.maps,))
+    try:
+        yield recording
+    finally:
+        for module in modules:
+            kept = tuple(maps for maps in module._recorders if maps is not recording.maps)
+            object.__setattr__(module, "_recorders", kept)

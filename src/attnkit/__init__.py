@@ -30,6 +30,7 @@ from attnkit.functional import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
     softmax,
+    varlen_attention,
 )
 
 # Subpackages reachable as attributes, imported on first access.
@@ -68,4 +69,5 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "softmax",
+    "varlen_attention",
 ]

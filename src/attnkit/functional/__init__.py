@@ -25,6 +25,7 @@ from attnkit.functional.flash import (
     flash_backend,
     merge_attention_states,
 )
+from attnkit.functional.varlen import VarlenOutput, varlen_attention
 
 ATTENTION_BACKENDS: dict[str, Callable] = {
     "naive": scaled_dot_product_attention,
@@ -54,6 +55,7 @@ __all__ = [
     "AttentionGrads",
     "AttentionOutput",
     "AttentionState",
+    "VarlenOutput",
     "flash_attention",
     "flash_attention_backward",
     "merge_attention_states",
@@ -65,4 +67,5 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "softmax",
+    "varlen_attention",
 ]

@@ -17,9 +17,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnkit.nn.interface import AttentionModule
-from attnkit.nn.layers import check_dropout
 from attnkit.nn.linear import Linear, linear
 from attnkit.nn.module import check_float_input, compute_dtype, make_rng
+from attnkit.nn.spec import (
+    KEY_PADDING_HINT,
+    attention_extra_repr,
+    check_attention_inputs,
+    check_attn_mask_shape,
+    check_dropout,
+    check_is_causal,
+    check_key_mask_shape,
+)
 
 
 class AttentionResult(NamedTuple):
@@ -90,18 +98,15 @@ def build_attention_mask(
         (mask, is_causal) to pass on: mask is None, bool or float, broadcastable
         to (B, H, L, S); is_causal is True only when no mask is needed.
     """
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
+    check_is_causal(is_causal)
     allowed: np.ndarray | None = None  # boolean part, broadcastable to (B, H, L, S)
     if key_mask is not None:
         key_mask = np.asarray(key_mask)
         if key_mask.dtype != np.bool_:
             raise TypeError(
-                f"expected key_mask to be boolean (True = real token), got dtype {key_mask.dtype}; "
-                "for torch's key_padding_mask (True = padding) pass ~key_padding_mask"
+                f"expected key_mask to be boolean (True = real token), got dtype {key_mask.dtype}; " + KEY_PADDING_HINT
             )
-        if key_mask.shape != (batch, S):
-            raise ValueError(f"expected key_mask of shape (B, S) = ({batch}, {S}), got {key_mask.shape}")
+        check_key_mask_shape(key_mask.shape, batch, S)
         allowed = key_mask[:, None, None, :]  # (B, 1, 1, S)
     if attn_mask is None and allowed is None:
         return None, bool(is_causal)
@@ -117,19 +122,7 @@ def build_attention_mask(
             "expected attn_mask to be boolean (True = may attend) or floating (added to the scores), "
             f"got dtype {attn_mask.dtype}"
         )
-    target = (batch, num_heads, L, S)
-    ok = attn_mask.ndim in (2, 4)
-    if ok:
-        try:
-            ok = np.broadcast_shapes(attn_mask.shape, target) == target
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"expected attn_mask of shape (L, S) = ({L}, {S}) or 4-D broadcastable to (B, H, L, S) = {target}, "
-            f"got {attn_mask.shape}"
-            + ("; torch's 3-D (B*H, L, S) masks must be reshaped to (B, H, L, S)" if attn_mask.ndim == 3 else "")
-        )
+    check_attn_mask_shape(attn_mask.shape, batch, num_heads, L, S)
     if attn_mask.dtype == np.bool_:
         return (attn_mask if allowed is None else attn_mask & allowed), False
     attn_mask = attn_mask.astype(dtype, copy=False)
@@ -286,27 +279,7 @@ class MultiHeadAttention(AttentionModule):
     # ----- forward ---------------------------------------------------------------------
 
     def _check_inputs(self, query, key, value):
-        query = check_float_input("query", query)
-        if query.ndim != 3 or query.shape[-1] != self.d_model:
-            raise ValueError(
-                f"expected query of shape (B, L, d_model={self.d_model}), got {query.shape}"
-                + ("; add a batch axis with x[None]" if query.ndim == 2 and query.shape[-1] == self.d_model else "")
-            )
-        if key is None:
-            if value is not None:
-                raise ValueError("got value without key; pass key too (or neither, for self-attention)")
-            if self.kdim != self.d_model or self.vdim != self.d_model:
-                raise ValueError(f"this module has kdim={self.kdim}, vdim={self.vdim}: pass key and value")
-            return query, query, query
-        key = check_float_input("key", key)
-        value = key if value is None else check_float_input("value", value)
-        if key.ndim != 3 or key.shape[0] != query.shape[0] or key.shape[-1] != self.kdim:
-            raise ValueError(f"expected key of shape (B={query.shape[0]}, S, kdim={self.kdim}), got {key.shape}")
-        if value.ndim != 3 or value.shape[:2] != key.shape[:2] or value.shape[-1] != self.vdim:
-            raise ValueError(
-                f"expected value of shape (B={key.shape[0]}, S={key.shape[1]}, vdim={self.vdim}), got {value.shape}"
-            )
-        return query, key, value
+        return check_attention_inputs(self, query, key, value, check_float_input)
 
     def forward(
         self,
@@ -368,7 +341,4 @@ class MultiHeadAttention(AttentionModule):
         return AttentionResult(out, weights)
 
     def extra_repr(self) -> str:
-        extra = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        if self.kdim != self.d_model or self.vdim != self.d_model:
-            extra += f", kdim={self.kdim}, vdim={self.vdim}"
-        return f"d_model={self.d_model}, num_heads={self.num_heads}{extra}, dropout={self.dropout}"
+        return attention_extra_repr(self)

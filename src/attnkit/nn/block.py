@@ -22,6 +22,7 @@ import numpy as np
 from attnkit.nn.attention import MultiHeadAttention
 from attnkit.nn.layers import FeedForward, LayerNorm, check_dropout, dropout, layer_norm
 from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
+from attnkit.nn.spec import block_extra_repr
 
 
 class BlockOutput(NamedTuple):
@@ -139,4 +140,4 @@ class TransformerBlock(Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}, dropout={self.dropout}"
+        return block_extra_repr(self)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 from attnkit.nn.linear import Linear, linear
 from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
+from attnkit.nn.spec import check_dropout, feed_forward_extra_repr
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -144,12 +145,6 @@ def dropout(x: np.ndarray, p: float, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
-def check_dropout(p: float) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"expected dropout to be a float in [0, 1), got {p!r}")
-    return float(p)
-
-
 # ----- LayerNorm -------------------------------------------------------------------
 
 
@@ -264,4 +259,4 @@ class FeedForward(Module):
         return linear(h, self.fc2.weight, self.fc2.bias)  # (..., d_model)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, dropout={self.dropout}"
+        return feed_forward_extra_repr(self)

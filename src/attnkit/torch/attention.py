@@ -17,6 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit.nn.attention import check_attention_dims
+from attnkit.nn.spec import (
+    KEY_PADDING_HINT,
+    attention_extra_repr,
+    check_attention_inputs,
+    check_attn_mask_shape,
+    check_is_causal,
+    check_key_mask_shape,
+)
 from attnkit.torch.cache import KVCache
 from attnkit.torch.flash import scores_may_overflow
 from attnkit.torch.layers import Linear, _check_dropout, _init_from_numpy, _NumpyStateDict
@@ -190,45 +198,19 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
     # ----- checks and masks ------------------------------------------------------------------
 
     def _check_inputs(self, query, key, value):
-        if not isinstance(query, torch.Tensor):
-            raise TypeError(f"expected query to be a torch.Tensor, got {type(query).__name__}")
-        if query.dim() != 3 or query.shape[-1] != self.d_model:
-            raise ValueError(
-                f"expected query of shape (B, L, d_model={self.d_model}), got {tuple(query.shape)}"
-                + ("; add a batch axis with x[None]" if query.dim() == 2 and query.shape[-1] == self.d_model else "")
-            )
-        if key is None:
-            if value is not None:
-                raise ValueError("got value without key; pass key too (or neither, for self-attention)")
-            if self.kdim != self.d_model or self.vdim != self.d_model:
-                raise ValueError(f"this module has kdim={self.kdim}, vdim={self.vdim}: pass key and value")
-            return query, query, query
-        value = key if value is None else value
-        for name, x in (("key", key), ("value", value)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
-        if key.dim() != 3 or key.shape[0] != query.shape[0] or key.shape[-1] != self.kdim:
-            raise ValueError(f"expected key of shape (B={query.shape[0]}, S, kdim={self.kdim}), got {tuple(key.shape)}")
-        if value.dim() != 3 or value.shape[:2] != key.shape[:2] or value.shape[-1] != self.vdim:
-            raise ValueError(
-                f"expected value of shape (B={key.shape[0]}, S={key.shape[1]}, vdim={self.vdim}), got {tuple(value.shape)}"
-            )
-        return query, key, value
+        return check_attention_inputs(self, query, key, value, _as_tensor)
 
     def _mask(self, attn_mask, key_mask, is_causal, B, L, S, kv_cache):
         """Combine the call's masks into one for SDPA: (mask or None, use SDPA's is_causal)."""
-        if not isinstance(is_causal, bool):
-            raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
+        check_is_causal(is_causal)
         allowed = None  # boolean part, broadcastable to (B, H, L, S)
         if key_mask is not None:
             if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
                 what = key_mask.dtype if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
                 raise TypeError(
-                    f"expected key_mask to be a bool tensor (True = real token), got {what}; "
-                    "for torch's key_padding_mask (True = padding) pass ~key_padding_mask"
+                    f"expected key_mask to be a bool tensor (True = real token), got {what}; " + KEY_PADDING_HINT
                 )
-            if tuple(key_mask.shape) != (B, S):
-                raise ValueError(f"expected key_mask of shape (B, S) = ({B}, {S}), got {tuple(key_mask.shape)}")
+            check_key_mask_shape(key_mask.shape, B, S)
             allowed = key_mask[:, None, None, :]  # (B, 1, 1, S)
         if kv_cache is not None:
             cached = kv_cache.mask(L, S, causal=is_causal)  # bottom-right causal and padding
@@ -248,19 +230,7 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
                 "expected attn_mask to be boolean (True = may attend) or floating (added to the scores), "
                 f"got dtype {attn_mask.dtype}"
             )
-        target = (B, self.num_heads, L, S)
-        ok = attn_mask.dim() in (2, 4)
-        if ok:
-            try:
-                ok = tuple(torch.broadcast_shapes(attn_mask.shape, target)) == target
-            except RuntimeError:
-                ok = False
-        if not ok:
-            raise ValueError(
-                f"expected attn_mask of shape (L, S) = ({L}, {S}) or 4-D broadcastable to (B, H, L, S) = {target}, "
-                f"got {tuple(attn_mask.shape)}"
-                + ("; torch's 3-D (B*H, L, S) masks must be reshaped to (B, H, L, S)" if attn_mask.dim() == 3 else "")
-            )
+        check_attn_mask_shape(attn_mask.shape, B, self.num_heads, L, S)
         if attn_mask.dtype == torch.bool:
             return (attn_mask if allowed is None else attn_mask & allowed), False
         return (attn_mask if allowed is None else attn_mask.masked_fill(~allowed, -math.inf)), False
@@ -293,8 +263,10 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
             is_causal: top-left causal mask; with a kv_cache, bottom-right (the L
                 new queries are the last L of the S keys).
             need_weights: also return the attention weights (computed explicitly,
-                not through SDPA); averaged over heads -> (B, L, S) unless
-                average_attn_weights=False -> (B, num_heads, L, S).
+                not through SDPA), after dropout in training mode (the weights the
+                output is formed with, as attnkit.nn and torch's nn.MultiheadAttention);
+                averaged over heads -> (B, L, S) unless average_attn_weights=False
+                -> (B, num_heads, L, S).
             kv_cache, layer: self-attention decoding: this call's keys and values are
                 appended to `kv_cache` at `layer` and the queries attend to all S cached.
 
@@ -349,10 +321,13 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
                        dtype=w.dtype, device=w.device)
 
     def extra_repr(self) -> str:
-        extra = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        if self.kdim != self.d_model or self.vdim != self.d_model:
-            extra += f", kdim={self.kdim}, vdim={self.vdim}"
-        return f"d_model={self.d_model}, num_heads={self.num_heads}{extra}, dropout={self.dropout}"
+        return attention_extra_repr(self)
+
+
+def _as_tensor(name: str, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    return x
 
 
 def _math_backend():
@@ -365,8 +340,9 @@ def _math_backend():
 def _attention_with_weights(q, k, v, mask, is_causal, dropout_p):
     """Attention written out, for when the weights are wanted; q is already scaled.
 
-    Returns (output (B, H, L, E), weights (B, H, L, S)); weights before dropout,
-    fully masked rows 0.
+    Returns (output (B, H, L, E), weights (B, H, L, S)); weights after dropout (the
+    ones the output is formed with, as attnkit.nn and torch's nn.MultiheadAttention
+    return them), fully masked rows 0.
     """
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
@@ -383,4 +359,4 @@ def _attention_with_weights(q, k, v, mask, is_causal, dropout_p):
     total = weights.sum(dim=-1, keepdim=True)
     weights = weights / torch.where(total > 0, total, 1.0)  # (B, H, L, S); fully masked rows 0
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    return torch.matmul(dropped, v), weights
+    return torch.matmul(dropped, v), dropped

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnkit.nn.spec import block_extra_repr
 from attnkit.torch.attention import MultiHeadAttention
 from attnkit.torch.cache import KVCache
 from attnkit.torch.layers import FeedForward, LayerNorm, _check_dropout, _init_from_numpy, _NumpyStateDict
@@ -110,4 +111,4 @@ class TransformerBlock(_NumpyStateDict, nn.Module):
         return x
 
     def extra_repr(self) -> str:
-        return f"norm_first={self.norm_first}, dropout={self.dropout}"
+        return block_extra_repr(self)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnkit.nn.spec import check_dropout, feed_forward_extra_repr
+
 __all__ = ["ACTIVATIONS", "FeedForward", "LayerNorm", "Linear"]
 
 
@@ -153,13 +155,10 @@ class FeedForward(_NumpyStateDict, nn.Module):
         return self.fc2(h)  # (..., d_model)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, dropout={self.dropout}"
+        return feed_forward_extra_repr(self)
 
 
-def _check_dropout(p: float) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"expected dropout to be a float in [0, 1), got {p!r}")
-    return float(p)
+_check_dropout = check_dropout  # the one validator, in attnkit.nn.spec
 
 
 def _check_last_dim(name: str, x: Any, size: int) -> None:

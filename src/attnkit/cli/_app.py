@@ -151,19 +151,23 @@ def _usage_line(error: Any) -> str:
     return message
 
 
-class _Group(TyperGroup):
+class _TidyHelp:
+    """The help option of a command or group, tidied like its other parameters."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        if option is not None:
+            _tidy_param(self, option)
+        return option
+
+
+class _Group(_TidyHelp, TyperGroup):
     """attnkit's command group: every failure ends as one `error:` line and an exit code."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for param in self.params:
             _tidy_param(self, param)
-
-    def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            _tidy_param(self, option)
-        return option
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
         if not standalone_mode:
@@ -198,7 +202,7 @@ class _Group(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-class _Command(TyperCommand):
+class _Command(_TidyHelp, TyperCommand):
     """A command whose help reads as written: click-style usage (`TEXT`, `[TEXTS]...`),
     argument names in capitals, no type tag on flags, and help text never read as markup
     (`[min-half-len, half-len]` stays as it is)."""
@@ -208,12 +212,6 @@ class _Command(TyperCommand):
         self.help = _plain_help(self, self.help)
         for param in self.params:
             _tidy_param(self, param)
-
-    def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            _tidy_param(self, option)
-        return option
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -148,33 +149,29 @@ def read_safetensors(files: str | Path | Sequence[str | Path]) -> dict[str, np.n
     Raises:
         CheckpointError: a missing, truncated or corrupt file, naming it.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
-    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    infos = read_header(files)  # checks every file and every name before anything is read
     tensors: dict[str, np.ndarray] = {}
-    origin: dict[str, Path] = {}
-    for path in paths:
-        if not path.is_file():
-            raise CheckpointError(f"weights file {path} does not exist")
-        try:
-            with safe_open(str(path), framework="numpy") as handle:
-                for name in handle.keys():
-                    if name in tensors:
-                        raise CheckpointError(
-                            f"tensor {name!r} appears in both {origin[name]} and {path}"
-                        )
-                    if handle.get_slice(name).get_dtype() == "BF16":
-                        tensors[name] = _read_bfloat16(path, name)
-                    else:
-                        tensors[name] = handle.get_tensor(name)
-                    origin[name] = path
-        except SafetensorError as error:
-            raise CheckpointError(
-                f"{path} is not a readable safetensors file (truncated or corrupt?): {error}"
-            ) from None
-        except OSError as error:
-            raise CheckpointError(f"cannot read {path}: {error}") from None
+    for path in dict.fromkeys(info.file for info in infos.values()):
+        with _reading(path), safe_open(str(path), framework="numpy") as handle:
+            for name, info in infos.items():
+                if info.file == path:
+                    tensors[name] = _read_bfloat16(path, name) if info.dtype == "BF16" else handle.get_tensor(name)
     return tensors
+
+
+@contextmanager
+def _reading(path: Path):
+    """Turn safetensors' and the OS's errors about `path` into a CheckpointError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") from None
+    except OSError as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from None
 
 
 # ----------------------------------------------------------------------------- names
@@ -328,26 +325,19 @@ def read_header(files: str | Path | Sequence[str | Path]) -> dict[str, TensorInf
     Raises:
         CheckpointError: a missing, truncated or corrupt file, or a name in two shards.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
     infos: dict[str, TensorInfo] = {}
     for path in paths:
         if not path.is_file():
             raise CheckpointError(f"weights file {path} does not exist")
-        try:
-            with safe_open(str(path), framework="numpy") as handle:
-                for name in handle.keys():
-                    if name in infos:
-                        raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {path}")
-                    piece = handle.get_slice(name)
-                    infos[name] = TensorInfo(tuple(int(n) for n in piece.get_shape()), str(piece.get_dtype()), path)
-        except SafetensorError as error:
-            raise CheckpointError(
-                f"{path} is not a readable safetensors file (truncated or corrupt?): {error}"
-            ) from None
-        except OSError as error:
-            raise CheckpointError(f"cannot read {path}: {error}") from None
+        with _reading(path), safe_open(str(path), framework="numpy") as handle:
+            for name in handle.keys():
+                if name in infos:
+                    raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {path}")
+                piece = handle.get_slice(name)
+                infos[name] = TensorInfo(tuple(int(n) for n in piece.get_shape()), str(piece.get_dtype()), path)
     return infos
 
 

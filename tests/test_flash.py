@@ -7,6 +7,7 @@ kept tiny here so every case crosses many tile edges.
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -155,7 +156,7 @@ def test_backward_matches_torch_autograd_and_three_times_the_plain_error(torch, 
     q, k, v, kw, dense, scale, group = _build(case)
     d_out = np.random.default_rng(case[-1] + 1).standard_normal((*q.shape[:-1], v.shape[-1])).astype(np.float32)
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
-    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     plain = attnkit.scaled_dot_product_attention_backward(
         d_out, q, k, v, attn_mask=dense, scale=scale, enable_gqa=group > 1
     )
@@ -177,7 +178,7 @@ def test_backward_matches_torch_autograd_and_three_times_the_plain_error(torch, 
     kw64 = {key: (val.astype(np.float64) if isinstance(val, np.ndarray) and val.dtype != bool else val)
             for key, val in kw.items()}
     res64 = attnkit.flash_attention(q64, k64, v64, return_lse=True, **kw64)
-    grads64 = attnkit.flash_attention_backward(d64, q64, k64, v64, res64.output, res64.lse, **kw64)
+    grads64 = attnkit.flash_attention_backward(d64, q64, k64, v64, res64.output, res64)
     for name, ours, ref in zip(("query", "key", "value"), grads64, expected):
         assert_close(ours, ref, 1e-10, f"float64 grad_{name}")
 
@@ -191,7 +192,7 @@ def test_backward_matches_finite_differences_float64():
     kw = dict(enable_gqa=True, scale=0.7, window=(4, 1), causal_align="bottom_right",
               score_mod=mods.softcap(2.0), block_q=3, block_k=4)
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
-    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
 
     def loss(q_, k_, v_):
         return float(np.sum(attnkit.flash_attention(q_, k_, v_, **kw) * d_out))
@@ -235,7 +236,7 @@ def _check_every_row(q, k, v, d_out, mask, kw):
     """flash forward and backward against the plain float32 path, row by row, with
     the float64 truth (reference forward, torch autograd backward)."""
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
-    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     plain = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     plain_grads = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, attn_mask=mask)
     truth = reference_attention(q, k, v, mask)[0]
@@ -391,14 +392,14 @@ def test_fully_masked_rows_give_zero_output_and_finite_zero_gradients():
     assert np.array_equal(res.output[:, [0, 4, 8]], np.zeros((2, 3, 4)))
     assert np.isneginf(res.lse[:, [0, 4, 8]]).all()
     d_out = rng.standard_normal(res.output.shape).astype(np.float32)
-    g = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, attn_mask=mask, block_q=2, block_k=4)
+    g = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     assert all(np.isfinite(x).all() for x in g)
     assert np.array_equal(g.grad_query[:, [0, 4, 8]], np.zeros((2, 3, 4)))
     # a mask that excludes everything: all zeros, nothing computed
     none = np.zeros((9, 9), dtype=bool)
-    out = attnkit.flash_attention(q, k, v, attn_mask=none)
-    assert np.array_equal(out, np.zeros_like(out))
-    g = attnkit.flash_attention_backward(d_out, q, k, v, out, np.full((2, 9), -np.inf, np.float32), attn_mask=none)
+    res = attnkit.flash_attention(q, k, v, attn_mask=none, return_lse=True)
+    assert np.array_equal(res.output, np.zeros_like(res.output)) and np.isneginf(res.lse).all()
+    g = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     assert all(np.array_equal(x, np.zeros_like(x)) for x in g)
 
 
@@ -454,7 +455,7 @@ def test_peaked_rows_keep_gradients_as_exact_as_the_plain_path(torch):
         for bq, bk in [(1, 3), (4, 8), (8, 16), (None, None)]:
             kw = dict(scale=1.7, block_q=bq, block_k=bk, is_causal=causal, causal_align="bottom_right")
             res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
-            grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+            grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
             for name, ours, base, ref in zip(("query", "key", "value"), grads, plain, expected):
                 # no epsilon: the plain errors here are far above rounding, and the
                 # regression this guards against sat at 3.2x
@@ -483,7 +484,7 @@ def test_float16_and_2d_inputs():
     # float16 results: the epsilon is one float16 ulp (2^-10 = 8192 float32 ulps) at the largest
     # output, half for storing in float16 and half for the float32 compute nudging across a tie
     assert_within_budget(res.output, plain, truth, "float16 output vs plain float16", ulps=8192)
-    g = attnkit.flash_attention_backward(q, q, k, v, res.output, res.lse, is_causal=True)
+    g = attnkit.flash_attention_backward(q, q, k, v, res.output, res)
     assert all(x.dtype == np.float16 and x.shape == (6, 8) for x in g)
 
 
@@ -547,11 +548,38 @@ def test_backward_rejects_bad_saved_state_and_underivable_mods():
     q = np.ones((2, 3, 4))
     res = attnkit.flash_attention(q, q, q, return_lse=True)
     with pytest.raises(ValueError, match=r"lse of shape \(2, 3\)"):
-        attnkit.flash_attention_backward(q, q, q, q, res.output, res.lse[:, :2])
+        attnkit.flash_attention_backward(q, q, q, q, res.output, dataclasses.replace(res, lse=res.lse[:, :2]))
     with pytest.raises(ValueError, match="grad_output"):
-        attnkit.flash_attention_backward(q[:, :2], q, q, q, res.output, res.lse)
+        attnkit.flash_attention_backward(q[:, :2], q, q, q, res.output, res)
+    plain_mod = attnkit.flash_attention(q, q, q, return_lse=True, score_mod=lambda s, b, h, i, j: s * 2)
     with pytest.raises(TypeError, match="ScoreMod"):
-        attnkit.flash_attention_backward(q, q, q, q, res.output, res.lse, score_mod=lambda s, b, h, i, j: s * 2)
+        attnkit.flash_attention_backward(q, q, q, q, plain_mod.output, plain_mod)
+
+
+def test_backward_takes_the_forwards_plan_and_refuses_another_problems_state():
+    """The state carries the forward's tile grid, mask and settings: the backward
+    cannot be run on another grid, and a state of other shapes, a bare lse or a
+    merged state (no plan) is refused with what was expected."""
+    rng = np.random.default_rng(22)
+    q, k, v, d_out = (rng.standard_normal((2, 19, 8)) for _ in range(4))
+    res = attnkit.flash_attention(q, k, v, is_causal=True, block_q=3, block_k=5, return_lse=True)
+    assert (res.plan.block_q, res.plan.block_k) == (3, 5)
+    out, lse = res  # still unpacks as (output, lse)
+    assert out is res.output and lse is res.lse
+    expected = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, is_causal=True)
+    for threads in (1, 2):
+        grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res, num_threads=threads)
+        for ours, theirs in zip(grads, expected):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"expected the inputs of the forward .*query \(2, 19, 8\).*got query \(2, 18, 8\)"):
+        attnkit.flash_attention_backward(d_out[:, :18], q[:, :18], k, v, res.output[:, :18], res)
+    with pytest.raises(ValueError, match="expected the inputs of the forward"):
+        attnkit.flash_attention_backward(d_out, *(x.astype(np.float32) for x in (q, k, v)), res.output, res)
+    with pytest.raises(TypeError, match="AttentionState that flash_attention"):
+        attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse)
+    merged = attnkit.merge_attention_states([res.output], [res.lse])
+    with pytest.raises(TypeError, match="merged state without a plan"):
+        attnkit.flash_attention_backward(d_out, q, k, v, res.output, merged)
 
 
 def test_flash_broadcasts_like_sdpa_forward_and_backward():
@@ -564,8 +592,61 @@ def test_flash_broadcasts_like_sdpa_forward_and_backward():
         d_out = rng.standard_normal(plain.shape)
         expected = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, is_causal=True)
         grads = attnkit.flash_attention_backward(
-            d_out, q, k, v, res.output, res.lse, is_causal=True, block_q=16, block_k=16
+            d_out, q, k, v, res.output, res
         )
         for ours, theirs in zip(grads, expected):
             assert ours.shape == theirs.shape
             np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
+    """Tiles keep a (block_q, block_k) score tile within the L2 the OS reports, and
+    along a causal band the query blocks are cut to L / 8 (at least 64)."""
+    from attnkit.functional import flash
+
+    assert flash.l2_cache_bytes() >= 1 << 14
+    monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 1 << 20)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
+    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (256, 512)
+    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (128, 512)
+    assert flash.choose_blocks(100, 30, 4, banded=False) == (100, 30)
+    monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 256 << 10)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (128, 512)
+    q = np.ones((1, 2, 300, 8), np.float32)
+    res = attnkit.flash_attention(q, q, q, is_causal=True, return_lse=True)
+    assert (res.plan.block_q, res.plan.block_k) == (64, 300)
+
+
+def test_small_calls_stay_on_the_calling_thread():
+    """Threads never hurt: work too small to split runs on the caller's thread."""
+    import threading
+
+    seen = set()
+
+    def spy(b, h, q_idx, kv_idx):
+        seen.add(threading.current_thread().name)
+        return np.ones((q_idx.shape[0], kv_idx.shape[1]), dtype=bool)
+
+    q = np.ones((1, 4, 64, 8), np.float32)
+    attnkit.flash_attention(q, q, q, mask_mod=spy, num_threads=2, block_q=16, block_k=16)
+    assert seen == {threading.current_thread().name}
+
+
+def test_mods_are_read_through_their_protocols():
+    """Any object with a band (and rest) is a banded mask mod, any with grad a
+    differentiable score mod; flash reads them by isinstance, a plain function is neither."""
+
+    class Diagonal:  # allows only kv == q: a band (0, 0), exact
+        band, rest = (0, 0, True), None
+
+        def __call__(self, b, h, q_idx, kv_idx):
+            raise AssertionError("an exact band is never evaluated")
+
+    assert isinstance(Diagonal(), mods.BandedMaskMod)
+    assert not isinstance(lambda b, h, q, kv: q >= kv, mods.BandedMaskMod)
+    assert isinstance(mods.softcap(3.0), mods.DifferentiableScoreMod)
+    assert isinstance(mods.causal("bottom_right"), mods.BindsLengths)
+    rng = np.random.default_rng(23)
+    q, k, v = (rng.standard_normal((2, 9, 4)) for _ in range(3))
+    np.testing.assert_allclose(attnkit.flash_attention(q, k, v, mask_mod=Diagonal(), block_q=2, block_k=3), v,
+                               rtol=1e-12, atol=1e-12)

@@ -34,7 +34,7 @@ def _check_both_ways(q, k, v, d_out, flash_kw, plain_mask, tol=1e-10):
     finite = np.isfinite(plain.lse)
     assert np.array_equal(np.isfinite(res.lse), finite)
     np.testing.assert_allclose(res.lse[finite], plain.lse[finite], rtol=tol, atol=tol)
-    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, block_q=4, block_k=3, **flash_kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     expected = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, attn_mask=plain_mask)
     for name, ours, theirs in zip(("query", "key", "value"), grads, expected):
         assert_close(ours, theirs, tol, f"grad_{name}")
@@ -135,7 +135,7 @@ def test_softcap_matches_dense_reference_forward_and_backward(torch, dtype):
     kw = dict(score_mod=mods.softcap(cap), is_causal=True, causal_align="bottom_right", block_q=4, block_k=5)
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
     ref_out, ref_grads = _softcap_reference(*(x.astype(np.float64) for x in (q, k, v, d_out)), cap, mask)
-    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     # the plain path on pre-capped scores: scores -> capped scores -> softmax, in float64
     scores = np.einsum("bhle,bhse->bhls", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(E)
     capped = mods.apply_score_mod(mods.softcap(cap), scores)
@@ -173,8 +173,7 @@ def test_custom_mods_in_flex_style():
     # backward needs the derivative: an additive mod says so with ScoreMod(fn, grad=None)
     res = attnkit.flash_attention(q, k, v, mask_mod=checkerboard, return_lse=True,
                                   score_mod=mods.ScoreMod(relative_bias))
-    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res.lse, mask_mod=checkerboard,
-                                             score_mod=mods.ScoreMod(relative_bias))
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     plain = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, attn_mask=np.where(dense_mask, bias, -np.inf))
     for ours, theirs in zip(grads, plain):
         assert_close(ours, theirs, 1e-10, "custom mod grads")

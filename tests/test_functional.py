@@ -670,7 +670,7 @@ def test_any_finite_magnitude_gives_torch_math_float64_answer(torch, case):
         assert_like_truth(out, oracle, truth, sizes["out"], f"{name} output")
     backwards = {
         "plain": sdpa_backward(d_out, q, k, v, **kw),
-        "flash": attnkit.flash_attention_backward(d_out, q, k, v, flash.output, flash.lse, **kw, **tiles),
+        "flash": attnkit.flash_attention_backward(d_out, q, k, v, flash.output, flash),
     }
     for name, grads in backwards.items():
         for which, ours, theirs, truth_grad in zip(("dq", "dk", "dv"), grads, oracle_grads, truth_grads):
@@ -692,7 +692,7 @@ def test_large_finite_inputs_are_not_nan(torch, magnitude, scale):
     for name, out in (("plain", plain), ("flash", flash.output)):
         np.testing.assert_allclose(out, truth, rtol=1e-6, err_msg=name)
     grads = (sdpa_backward(np.ones_like(q), q, q, q, scale=scale),
-             attnkit.flash_attention_backward(np.ones_like(q), q, q, q, flash.output, flash.lse, scale=scale))
+             attnkit.flash_attention_backward(np.ones_like(q), q, q, q, flash.output, flash))
     for name, g in zip(("plain", "flash"), grads):
         for ours, expected in zip(g, truth_grads):
             assert not np.isnan(ours).any(), name
@@ -734,7 +734,7 @@ def test_empty_dimensions_give_torchs_results_and_gradients(torch, q_shape, k_sh
     assert res.weights.shape == (*res.output.shape[:-1], k.shape[-2])
     grads = {
         "sdpa": sdpa_backward(d_out, q, k, v, enable_gqa=gqa),
-        "flash": attnkit.flash_attention_backward(d_out, q, k, v, flash.output, flash.lse, enable_gqa=gqa),
+        "flash": attnkit.flash_attention_backward(d_out, q, k, v, flash.output, flash),
     }
     for name, g in grads.items():
         for ours, theirs in zip(g, expected_grads):

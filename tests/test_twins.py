@@ -9,6 +9,10 @@ same call signature, and equal outputs after moving the weights with
 - eval mode: truth = the NumPy twin in float64; attnkit's result = one twin in
   float32, oracle = the other twin in float32, both ways round
   (`assert_within_budget`); the two float64 twins agree to float64 rounding.
+- with a KV cache: both twins decode through their own `new_kv_cache()`, prompt
+  then one token at a time, left-padded; each step within budget of the other
+  twin (truth: the NumPy twin in float64), and step-by-step decoding equals the
+  full causal forward.
 - train mode with dropout: the twins cannot share a dropout mask (NumPy draws
   from a numpy Generator, torch from torch's RNG; neither can replay the
   other's stream), so train mode is compared by its statistics (the mean over
@@ -59,6 +63,10 @@ CTOR_ONLY_TORCH = {
     "device": "torch parameters live on a device; NumPy arrays are on the CPU",
     "dtype": "torch modules take a factory dtype; NumPy modules convert with Module.astype",
 }
+# MultiHeadAttention and TransformerBlock also run context-parallel (attnkit.torch.distributed).
+CTOR_ONLY_TORCH_CONTEXT_PARALLEL = {
+    **CTOR_ONLY_TORCH,
+}
 CTOR_ONLY_TORCH_KVCACHE = {
     "device": "the torch cache's buffers live on a device",
 }
@@ -66,27 +74,16 @@ CTOR_ONLY_TORCH_KVCACHE = {
 CTOR_DEFAULT_DIFFERS = {
     ("KVCache", "dtype"): "each side's float32 (np.float32 vs torch.float32)",
 }
-# Call parameters only one side has, with the reason.
-CALL_ONLY_TORCH = {
-    "MultiHeadAttention": {
-        "kv_cache": "only the torch twin decodes through a KV cache (attnkit.nn decodes in CausalSelfAttention)",
-        "layer": "the KV cache's layer index, with kv_cache",
-    },
-    "TransformerBlock": {
-        "kv_cache": "passed through to MultiHeadAttention (torch only, as above)",
-        "layer": "the KV cache's layer index, with kv_cache",
-    },
-}
+# Call parameters only one side has, with the reason (none today: both twins decode
+# through a KV cache).
+CALL_ONLY_TORCH: dict[str, dict[str, str]] = {}
 # Call parameters named differently, with the reason.
 CALL_RENAMED = {
     "Linear": {"x": ("input", "the torch twin inherits torch.nn.Linear.forward(input)")},
     "LayerNorm": {"x": ("input", "the torch twin inherits torch.nn.LayerNorm.forward(input)")},
 }
-# Methods with different signatures, with the reason.
-METHOD_DIFFERS = {
-    ("KVCache", "mask"): "the torch cache's mask takes causal= (MultiHeadAttention's is_causal); "
-                         "the NumPy cache's is always causal",
-}
+# Methods with different signatures, with the reason (none today).
+METHOD_DIFFERS: dict[tuple[str, str], str] = {}
 
 
 def _params(fn) -> list[inspect.Parameter]:
@@ -129,7 +126,9 @@ def test_result_twins_have_the_same_fields(name):
 
 @pytest.mark.parametrize("name", MODULE_TWINS)
 def test_same_constructor_signature(name):
-    _compare_signatures(name, getattr(ann, name).__init__, getattr(at, name).__init__, CTOR_ONLY_TORCH)
+    only_torch = CTOR_ONLY_TORCH_CONTEXT_PARALLEL if name in ("MultiHeadAttention", "TransformerBlock") \
+        else CTOR_ONLY_TORCH
+    _compare_signatures(name, getattr(ann, name).__init__, getattr(at, name).__init__, only_torch)
 
 
 def test_kv_cache_constructor_and_methods():
@@ -144,9 +143,9 @@ def test_kv_cache_constructor_and_methods():
         if not callable(a) or not callable(b) or ("KVCache", method) in METHOD_DIFFERS:
             continue
         assert [p.name for p in _params(a)] == [p.name for p in _params(b)], f"KVCache.{method}"
-    # the one known difference, pinned so that unifying it updates this test
-    assert [p.name for p in _params(ann.KVCache.mask)] == ["L", "S"]
-    assert [p.name for p in _params(at.KVCache.mask)] == ["L", "S", "causal"]
+    assert "mask" in shared and "update" in shared and "add_padding" in shared
+    for a, b in zip(_params(ann.KVCache.mask), _params(at.KVCache.mask)):
+        assert (a.name, a.kind, a.default) == (b.name, b.kind, b.default)
 
 
 @pytest.mark.parametrize("name", MODULE_TWINS)
@@ -273,6 +272,60 @@ def test_cross_attention_and_masks_eval():
     for i, (t, a, b) in enumerate(zip(want, got_nn, got_t)):
         assert_within_budget(a, b, t, what=f"cross[{i}] nn float32 (oracle torch float32)")
         assert_within_budget(b, a, t, what=f"cross[{i}] torch float32 (oracle nn float32)")
+
+
+# ----- outputs: decoding through a KV cache ---------------------------------------------------
+
+
+def _decode(module, x, real, dtype, **kwargs):
+    """Prompt (first 3 positions) then one position at a time through the module's own
+    `new_kv_cache()`, left padding marked with `add_padding`; the steps' outputs, concatenated."""
+    B, T, _ = x.shape
+    cache = (module.attn if hasattr(module, "attn") else module).new_kv_cache(B, T)
+    as_input = (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))) if isinstance(
+        module, torch.nn.Module) else (lambda a: np.asarray(a, dtype=dtype))
+    outs = []
+    with torch.no_grad():
+        for start, stop in [(0, 3)] + [(t, t + 1) for t in range(3, T)]:
+            cache.add_padding(as_input(real[:, start:stop]) if not isinstance(module, torch.nn.Module)
+                              else torch.from_numpy(real[:, start:stop]))
+            out = module(as_input(x[:, start:stop]), is_causal=True, kv_cache=cache, **kwargs)
+            outs.append(_np(out.output if hasattr(out, "output") else out))
+    assert cache.length == T
+    return np.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("name", ["MultiHeadAttention", "TransformerBlock"])
+def test_equal_outputs_with_a_kv_cache(name):
+    extra = {"num_kv_heads": 2} if name == "MultiHeadAttention" else {}
+    ours, theirs, truth, _ = _twins(name, **extra)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 7, 16))
+    real = np.ones((2, 7), bool)
+    real[1, :2] = False  # sequence 1 is left-padded by two
+    want = _decode(truth, x, real, np.float64)
+    got_nn = _decode(ours, x, real, np.float32)
+    got_torch = _decode(theirs, x, real, np.float32)
+    keep = real[:, :, None]  # padded queries' rows are not compared (no key may be seen)
+    assert_within_budget(np.where(keep, got_nn, 0), np.where(keep, got_torch, 0), np.where(keep, want, 0),
+                         what=f"{name} decode nn float32 (oracle torch float32)")
+    assert_within_budget(np.where(keep, got_torch, 0), np.where(keep, got_nn, 0), np.where(keep, want, 0),
+                         what=f"{name} decode torch float32 (oracle nn float32)")
+    # step by step equals the full causal forward with the same padding (float64, both twins)
+    full = truth(x, is_causal=True, key_mask=real)
+    full = full.output if hasattr(full, "output") else full
+    np.testing.assert_allclose(np.where(keep, want, 0), np.where(keep, full, 0), rtol=1e-10, atol=1e-12)
+
+
+def test_kv_cache_is_for_self_attention_only_on_both_sides():
+    ours, theirs, _, _ = _twins("MultiHeadAttention")
+    x = np.zeros((1, 2, 16), np.float32)
+    messages = []
+    for module, arr in ((ours, x), (theirs, torch.from_numpy(x))):
+        with pytest.raises(ValueError, match="kv_cache is for self-attention") as info:
+            module(arr, arr, arr, kv_cache=module.new_kv_cache(1, 4))
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
 
 
 # ----- outputs: train mode with dropout ---------------------------------------------------------

@@ -37,6 +37,7 @@ SUITES: dict[str, str] = {
     "torch_modules": "attnkit.bench.torch_modules",
     "decoder": "attnkit.bench.decoder",
     "nn": "attnkit.bench.nn",
+    "cache": "attnkit.bench.cache",
 }
 
 

@@ -1,12 +1,41 @@
 """attnkit's NumPy core: pure functions, no state, no printing.
 
-Every attention implementation here has the signature of
-`scaled_dot_product_attention` and is chosen by name from `ATTENTION_BACKENDS`
-(see `get_attention`), never by a chain of fast-path conditions.
+Every attention implementation ("backend") has one signature, torch SDPA's
+positional arguments followed by keywords that carry what any backend needs,
+and is chosen by name from `ATTENTION_BACKENDS` (see `get_attention`), never by
+a chain of fast-path conditions:
+
+    fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+       enable_gqa=False, *, causal_align="top_left", window=None, key_padding_mask=None,
+       score_mod=None, mask_mod=None, rng=None, return_weights=False, return_lse=False)
+
+    query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev)
+    attn_mask     bool (True = may attend) or float (added), broadcastable to (..., Hq, L, S)
+    is_causal     causal mask aligned by causal_align: "top_left" (query i sees keys 0..i,
+                  torch's) or "bottom_right" (keys 0..i + S - L: the L new queries of a KV
+                  cache); not together with attn_mask
+    window        int left, or (left, right): query i sees keys i - left .. i + right,
+                  aligned by causal_align (masks.sliding_window_mask)
+    key_padding_mask  bool (..., S), True = a real key; combines with everything above
+    score_mod, mask_mod   FlexAttention-style mods (attnkit.functional.mods)
+    rng           Generator or seed for dropout
+    returns       the output (..., Hq, L, Ev), or AttentionOutput(output, weights, lse)
+                  when return_weights or return_lse is set
+
+A query with no key allowed gets output 0 (weights 0, lse -inf). "naive"
+(`scaled_dot_product_attention`) builds the dense mask and scores; "flash"
+(`flash_backend`) turns is_causal / causal_align / window into its band and
+skips the tiles outside it, and refuses dropout and return_weights.
+
+Register your own with `register_attention(name, fn)`; it checks that `fn`
+takes this signature (a `**kwargs` catches what it does not use). Pass
+`weightless=True` when it cannot return weights: `attnkit.record_attention`
+then runs "naive" for the calls it records.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from attnkit.functional import masks
@@ -39,6 +68,57 @@ ATTENTION_BACKENDS: dict[str, Callable] = {
 WEIGHTLESS_BACKENDS: set[str] = {"flash"}
 
 
+# The keywords every backend takes, after query, key, value (see the module docstring).
+BACKEND_KEYWORDS = (
+    "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "causal_align", "window",
+    "key_padding_mask", "score_mod", "mask_mod", "rng", "return_weights", "return_lse",
+)
+BUILTIN_BACKENDS = ("naive", "flash")
+
+
+def register_attention(name: str, fn: Callable, *, weightless: bool = False) -> None:
+    """Register `fn` as attention backend `name` (then `module.backend = name`,
+    `model.set_attention_backend(name)` and `get_attention(name)` find it).
+
+    Arguments:
+        name: a new name, or one registered before (not "naive" or "flash").
+        fn: a function with the one backend signature (module docstring).
+        weightless: `fn` never returns weights (return_weights=True is refused);
+            recording then runs "naive" instead (WEIGHTLESS_BACKENDS).
+
+    Raises:
+        TypeError: `fn` is not callable or does not take the signature;
+        ValueError: `name` is empty, not a string, or a built-in backend.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"expected a backend name as a non-empty str, got {name!r}")
+    if name in BUILTIN_BACKENDS:
+        raise ValueError(f"expected a new backend name; {name!r} is built in ({', '.join(BUILTIN_BACKENDS)})")
+    if not callable(fn):
+        raise TypeError(f"expected the backend {name!r} to be callable, got {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # a builtin without a signature: trust it
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None, None, None, **{keyword: None for keyword in BACKEND_KEYWORDS})
+        except TypeError:
+            params = signature.parameters
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            missing = [k for k in BACKEND_KEYWORDS if k not in params and not takes_any]
+            raise TypeError(
+                f"expected the backend {name!r} to take fn(query, key, value, {', '.join(BACKEND_KEYWORDS)}) "
+                f"(see attnkit.functional), got {fn.__name__ if hasattr(fn, '__name__') else fn}{signature}"
+                + (f"; missing {missing}" if missing else "")
+            ) from None
+    ATTENTION_BACKENDS[name] = fn
+    if weightless:
+        WEIGHTLESS_BACKENDS.add(name)
+    else:
+        WEIGHTLESS_BACKENDS.discard(name)
+
+
 def get_attention(name: str) -> Callable:
     """The attention implementation registered under `name` (e.g. "naive", "flash")."""
     try:
@@ -52,6 +132,7 @@ def get_attention(name: str) -> Callable:
 __all__ = [
     "ATTENTION_BACKENDS",
     "WEIGHTLESS_BACKENDS",
+    "BACKEND_KEYWORDS",
     "AttentionGrads",
     "AttentionOutput",
     "AttentionState",
@@ -61,6 +142,7 @@ __all__ = [
     "merge_attention_states",
     "mods",
     "get_attention",
+    "register_attention",
     "log_softmax",
     "logsumexp",
     "masks",

@@ -7,6 +7,7 @@ what was expected and what arrived.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -237,6 +238,79 @@ def check_mask(attn_mask, shapes: AttentionShapes, is_causal: bool) -> np.ndarra
     if mask.dtype != np.bool_:
         mask = mask.astype(shapes.compute_dtype, copy=False)
     return mask
+
+
+ALIGNMENTS = ("top_left", "bottom_right")  # as attnkit.functional.masks.ALIGNMENTS
+
+
+def check_align(causal_align) -> str:
+    """"top_left" (torch's is_causal: query i sees keys 0..i) or "bottom_right"
+    (query i sees keys 0..i + S - L, the L new queries of a KV cache)."""
+    if not isinstance(causal_align, str) or causal_align not in ALIGNMENTS:
+        raise ValueError(f"expected causal_align to be one of {ALIGNMENTS}, got {causal_align!r}")
+    return causal_align
+
+
+def check_window(window) -> tuple[int | None, int | None]:
+    """(left, right) from window=w (left=w, right=0), a (left, right) pair (None =
+    unbounded) or None (no window), as in masks.sliding_window_mask."""
+    if window is None:
+        return None, None
+    if isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_)):
+        window = (int(window), 0)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"expected window as an int (left) or a (left, right) pair, got {window!r}")
+    sides = []
+    for side, name in zip(window, ("left", "right")):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"expected window {name} to be an integer or None, got {type(side).__name__}")
+        if side < 0:
+            raise ValueError(f"expected window {name} >= 0, got {side}")
+        sides.append(int(side))
+    return sides[0], sides[1]
+
+
+def check_mod(fn, name: str, arity: int, args: str):
+    """A score or mask mod: None, or a callable taking `arity` positional arguments."""
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TypeError(f"expected {name} to be callable {name}{args}, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(*([None] * arity))
+    except TypeError:
+        raise TypeError(
+            f"expected {name} to take {arity} positional arguments {args}, "
+            f"got a callable with signature {inspect.signature(fn)}"
+        ) from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+    return fn
+
+
+def check_key_padding_mask(key_padding_mask, shapes: AttentionShapes) -> np.ndarray | None:
+    """A boolean (..., S) key mask, True = a real key that may be attended, whose
+    leading dims broadcast to the batch dims; returned as (*batch, S) (a view)."""
+    if key_padding_mask is None:
+        return None
+    mask = np.asarray(key_padding_mask)
+    expected = f"(..., S) with S={shapes.S} and leading dims broadcastable to the batch {shape_str(shapes.batch)}"
+    if mask.dtype != np.bool_:
+        raise TypeError(
+            f"expected key_padding_mask to be boolean {expected}, True = real key, got dtype {mask.dtype}"
+        )
+    try:
+        ok = mask.ndim >= 1 and mask.shape[-1] == shapes.S and (
+            np.broadcast_shapes(mask.shape[:-1], shapes.batch) == tuple(shapes.batch)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"expected key_padding_mask of shape {expected}, got {shape_str(mask.shape)}")
+    return np.broadcast_to(mask, (*shapes.batch, shapes.S))
 
 
 # ----------------------------------------------------------------------------- range of the scores

@@ -18,8 +18,17 @@ Semantics follow torch's `F.scaled_dot_product_attention`:
   single head on either side serves every head of the other.
 - `attn_mask`: boolean True = may attend, or a float mask added to the scores;
   either broadcasts to (..., H, L, S).
-- `is_causal=True` is top-left aligned (query i sees keys 0..i) and cannot be
-  combined with `attn_mask`: build the mask you want with `attnkit.masks`.
+- `is_causal=True` is top-left aligned (query i sees keys 0..i) unless
+  `causal_align="bottom_right"` (query i sees keys 0..i + S - L, the L new
+  queries of a KV cache), and cannot be combined with `attn_mask`: add
+  `key_padding_mask`, `window` or `mask_mod` to it, or build the mask you want
+  with `attnkit.masks`.
+- Beyond torch, the keywords every attention backend takes (see
+  `attnkit.functional`): `window` (a sliding window, aligned like the causal
+  mask), `key_padding_mask` ((..., S) bool, True = a real key), and
+  FlexAttention's `score_mod` / `mask_mod` exactly as `flash_attention`
+  defines them (`attnkit.functional.mods`). Here they become one dense mask
+  and a rewrite of the dense scores.
 - `scale` defaults to 1/sqrt(E).
 - Grouped-query attention (`enable_gqa=True`): query head h reads key/value
   head h // (Hq // Hkv), as torch's `repeat_interleave` lays them out.
@@ -32,18 +41,22 @@ Semantics follow torch's `F.scaled_dot_product_attention`:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from attnkit.functional._checks import (
     AttentionShapes,
     all_finite,
+    check_align,
     check_dropout,
+    check_key_padding_mask,
     check_mask,
+    check_mod,
     check_qkv,
     check_rng,
     check_scale,
+    check_window,
     needs_float64,
     output_ndim,
     require_float_tensor,
@@ -51,7 +64,7 @@ from attnkit.functional._checks import (
     start_dtype,
     sum_to_shape,
 )
-from attnkit.functional.masks import causal_mask
+from attnkit.functional.mods import DifferentiableScoreMod, bound, create_mask
 
 
 class AttentionOutput(NamedTuple):
@@ -88,18 +101,45 @@ def _ungroup_queries(x: np.ndarray, shapes: AttentionShapes) -> np.ndarray:
     return x.reshape(*shapes.batch, shapes.q_heads, shapes.L, x.shape[-1])
 
 
-def _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype):
-    """Softmax weights (..., Hq, L, S) and lse (..., Hq, L), computed in `dtype`.
+def _scaled_scores(query, key, shapes, scale, dtype):
+    """(query * scale) @ key^T, (..., Hq, L, S) in `dtype`.
 
-    The scale multiplies the query before the product, (query * scale) @ key^T,
-    so a product of large inputs does not overflow on its way to being scaled
-    down; torch's math backend scales before the product too."""
+    The scale multiplies the query before the product, so a product of large
+    inputs does not overflow on its way to being scaled down; torch's math
+    backend scales before the product too."""
     q = _group_queries(np.multiply(query, scale, dtype=dtype), shapes)  # (..., Hkv, g*L, E)
     k = key.astype(dtype, copy=False)  # (..., Hkv, S, E)
     scores = np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Hkv, g*L, S)
-    scores = scores.reshape(shapes.scores_shape)  # (..., Hq, L, S)
-    if is_causal:
-        attn_mask = causal_mask(shapes.L, shapes.S)
+    return scores.reshape(shapes.scores_shape)  # (..., Hq, L, S)
+
+
+def _per_head(fn, scores, shapes, out=None):
+    """fn(scores[b, h], b, h, q_idx, kv_idx) for every flattened batch index b and
+    query head h, as flash calls a mod on a tile: q_idx (L, 1), kv_idx (1, S).
+    Writes the results into `out` (default: over `scores`, in place)."""
+    flat = scores.reshape(-1, shapes.q_heads, shapes.L, shapes.S)  # (B, Hq, L, S), a view
+    dest = flat if out is None else out.reshape(flat.shape)
+    q_idx, kv_idx = np.arange(shapes.L)[:, None], np.arange(shapes.S)[None, :]
+    for b in range(flat.shape[0]):
+        for h in range(shapes.q_heads):
+            result = np.asarray(fn(flat[b, h], b, h, q_idx, kv_idx))
+            try:
+                dest[b, h] = result
+            except ValueError:
+                raise ValueError(
+                    f"expected score_mod to return scores of shape {shape_str((shapes.L, shapes.S))}, "
+                    f"got {shape_str(result.shape)}"
+                ) from None
+    return scores if out is None else out
+
+
+def _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype):
+    """Softmax weights (..., Hq, L, S) and lse (..., Hq, L), computed in `dtype`:
+    softmax(score_mod((query * scale) @ key^T) + attn_mask), attn_mask already
+    holding every mask of the call (see `_validate`)."""
+    scores = _scaled_scores(query, key, shapes, scale, dtype)  # (..., Hq, L, S)
+    if score_mod is not None:
+        _per_head(score_mod, scores, shapes)
     if attn_mask is not None:
         if attn_mask.dtype == np.bool_:
             np.copyto(scores, -np.inf, where=~attn_mask)
@@ -120,31 +160,71 @@ def _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype):
     return scores, lse
 
 
-def _weights(query, key, shapes, scale, attn_mask, is_causal):
+def _weights(query, key, shapes, scale, attn_mask, score_mod):
     """(weights, lse, dtype): the softmax weights in the compute dtype, or in
     float64 when the compute dtype cannot hold the scores (a scale below
     TINY_SCALE, or scores beyond float32's range: then the result is torch's
     math backend's in float64). Finite inputs never give NaN this way."""
     dtype = start_dtype(shapes.compute_dtype, scale)
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
-        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype)
+        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype)
     if needs_float64(query, key, scale, dtype, lse):
         dtype = np.dtype(np.float64)
-        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, is_causal, dtype)
+        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype)
     return weights, lse, dtype
 
 
-def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window,
+              key_padding_mask, score_mod, mask_mod):
     """Checked inputs as broadcast views of rank >= 3, their sizes, the scale,
-    the mask, and how many leading axes to drop from results (1 when every
-    input was (L, E), which runs with a head axis of 1)."""
+    one mask standing for every mask of the call (None, bool or float), the
+    bound score_mod, and how many leading axes to drop from results (1 when
+    every input was (L, E), which runs with a head axis of 1)."""
     drop = max(3 - output_ndim(query, key, value), 0)
     q, k, v, shapes = check_qkv(query, key, value, enable_gqa)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
     scale = check_scale(scale, shapes.E)
+    causal_align = check_align(causal_align)
+    left, right = check_window(window)
     mask = check_mask(attn_mask, shapes, bool(is_causal))
-    return q, k, v, shapes, scale, mask, drop
+    padding = check_key_padding_mask(key_padding_mask, shapes)  # (*batch, S) or None
+    score_mod = check_mod(score_mod, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
+    mask_mod = check_mod(mask_mod, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
+    if score_mod is not None:  # for this call's lengths (resolves bottom_right), as flash binds it
+        score_mod = bound(score_mod, shapes.L, shapes.S)
+
+    # The structural masks as one boolean (..., Hq | 1, L | 1, S) array, True = may attend.
+    allowed = None
+    # The band, on rel = kv - q - offset: -left <= rel <= hi (causal: hi <= 0), as flash's.
+    offset = 0 if causal_align == "top_left" else shapes.S - shapes.L
+    hi = 0 if is_causal else None
+    hi = right if hi is None else hi if right is None else min(hi, right)
+    # rel runs from -(L - 1) - offset to S - 1 - offset: a band that spans that excludes
+    # nothing (a decode step's one bottom-right row), and no mask is built for it
+    if not ((hi is None or shapes.S - 1 - offset <= hi) and (left is None or -(shapes.L - 1) - offset >= -left)):
+        rel = np.arange(shapes.S)[None, :] - np.arange(shapes.L)[:, None] - offset  # (L, S)
+        allowed = np.ones(rel.shape, dtype=bool)
+        if hi is not None:
+            allowed &= rel <= hi
+        if left is not None:
+            allowed &= rel >= -left
+    if padding is not None:
+        allowed = _and(allowed, padding[..., None, None, :])  # (*batch, 1, 1, S)
+    if mask_mod is not None:
+        B = int(np.prod(shapes.batch, dtype=np.int64))
+        dense = create_mask(mask_mod, B, shapes.q_heads, shapes.L, shapes.S)  # (B, Hq, L, S)
+        allowed = _and(allowed, dense.reshape(shapes.scores_shape))
+    if allowed is not None:
+        if mask is None or mask.dtype == np.bool_:
+            mask = _and(allowed, mask)
+        else:  # a float mask: -inf where a structural mask excludes the pair
+            mask = np.where(allowed, mask, shapes.compute_dtype.type(-np.inf))
+    return q, k, v, shapes, scale, mask, score_mod, drop
+
+
+def _and(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    return b if a is None else a if b is None else a & b
 
 
 def scaled_dot_product_attention(
@@ -157,11 +237,17 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
+    causal_align: str = "top_left",
+    window: int | tuple[int | None, int | None] | None = None,
+    key_padding_mask: np.ndarray | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
     rng: np.random.Generator | int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> np.ndarray | AttentionOutput:
-    """softmax(query @ key^T * scale + mask) @ value, with torch SDPA's semantics.
+    """softmax(score_mod(query @ key^T * scale) + mask) @ value, with torch SDPA's
+    semantics and the keywords of every attnkit attention backend.
 
     Arguments:
         query: (..., Hq, L, E) floating array.
@@ -171,9 +257,24 @@ def scaled_dot_product_attention(
             broadcastable to (..., Hq, L, S).
         dropout_p: probability of zeroing each weight; kept weights are scaled
             by 1 / (1 - dropout_p). Drawn from `rng`.
-        is_causal: top-left causal mask (query i sees keys 0..i); not with attn_mask.
+        is_causal: causal mask, aligned by `causal_align`; not with attn_mask.
         scale: multiplies the scores; default 1/sqrt(E).
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
+        causal_align: "top_left" (torch's is_causal; query i sees keys 0..i) or
+            "bottom_right" (query i sees keys 0..i + S - L, as with a KV cache).
+            Also aligns `window`.
+        window: sliding window: an int `left` or a pair (left, right); query i
+            sees keys i - left .. i + right (None = unbounded), exactly like
+            `masks.sliding_window_mask(left=, right=)`.
+        key_padding_mask: bool (..., S), True = a real key (may be attended);
+            its leading dims broadcast to the batch dims. Combines with every
+            other mask (also with is_causal).
+        score_mod: `score_mod(score, b, h, q_idx, kv_idx)` returning new scores,
+            applied to the scaled scores before any mask, called per (b, h) with
+            score (L, S), q_idx (L, 1), kv_idx (1, S); b indexes the flattened
+            batch dims, h the query head. See `attnkit.functional.mods`.
+        mask_mod: `mask_mod(b, h, q_idx, kv_idx)` returning booleans (True = may
+            attend), evaluated into a dense mask.
         rng: numpy Generator or integer seed for dropout (a fresh unseeded
             Generator if None).
         return_weights: also return the (..., Hq, L, S) weights.
@@ -188,14 +289,17 @@ def scaled_dot_product_attention(
     dropout_p = check_dropout(dropout_p)
     if rng is not None:
         check_rng(rng)  # a bad rng is an error even when dropout is off
-    q, k, v, shapes, scale, mask, drop = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    q, k, v, shapes, scale, mask, score_mod, drop = _validate(
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window, key_padding_mask,
+        score_mod, mask_mod,
+    )
 
     if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
         weights = np.zeros(shapes.scores_shape, dtype=shapes.dtype)
         lse = np.full(shapes.scores_shape[:-1], -np.inf, dtype=shapes.dtype)
         out = np.zeros((*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev), dtype=shapes.dtype)
     else:
-        weights, lse, cd = _weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+        weights, lse, cd = _weights(q, k, shapes, scale, mask, score_mod)  # (..., Hq, L, S)
         if dropout_p > 0.0:
             rng = check_rng(rng)
             keep = rng.random(weights.shape) >= dropout_p
@@ -223,6 +327,12 @@ def scaled_dot_product_attention_backward(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: int | tuple[int | None, int | None] | None = None,
+    key_padding_mask: np.ndarray | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
 ) -> AttentionGrads:
     """Gradients of `scaled_dot_product_attention` (without dropout).
 
@@ -237,7 +347,11 @@ def scaled_dot_product_attention_backward(
         forward: S = (query * scale) @ key^T -> grad_query = grad_S @ (key * scale)
                                                 grad_key   = grad_S^T @ (query * scale)
 
+        forward: S = score_mod(raw) -> grad_raw = grad_S * score_mod.grad(raw, ...)
+
     rowsum(P * grad_P) equals rowsum(grad_output * output), FlashAttention's D.
+    A score_mod needs its derivative, as in `flash_attention_backward`: a
+    `mods.ScoreMod(fn, grad)` (grad=None for a mod that only adds a bias).
     With GQA the query heads sharing a key/value head add their contributions.
     Masked positions have P = 0 and so receive no gradient; a fully masked row
     contributes exactly zero. Where the compute dtype cannot hold the scores or
@@ -247,7 +361,15 @@ def scaled_dot_product_attention_backward(
         AttentionGrads(grad_query, grad_key, grad_value), each in its input's
         shape and dtype.
     """
-    q, k, v, shapes, scale, mask, drop = _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    q, k, v, shapes, scale, mask, score_mod, drop = _validate(
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window, key_padding_mask,
+        score_mod, mask_mod,
+    )
+    if score_mod is not None and not isinstance(score_mod, DifferentiableScoreMod):
+        raise TypeError(
+            "scaled_dot_product_attention_backward needs the derivative of score_mod: wrap it as "
+            "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
+        )
     grad_output = require_float_tensor(grad_output, "grad_output", 2)
     expected = (*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev)
     if grad_output.shape != expected[drop:]:
@@ -259,21 +381,34 @@ def scaled_dot_product_attention_backward(
     if shapes.nothing_to_do:  # an empty result, or no key at all: zero gradients
         return AttentionGrads(*(np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)))
 
-    P, _, dtype = _weights(q, k, shapes, scale, mask, is_causal)  # (..., Hq, L, S)
+    P, _, dtype = _weights(q, k, shapes, scale, mask, score_mod)  # (..., Hq, L, S)
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
-        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, dtype)
+        mod_grad = _mod_grad(score_mod, q, k, shapes, scale, dtype)  # (..., Hq, L, S) or None
+        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad)
     if dtype != np.float64 and not all_finite(*grads) and all_finite(q, k, v, d_out):
         # a gradient beyond the compute dtype's range on the way: torch's float64 answer
-        P, _ = _attention_weights(q, k, shapes, scale, mask, is_causal, np.dtype(np.float64))
-        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, np.dtype(np.float64))
+        wide = np.dtype(np.float64)
+        P, _ = _attention_weights(q, k, shapes, scale, mask, score_mod, wide)
+        mod_grad = _mod_grad(score_mod, q, k, shapes, scale, wide)
+        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, wide, mod_grad)
 
     # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
     grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
     return AttentionGrads(*(g.astype(shapes.dtype, copy=False) for g in grads))
 
 
-def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype):
-    """(grad_query, grad_key, grad_value) in `dtype` from the weights P (..., Hq, L, S)."""
+def _mod_grad(score_mod, q, k, shapes, scale, dtype):
+    """d score_mod / d raw score at the raw scaled scores, (..., Hq, L, S) in `dtype`;
+    None without a score_mod or for an additive one (derivative 1)."""
+    if score_mod is None or score_mod.grad is None:
+        return None
+    raw = _scaled_scores(q, k, shapes, scale, dtype)  # (..., Hq, L, S)
+    return _per_head(score_mod.grad, raw, shapes, out=np.empty_like(raw))
+
+
+def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad=None):
+    """(grad_query, grad_key, grad_value) in `dtype` from the weights P (..., Hq, L, S),
+    and mod_grad (..., Hq, L, S), the score_mod's derivative, or None."""
     q, k, v, d_out = (x.astype(dtype, copy=False) for x in (q, k, v, d_out))
     P = _group_queries(P, shapes)  # (..., Hkv, g*L, S)
     d_out = _group_queries(d_out, shapes)  # (..., Hkv, g*L, Ev)
@@ -284,6 +419,8 @@ def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype):
     # forward: P = softmax(scores)
     grad_P -= np.sum(P * grad_P, axis=-1, keepdims=True)
     grad_scores = P * grad_P
+    if mod_grad is not None:  # forward: scores = score_mod(raw)
+        grad_scores *= _group_queries(mod_grad, shapes)
     # forward: scores = (query * scale) @ key^T. The scale multiplies key and query
     # before the products: grad_scores @ key of tiny factors would underflow before
     # a large scale could bring it back.

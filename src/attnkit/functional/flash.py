@@ -15,18 +15,29 @@ A row that the band lets see a single key takes D from its tile instead,
 sum_j P_ij dP_ij as the plain path does, and so gets exactly the plain path's
 zero dQ (FlashAttention-2's D leaves the rounding of dO . v there).
 
+The forward and the backward share one plan (`FlashPlan`): the validated
+problem, its band, mask and mods, and the tile grid. `flash_attention(...,
+return_lse=True)` returns it inside its `AttentionState`, and
+`flash_attention_backward(grad_output, q, k, v, output, state)` takes it from
+there, so the backward cannot run on another grid than the forward's (a state
+of another problem is refused).
+
 The scale multiplies q (and, for dQ, k) before each product. Scores beyond the
 compute dtype (float32 inputs near 1e19 and up), a scale below 2^-16, or a
 gradient overflowing on the way make a call run in float64 instead, so that
 finite inputs give torch's math-backend answer in float64, never NaN.
 
 Speed on a CPU comes from NumPy doing the heavy lifting in BLAS matmuls and
-SIMD ufuncs that release the GIL: tiles are large (they fit the L2 cache),
-everything stays in the compute dtype, buffers are reused (out=), blocks the
-masks exclude entirely are skipped, and (batch, head, query block) tasks run on
-a pool of threads while BLAS itself is held to one thread (threadpoolctl).
-Value rows carry an extra column of ones, so P @ [V, 1] yields the row sums l
-with the output; the backward folds -D into its dP matmul the same way.
+SIMD ufuncs that release the GIL: tiles are sized from the L2 cache the OS
+reports (and cut finer along a causal diagonal), everything stays in the
+compute dtype, buffers are reused (out=), blocks the masks exclude entirely are
+skipped, and (batch, head, query block) tasks run on a pool of threads while
+BLAS itself is held to one thread (threadpoolctl). Value rows carry an extra
+column of ones, so P @ [V, 1] yields the row sums l with the output; the
+backward folds -D into its dP matmul the same way. (Not exp2 with log2(e)
+folded into the scale: NumPy's exp2 is twice as fast as exp on arguments in
+[-126, 0] but 3-40x slower on -inf and on results that underflow, which masked
+and causal tiles are full of.)
 
 Exactness between the two passes: tiles sit on one (block_q, block_k) grid in
 the forward and the backward and their scores come from one function
@@ -40,19 +51,24 @@ See docs/flash.md for the algorithm and the mods.
 
 from __future__ import annotations
 
-import inspect
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from attnkit.functional._checks import (
     AttentionShapes,
+    check_align,
+    check_key_padding_mask,
     check_mask,
+    check_mod,
     check_qkv,
+    check_window,
     all_finite,
     check_scale,
     needs_float64,
@@ -63,26 +79,35 @@ from attnkit.functional._checks import (
     start_dtype,
     sum_to_shape,
 )
-from attnkit.functional.attention import AttentionGrads, AttentionOutput
-from attnkit.functional.masks import ALIGNMENTS
+from attnkit.functional.attention import AttentionGrads, AttentionOutput, scaled_dot_product_attention
+from attnkit.functional.mods import BandedMaskMod, DifferentiableScoreMod, and_mods, bound
 from attnkit.runtime import cpu_count, one_blas_thread
 
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
+MAX_BLOCK = 512  # the largest tile side: beyond it a tile stops fitting the L2 caches of today's CPUs
 
 
-class AttentionState(NamedTuple):
-    """Attention over some set of keys, in a form that can be merged.
+@dataclass(frozen=True, eq=False)
+class AttentionState:
+    """Attention over some set of keys, in a form that can be merged, and, from
+    `flash_attention(..., return_lse=True)`, what its backward needs.
 
     output: (..., H, L, Ev) the attention output over those keys.
     lse:    (..., H, L) natural-log logsumexp of each query row's masked,
             scaled scores (-inf for a row with no key allowed), in float64:
             rounding lse to float32 would scale a whole row of the weights the
             backward rebuilds from it by up to |lse| * 6e-8.
+    plan:   the forward's `FlashPlan` (problem, band, mask, mods, tile grid),
+            for `flash_attention_backward`; None for a merged state.
+
+    `output, lse = state` unpacks it as before.
     """
 
     output: np.ndarray
     lse: np.ndarray
+    plan: FlashPlan | None = field(default=None, repr=False)
+
+    def __iter__(self):
+        return iter((self.output, self.lse))
 
 
 # ----------------------------------------------------------------------------- threads
@@ -117,35 +142,75 @@ def _tile(name: str, rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
     return _buffer(name, rows * cols, dtype)[: rows * cols].reshape(rows, cols)
 
 
-_SERIAL_BELOW = 1 << 20  # score elements: below this, waking threads costs more than they save
+_SERIAL_BELOW = 1 << 21  # score elements per thread (~10 ms of tiles): below, a second thread costs more than it saves
 
 
 def _run(tasks: list, fn: Callable, num_threads: int, work: int) -> list:
-    """fn(*task) for every task, on the pool unless there is little work."""
+    """fn(task) for every task, on the pool unless there is too little work to
+    split: threads never make a call slower than one thread would."""
     with one_blas_thread():  # our threads do the spreading
-        if num_threads == 1 or len(tasks) <= 1 or work < _SERIAL_BELOW:
-            return [fn(*t) for t in tasks]
-        return list(_pool(num_threads).map(lambda t: fn(*t), tasks))
+        if num_threads == 1 or len(tasks) <= 1 or work < _SERIAL_BELOW * min(num_threads, len(tasks)):
+            return [fn(t) for t in tasks]
+        return list(_pool(num_threads).map(fn, tasks))
+
+
+# ----------------------------------------------------------------------------- tile sizes
+
+
+@lru_cache(maxsize=1)
+def l2_cache_bytes() -> int:
+    """The per-core L2 (or, lacking one, the largest data) cache the OS reports
+    for CPU 0: Linux sysfs, then sysconf; 1 MiB when neither says."""
+    sizes = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            path = os.path.join(base, entry)
+            try:
+                with open(os.path.join(path, "level")) as f:
+                    level = int(f.read())
+                with open(os.path.join(path, "type")) as f:
+                    kind = f.read().strip()
+                with open(os.path.join(path, "size")) as f:
+                    text = f.read().strip().upper()
+            except (OSError, ValueError):
+                continue
+            if kind == "Instruction":
+                continue
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            digits = text.rstrip("KMGB")
+            if digits.isdigit():
+                sizes[level] = int(digits) * unit
+    except OSError:
+        pass
+    if 2 not in sizes:
+        try:
+            size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+            if size > 0:
+                sizes[2] = size
+        except (AttributeError, ValueError, OSError):
+            pass
+    return sizes.get(2) or (max(sizes.values()) if sizes else 1 << 20)
+
+
+def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int]:
+    """Tile sizes (block_q, block_k) for L queries over S keys: a key block of up
+    to MAX_BLOCK, and as many query rows as keep the (block_q, block_k) scores
+    within the L2 cache (each pass over the tile then streams from L2; measured
+    on a 1 MiB L2, 512 x 512 beat 256 x 512 by 5%). Along a band (causal,
+    window) the query blocks are cut finer, to at most L / 8: the diagonal tiles
+    cost their full width, (n + 1) / 2n of the full matrix for n query blocks,
+    and 8 blocks bring a causal call to 56%. The forward puts several heads
+    side by side in each call when the tiles are small (`_heads_per_task`)."""
+    block_k = max(1, min(S, MAX_BLOCK))
+    rows = l2_cache_bytes() // (block_k * itemsize)
+    block_q = max(32, min(MAX_BLOCK, rows // 32 * 32))
+    if banded:
+        block_q = min(block_q, max(64, -(-L // 8)))
+    return max(1, min(block_q, L)), block_k
 
 
 # ----------------------------------------------------------------------------- the plan
-
-
-def _check_mod(fn, name: str, arity: int, args: str):
-    if fn is None:
-        return None
-    if not callable(fn):
-        raise TypeError(f"expected {name} to be callable {name}{args}, got {type(fn).__name__}")
-    try:
-        inspect.signature(fn).bind(*([None] * arity))
-    except TypeError:
-        raise TypeError(
-            f"expected {name} to take {arity} positional arguments {args}, "
-            f"got a callable with signature {inspect.signature(fn)}"
-        ) from None
-    except ValueError:  # builtins without a signature: trust them
-        pass
-    return fn
 
 
 def _check_block(value, name: str) -> int | None:
@@ -158,33 +223,32 @@ def _check_block(value, name: str) -> int | None:
     return int(value)
 
 
-def _check_window(window) -> tuple[int | None, int | None]:
-    """window=w (left=w, right=0) or (left, right), as in masks.sliding_window_mask."""
-    if window is None:
-        return None, None
-    if isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_)):
-        window = (int(window), 0)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"expected window as an int (left) or a (left, right) pair, got {window!r}")
-    sides = []
-    for side, name in zip(window, ("left", "right")):
-        if side is None:
-            sides.append(None)
-            continue
-        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
-            raise TypeError(f"expected window {name} to be an integer or None, got {type(side).__name__}")
-        if side < 0:
-            raise ValueError(f"expected window {name} >= 0, got {side}")
-        sides.append(int(side))
-    return sides[0], sides[1]
+@dataclass(frozen=True)
+class FlashOptions:
+    """The arguments of one `flash_attention` call beside query, key and value,
+    as the caller gave them (see `flash_attention` for each)."""
+
+    attn_mask: np.ndarray | None = None
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+    causal_align: str = "top_left"
+    window: int | tuple[int | None, int | None] | None = None
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    num_threads: int | None = None
 
 
 @dataclass
-class _Plan:
-    """Everything a tile needs, fixed once per call. Bands are on kv - q:
-    a key kv is allowed for query q only if lo <= kv - q <= hi."""
+class FlashPlan:
+    """Everything a tile needs, fixed once per forward call and reused by its
+    backward. Bands are on kv - q: a key kv is allowed for query q only if
+    lo <= kv - q <= hi."""
 
     shapes: AttentionShapes
+    enable_gqa: bool
     scale: float
     lo: int | None
     hi: int | None
@@ -194,7 +258,7 @@ class _Plan:
     block_q: int
     block_k: int
     num_threads: int
-    _band_cache: dict = field(default_factory=dict)
+    _band_cache: dict = field(default_factory=dict, repr=False)
 
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys any query in [q0, q1) may see: the band's reach, clipped to [0, S)."""
@@ -256,48 +320,44 @@ class _Plan:
         """(bias, empty): a (rows, cols) additive tile, 0 where the band allows a
         pair and -inf where it does not (None when it allows all), and whether it
         allows none. Adding is ~3x faster than np.copyto(where=); the tile
-        depends only on k0 - q0 and its shape, so it is cached (a causal mask's
-        diagonal tiles repeat for every head)."""
-        if not ((self.lo is not None and k0 - (q1 - 1) < self.lo) or (self.hi is not None and (k1 - 1) - q0 > self.hi)):
+        depends only on the band relative to the tile and its shape, so it is
+        cached across calls (a causal mask's diagonal tiles repeat for every head
+        and every call)."""
+        d = k0 - q0  # kv - q at the tile's corner; kv - q = d + (j - i)
+        rows, cols = q1 - q0, k1 - k0
+        lo = None if self.lo is None or self.lo - d <= -(rows - 1) else max(self.lo - d, -rows)
+        hi = None if self.hi is None or self.hi - d >= cols - 1 else min(self.hi - d, cols)
+        if lo is None and hi is None:
             return None, False
-        key = (k0 - q0, q1 - q0, k1 - k0, np.dtype(dtype).str)
-        hit = self._band_cache.get(key)
-        if hit is None:
-            rel = np.arange(k0, k1)[None, :] - np.arange(q0, q1)[:, None]  # kv - q
-            blocked = np.zeros(rel.shape, dtype=bool)
-            if self.lo is not None:
-                blocked |= rel < self.lo
-            if self.hi is not None:
-                blocked |= rel > self.hi
-            hit = (np.where(blocked, np.dtype(dtype).type(-np.inf), np.dtype(dtype).type(0)), bool(blocked.all()))
-            if len(self._band_cache) < 4096:
-                self._band_cache[key] = hit
-        return hit
+        return _band_tile(lo, hi, rows, cols, np.dtype(dtype).str)
 
-    def tile_masks(self, b: int, h: int, q0: int, q1: int, k0: int, k1: int, dtype):
+    def tile_masks(self, tile: _Tile, dtype):
         """(skip, blocked, adds) for one tile: skip when no pair is allowed;
-        blocked a bool (rows, cols) array, True where a boolean mask or mask_mod
-        excludes a pair, or None; adds the float tiles to add to the scores
-        (the band's 0/-inf bias, the float attn_mask)."""
+        blocked a bool array broadcastable to the tile's (heads, rows, cols),
+        True where a boolean mask or mask_mod excludes a pair, or None; adds the
+        float arrays to add to the scores (the band's 0/-inf bias, the float
+        attn_mask), broadcastable to it too."""
+        b, h0, h1, q0, q1, k0, k1 = tile
         bias, empty = self.band_bias(q0, q1, k0, k1, dtype)
         if empty:
             return True, None, ()
         adds = () if bias is None else (bias,)
         blocked = None
         if self.mask is not None:
-            tile = self.mask[self.batch_index(b) + (h, slice(q0, q1), slice(k0, k1))]
-            if tile.dtype == np.bool_:
-                if not tile.all():
-                    blocked = ~tile
+            part = self.mask[self.batch_index(b) + (slice(h0, h1), slice(q0, q1), slice(k0, k1))]
+            if part.dtype == np.bool_:
+                if not part.all():
+                    blocked = ~part
             else:
-                adds = adds + (tile,)
+                adds = adds + (part,)
         if self.mask_mod is not None:
-            allowed = np.asarray(
-                self.mask_mod(b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
-            )
-            if allowed.dtype != np.bool_:
-                raise TypeError(f"expected mask_mod to return booleans, got dtype {allowed.dtype}")
-            allowed = np.broadcast_to(allowed, (q1 - q0, k1 - k0))
+            q_idx, kv_idx = tile.indices()
+            allowed = np.empty((h1 - h0, q1 - q0, k1 - k0), dtype=bool)
+            for i, h in enumerate(range(h0, h1)):
+                one = np.asarray(self.mask_mod(b, h, q_idx, kv_idx))
+                if one.dtype != np.bool_:
+                    raise TypeError(f"expected mask_mod to return booleans, got dtype {one.dtype}")
+                allowed[i] = one
             if not allowed.all():
                 blocked = ~allowed if blocked is None else blocked | ~allowed
         if blocked is not None:
@@ -307,72 +367,109 @@ class _Plan:
                 return True, None, ()
         return False, blocked, adds
 
-    def modded(self, s: np.ndarray, b: int, h: int, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
-        """score_mod applied to a tile of scaled scores (same shape, compute dtype)."""
-        out = self.score_mod(s, b, h, np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :])
-        out = np.asarray(out)
-        if out.shape != s.shape:
-            try:
-                out = np.broadcast_to(out, s.shape)
-            except ValueError:
-                raise ValueError(
-                    f"expected score_mod to return scores of shape {shape_str(s.shape)}, "
-                    f"got {shape_str(out.shape)}"
-                ) from None
-        if out is not s:
-            np.copyto(s, out, casting="same_kind")
+    def modded(self, s: np.ndarray, tile: _Tile) -> np.ndarray:
+        """score_mod applied, head by head, to a (heads, rows, cols) tile of
+        scaled scores in place (each call sees one (rows, cols) head)."""
+        q_idx, kv_idx = tile.indices()
+        for i, h in enumerate(range(tile.h0, tile.h1)):
+            out = np.asarray(self.score_mod(s[i], tile.b, h, q_idx, kv_idx))
+            if out.shape != s[i].shape:
+                try:
+                    out = np.broadcast_to(out, s[i].shape)
+                except ValueError:
+                    raise ValueError(
+                        f"expected score_mod to return scores of shape {shape_str(s[i].shape)}, "
+                        f"got {shape_str(out.shape)}"
+                    ) from None
+            np.copyto(s[i], out, casting="same_kind")
         return s
 
 
-def _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window,
-               score_mod, mask_mod, block_q, block_k, num_threads):
+@lru_cache(maxsize=512)
+def _band_tile(lo: int | None, hi: int | None, rows: int, cols: int, dtype: str) -> tuple[np.ndarray, bool]:
+    """(bias, empty) of a (rows, cols) tile whose pair (i, j) is allowed when
+    lo <= j - i <= hi: 0 allowed, -inf not (read-only: it is shared)."""
+    rel = np.arange(cols)[None, :] - np.arange(rows)[:, None]
+    blocked = np.zeros((rows, cols), dtype=bool)
+    if lo is not None:
+        blocked |= rel < lo
+    if hi is not None:
+        blocked |= rel > hi
+    kind = np.dtype(dtype).type
+    bias = np.where(blocked, kind(-np.inf), kind(0))
+    bias.flags.writeable = False
+    return bias, bool(blocked.all())
+
+
+class _Tile(NamedTuple):
+    """One tile of the grid: query rows [q0, q1) of query heads [h0, h1) in
+    flattened batch b, against keys [k0, k1)."""
+
+    b: int
+    h0: int
+    h1: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+    def indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """q_idx (rows, 1) and kv_idx (1, cols), as mods take them."""
+        return np.arange(self.q0, self.q1)[:, None], np.arange(self.k0, self.k1)[None, :]
+
+
+def _check_inputs(query, key, value, enable_gqa: bool):
+    """check_qkv, with (L, E) inputs given a head axis of 1."""
     query, key, value, shapes = check_qkv(query, key, value, enable_gqa)
+    q, k, v = (x[None] if x.ndim == 2 else x for x in (query, key, value))
+    if any(x is not y for x, y in zip((q, k, v), (query, key, value))):
+        q, k, v, shapes = check_qkv(q, k, v, enable_gqa)
+    return q, k, v, shapes
+
+
+def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray, FlashPlan]:
+    """Validate one call: query, key and value as (*batch, H, N, D) views, and its plan."""
+    q, k, v, shapes = _check_inputs(query, key, value, options.enable_gqa)
+    is_causal = options.is_causal
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
-    if causal_align not in ALIGNMENTS:
-        raise ValueError(f"expected causal_align to be one of {ALIGNMENTS}, got {causal_align!r}")
-    scale = check_scale(scale, shapes.E)
-    q, k, v = (x[None] if x.ndim == 2 else x for x in (query, key, value))
-    if q is not query:  # (L, E) inputs: a head axis of 1
-        q, k, v, shapes = check_qkv(q, k, v, enable_gqa)
-    mask = check_mask(attn_mask, shapes, bool(is_causal))
+    causal_align = check_align(options.causal_align)
+    scale = check_scale(options.scale, shapes.E)
+    mask = check_mask(options.attn_mask, shapes, bool(is_causal))
     if mask is not None:
         mask = np.broadcast_to(mask, shapes.scores_shape)
-    score_mod = _check_mod(score_mod, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
-    mask_mod = _check_mod(mask_mod, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
-    block_q, block_k = _check_block(block_q, "block_q"), _check_block(block_k, "block_k")
-    if num_threads is None:
-        num_threads = cpu_count()
-    num_threads = _check_block(num_threads, "num_threads")
+    score_mod = check_mod(options.score_mod, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
+    mask_mod = check_mod(options.mask_mod, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
+    block_q, block_k = _check_block(options.block_q, "block_q"), _check_block(options.block_k, "block_k")
+    num_threads = _check_block(cpu_count() if options.num_threads is None else options.num_threads, "num_threads")
 
     L, S = shapes.L, shapes.S
     offset = 0 if causal_align == "top_left" else S - L
     lo = hi = None
     if is_causal:
         hi = offset
-    left, right = _check_window(window)
+    left, right = check_window(options.window)
     if right is not None:
         hi = offset + right if hi is None else min(hi, offset + right)
     if left is not None:
         lo = offset - left
-    if mask_mod is not None and hasattr(mask_mod, "bind"):
-        mask_mod = mask_mod.bind(L, S)
-    if score_mod is not None and hasattr(score_mod, "bind"):
-        score_mod = score_mod.bind(L, S)
-    band = getattr(mask_mod, "band", None)
-    if band is not None:  # a ready-made mod that implies lo <= kv - q <= hi
-        mlo, mhi, exact = band
+    mask_mod = None if mask_mod is None else bound(mask_mod, L, S)
+    score_mod = None if score_mod is None else bound(score_mod, L, S)
+    if isinstance(mask_mod, BandedMaskMod) and mask_mod.band is not None:
+        mlo, mhi, exact = mask_mod.band  # a ready-made mod that implies lo <= kv - q <= hi
         if mlo is not None:
             lo = mlo if lo is None else max(lo, mlo)
         if mhi is not None:
             hi = mhi if hi is None else min(hi, mhi)
         if exact:
             mask_mod = None
-        elif hasattr(mask_mod, "rest"):
+        elif mask_mod.rest is not None:
             mask_mod = mask_mod.rest
-    plan = _Plan(
-        shapes=shapes, scale=scale, lo=lo, hi=hi, mask=mask, mask_mod=mask_mod, score_mod=score_mod,
-        block_q=min(block_q or DEFAULT_BLOCK_Q, max(L, 1)), block_k=min(block_k or DEFAULT_BLOCK_K, max(S, 1)),
+    auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, lo is not None or hi is not None)
+    plan = FlashPlan(
+        shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
+        mask_mod=mask_mod, score_mod=score_mod,
+        block_q=min(block_q or auto_q, max(L, 1)), block_k=min(block_k or auto_k, max(S, 1)),
         num_threads=num_threads,
     )
     return q, k, v, plan
@@ -396,60 +493,97 @@ def _with_ones(x: np.ndarray, n: int = 1) -> np.ndarray:
 # ----------------------------------------------------------------------------- forward
 
 
-def _tile_scores(plan: _Plan, qs, k, s, b, h, q0, q1, k0, k1, adds) -> None:
-    """s <- score_mod(qs[rows] k[k0:k1]^T) + adds, in place: the one way both the
-    forward and the backward compute a tile's scores. Tiles sit on the same
-    (block_q, block_k) grid in both and BLAS runs single-threaded, so the
-    backward rebuilds bitwise the scores whose lse the forward saved: a
-    near-one-hot row then gets exp(s - lse) = 1 to rounding, as the plain
-    path's normalized softmax does."""
-    np.matmul(qs, k[k0:k1].T, out=s)
+def _tile_scores(plan: FlashPlan, q_rows, k, s, tile: _Tile, adds) -> None:
+    """s <- score_mod(q_rows k[:, k0:k1]^T) + adds, in place, q_rows (heads, rows,
+    E), k (heads, S, E), s (heads, rows, cols), one BLAS product per head (NumPy's
+    batched matmul): the one way both the
+    forward and the backward compute a tile's scores (q_rows already times
+    the scale). Tiles sit on the same (block_q, block_k) grid in both and
+    BLAS runs single-threaded, so the backward rebuilds bitwise the scores whose
+    lse the forward saved: a near-one-hot row then gets exp(s - lse) = 1 to
+    rounding, as the plain path's normalized softmax does."""
+    np.matmul(q_rows, k[:, tile.k0:tile.k1].swapaxes(-1, -2), out=s)  # (heads, rows, cols)
     if plan.score_mod is not None:
-        plan.modded(s, b, h, q0, q1, k0, k1)
+        plan.modded(s, tile)
     for add in adds:
         s += add
 
 
-def _forward_rows(plan: _Plan, q_src, k, va, b, h, q0, q1, k_start, k_end, out_rows, lse_rows):
-    """Queries [q0, q1) of head (b, h) over keys [k_start, k_end): writes
-    out_rows (r, Ev) and lse_rows (r,). q_src (L, E) query rows, k (S, E)
-    keys, va (S, Ev+1) values with a ones column. k_start and k_end lie on
-    the block_k grid (or at S), so the tiles are the backward's (_tile_scores)."""
+class _ForwardInputs(NamedTuple):
+    """What every forward task reads: compute-dtype arrays with the batch dims flattened."""
+
+    q: np.ndarray  # (B, Hq, L, E)
+    k: np.ndarray  # (B, Hkv, S, E)
+    va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
+
+
+class _Rows(NamedTuple):
+    """A forward task: query rows [q0, q1) of heads [h0, h1) in flattened batch b
+    over keys [k_start, k_end) (on the block_k grid, or at S), written to out
+    (heads, rows, Ev) and lse (heads, rows)."""
+
+    b: int
+    h0: int
+    h1: int
+    q0: int
+    q1: int
+    k_start: int
+    k_end: int
+    out: np.ndarray
+    lse: np.ndarray
+
+
+def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
+    """One forward task (see _Rows): the online softmax over its key tiles, the
+    heads side by side in every call (one NumPy call per tile, not per head)."""
+    b, h0, h1, q0, q1 = rows.b, rows.h0, rows.h1, rows.q0, rows.q1
+    g = plan.shapes.group
+    # (heads, S, ·); with GQA a task's heads share one kv head, (1, S, ·), which matmul broadcasts
+    kv = slice(h0, h1) if g == 1 else slice(h0 // g, h0 // g + 1)
+    k, va = inputs.k[b, kv], inputs.va[b, kv]
     cd = k.dtype
-    Ev = va.shape[1] - 1
-    r = q1 - q0
-    qs = _tile("qs", r, k.shape[1], cd)
-    np.multiply(q_src[q0:q1], cd.type(plan.scale), out=qs)
-    m = np.full(r, -np.inf, dtype=cd)  # running max per row
-    acc = np.zeros((r, Ev + 1), dtype=cd)  # [sum p v, sum p] relative to m
-    part = _tile("part", r, Ev + 1, cd)
-    for k_tile in range(k_start, k_end, plan.block_k):
-        k0, k1 = plan.tile_cols(q0, q1, k_tile, min(k_tile + plan.block_k, k_end))
+    E, Ev = k.shape[-1], va.shape[-1] - 1
+    nh, r = h1 - h0, q1 - q0
+    qs = _buffer("qs", nh * r * E, cd)[: nh * r * E].reshape(nh, r, E)
+    np.multiply(inputs.q[b, h0:h1, q0:q1], cd.type(plan.scale), out=qs)
+    m = np.full((nh, r), -np.inf, dtype=cd)  # running max per row
+    new_m = _tile("new_m", nh, r, cd)
+    alpha = _tile("alpha", nh, r, cd)
+    acc = np.zeros((nh, r, Ev + 1), dtype=cd)  # [sum p v, sum p] relative to m
+    part = _buffer("part", nh * r * (Ev + 1), cd)[: nh * r * (Ev + 1)].reshape(nh, r, Ev + 1)
+    for k_tile in range(rows.k_start, rows.k_end, plan.block_k):
+        k0, k1 = plan.tile_cols(q0, q1, k_tile, min(k_tile + plan.block_k, rows.k_end))
         if k1 <= k0:
             continue
-        skip, blocked, adds = plan.tile_masks(b, h, q0, q1, k0, k1, cd)
+        tile = _Tile(b, h0, h1, q0, q1, k0, k1)
+        skip, blocked, adds = plan.tile_masks(tile, cd)
         if skip:
             continue
-        s = _tile("s", r, k1 - k0, cd)
-        _tile_scores(plan, qs, k, s, b, h, q0, q1, k0, k1, adds)
+        n = k1 - k0
+        s = _buffer("s", nh * r * n, cd)[: nh * r * n].reshape(nh, r, n)
+        _tile_scores(plan, qs, k, s, tile, adds)
         if blocked is not None:
             np.copyto(s, cd.type(-np.inf), where=blocked)
-        new_m = np.maximum(m, s.max(axis=1))
-        shift = np.where(np.isneginf(new_m), cd.type(0), new_m)  # an all -inf row stays at 0
-        alpha = np.exp(m - shift)  # rescales what was accumulated against the old max
+        np.max(s, axis=2, out=new_m)
+        np.maximum(m, new_m, out=new_m)
+        shift = new_m
+        if np.isneginf(new_m).any():
+            shift = np.where(np.isneginf(new_m), cd.type(0), new_m)  # an all -inf row stays at 0
+        np.subtract(m, shift, out=alpha)
+        np.exp(alpha, out=alpha)  # rescales what was accumulated against the old max
         # Shifting by the true max keeps s - max exact near the max, so that the
         # backward's exp(s - lse) reproduces these weights to rounding.
-        s -= shift[:, None]
+        s -= shift[..., None]
         np.exp(s, out=s)
-        np.matmul(s, va[k0:k1], out=part)  # [P V, P 1]: the row sums come out of BLAS
-        acc *= alpha[:, None]
+        np.matmul(s, va[:, k0:k1], out=part)  # [P V, P 1]: the row sums come out of BLAS
+        acc *= alpha[..., None]
         acc += part
-        m = new_m
-    total = acc[:, Ev]
+        m[...] = new_m
+    total = acc[..., Ev]
     empty = total == 0  # no key allowed: output 0, lse -inf
-    np.divide(acc[:, :Ev], np.where(empty, cd.type(1), total)[:, None], out=out_rows)
+    np.divide(acc[..., :Ev], np.where(empty, cd.type(1), total)[..., None], out=rows.out)
     with np.errstate(divide="ignore", invalid="ignore"):  # lse in float64: see AttentionState
-        lse_rows[:] = np.where(empty, -np.inf, m.astype(np.float64) + np.log(total.astype(np.float64)))
+        rows.lse[...] = np.where(empty, -np.inf, m.astype(np.float64) + np.log(total.astype(np.float64)))
 
 
 def flash_attention(
@@ -495,18 +629,22 @@ def flash_attention(
             Applied before attn_mask is added. See `attnkit.functional.mods`.
         mask_mod: `mask_mod(b, h, q_idx, kv_idx)` returning booleans (True = may
             attend), evaluated per tile; tiles it excludes entirely are skipped.
-        block_q, block_k: tile sizes (default 512 x 512); pass the same to the backward.
-        return_lse: also return the logsumexp of each score row.
+        block_q, block_k: tile sizes; default from the L2 cache size and the
+            band (`choose_blocks`). The returned state carries them to the backward.
+        return_lse: also return the logsumexp of each score row, in the state
+            the backward takes.
         num_threads: worker threads (default: the CPUs this process may use).
 
     Returns:
         The output (..., Hq, L, Ev) in query's dtype, or with return_lse
-        AttentionState(output, lse) with lse (..., Hq, L) in float64.
+        AttentionState(output, lse, plan) with lse (..., Hq, L) in float64 and
+        the plan `flash_attention_backward` needs.
         A query row with no key allowed gets output 0 and lse -inf.
     """
+    options = FlashOptions(attn_mask, is_causal, scale, enable_gqa, causal_align, window, score_mod, mask_mod,
+                           block_q, block_k, num_threads)
     drop = max(3 - output_ndim(query, key, value), 0)  # (L, E) inputs run with a head axis of 1
-    q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
-                               window, score_mod, mask_mod, block_q, block_k, num_threads)
+    q, k, v, plan = _make_plan(query, key, value, options)
     shapes = plan.shapes
     out_shape = (*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev)
     if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
@@ -523,23 +661,43 @@ def flash_attention(
         lse = lse.reshape(out_shape[:-1])
     if drop:
         out, lse = out[0], lse[0]
-    return AttentionState(out, lse) if return_lse else out
+    return AttentionState(out, lse, plan) if return_lse else out
 
 
-def _flash_forward(plan: _Plan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> int:
+    """How many heads a forward task takes side by side: as many (block_q,
+    block_k) score tiles as fit the L2 cache together (each call then works on
+    all of them, so small tiles along a causal diagonal cost fewer calls), but
+    never so many that the threads run out of tasks."""
+    Hq = plan.shapes.q_heads
+    tile = plan.block_q * plan.block_k * itemsize
+    heads = max(1, min(Hq, l2_cache_bytes() // max(tile, 1)))
+    while heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * plan.num_threads:
+        heads = -(-heads // 2)
+    g = plan.shapes.group
+    if g > 1:  # GQA: a task's heads share one kv head (no copy of K and V per query head)
+        heads = min(heads, g)
+        while g % heads:
+            heads -= 1
+    return heads
+
+
+def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The tiled forward in dtype `cd`: output (B, Hq, L, Ev) in cd and lse
     (B, Hq, L) in float64, B the flattened batch dims."""
     shapes = plan.shapes
-    B, Hq, g, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.group, shapes.L, shapes.S
-    q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
-    k = _flat(k, shapes, shapes.kv_heads, cd)  # (B, Hkv, S, E)
-    va = _with_ones(_flat(v, shapes, shapes.kv_heads, cd))  # (B, Hkv, S, Ev+1)
+    B, Hq, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.L, shapes.S
+    inputs = _ForwardInputs(
+        _flat(q, shapes, Hq, cd),  # (B, Hq, L, E)
+        _flat(k, shapes, shapes.kv_heads, cd),  # (B, Hkv, S, E)
+        _with_ones(_flat(v, shapes, shapes.kv_heads, cd)),  # (B, Hkv, S, Ev+1)
+    )
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
     lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
 
-    # Tasks: (b, h, query block), the longest first so the pool ends evenly. When
-    # there are fewer query blocks than threads (decoding), split the keys too and
-    # merge the partial states.
+    # Tasks: (b, heads, query block), the longest first so the pool ends evenly.
+    # When there are fewer query blocks than threads (decoding), split the keys
+    # too and merge the partial states.
     blocks = []
     for q0 in range(0, L, plan.block_q):
         q1 = min(q0 + plan.block_q, L)
@@ -547,45 +705,41 @@ def _flash_forward(plan: _Plan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.n
         if k_end > k_start:
             blocks.append((q0, q1, k_start, k_end))
     blocks.sort(key=lambda t: t[1] - t[0] if plan.lo is None and plan.hi is None else t[3] - t[2], reverse=True)
-    n_heads = B * Hq
     splits = 1
-    if n_heads * len(blocks) < plan.num_threads and len(blocks) >= 1:
+    if B * Hq * len(blocks) < plan.num_threads and len(blocks) >= 1:
         widest = max(t[3] - t[2] for t in blocks)
         splits = max(1, min(plan.num_threads, widest // plan.block_k))
 
-    def task(b, h, q0, q1, k_start, k_end):
-        _forward_rows(plan, q[b, h], k[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end,
-                      out[b, h, q0:q1], lse[b, h, q0:q1])
+    def task(rows: _Rows) -> None:
+        _forward_rows(plan, inputs, rows)
 
     if splits == 1:
-        tasks = [(b, h, *blk) for blk in blocks for b in range(B) for h in range(Hq)]
+        nh = _heads_per_task(plan, len(blocks), B, cd.itemsize)
+        tasks = [_Rows(b, h, min(h + nh, Hq), q0, q1, k_start, k_end,
+                       out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1])
+                 for q0, q1, k_start, k_end in blocks for b in range(B) for h in range(0, Hq, nh)]
         _run(tasks, task, plan.num_threads, B * Hq * L * S)
-    else:
-        def split_task(b, h, q0, q1, k_start, k_end, o_part, l_part):
-            _forward_rows(plan, q[b, h], k[b, h // g], va[b, h // g], b, h, q0, q1, k_start, k_end, o_part, l_part)
+        return out, lse
 
-        tasks, parts = [], []
-        for blk in blocks:
-            q0, q1, k_start, k_end = blk
-            # split edges on the block_k grid, so the tiles are the backward's
-            edges = np.linspace(k_start, k_end, splits + 1).astype(int) // plan.block_k * plan.block_k
-            edges[0], edges[-1] = k_start, k_end
-            for b in range(B):
-                for h in range(Hq):
-                    o_parts = np.zeros((splits, q1 - q0, shapes.Ev), dtype=cd)
-                    l_parts = np.full((splits, q1 - q0), -np.inf, dtype=np.float64)
-                    parts.append((b, h, q0, q1, o_parts, l_parts))
-                    for i in range(splits):
-                        if edges[i + 1] > edges[i]:
-                            tasks.append((b, h, q0, q1, int(edges[i]), int(edges[i + 1]), o_parts[i], l_parts[i]))
-        _run(tasks, split_task, plan.num_threads, B * Hq * L * S)
-        for b, h, q0, q1, o_parts, l_parts in parts:
-            merged = merge_attention_states(o_parts, l_parts)
-            out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
-
+    tasks, parts = [], []
+    for q0, q1, k_start, k_end in blocks:
+        # split edges on the block_k grid, so the tiles are the backward's
+        edges = np.linspace(k_start, k_end, splits + 1).astype(int) // plan.block_k * plan.block_k
+        edges[0], edges[-1] = k_start, k_end
+        for b in range(B):
+            for h in range(Hq):
+                o_parts = np.zeros((splits, 1, q1 - q0, shapes.Ev), dtype=cd)
+                l_parts = np.full((splits, 1, q1 - q0), -np.inf, dtype=np.float64)
+                parts.append((b, h, q0, q1, o_parts, l_parts))
+                for i in range(splits):
+                    if edges[i + 1] > edges[i]:
+                        tasks.append(_Rows(b, h, h + 1, q0, q1, int(edges[i]), int(edges[i + 1]),
+                                           o_parts[i], l_parts[i]))
+    _run(tasks, task, plan.num_threads, B * Hq * L * S)
+    for b, h, q0, q1, o_parts, l_parts in parts:
+        merged = merge_attention_states(o_parts[:, 0], l_parts[:, 0])
+        out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
     return out, lse
-
-
 
 
 # ----------------------------------------------------------------------------- backward
@@ -594,23 +748,37 @@ def _flash_forward(plan: _Plan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.n
 class _BackwardInputs(NamedTuple):
     """What every backward task reads: compute-dtype arrays with the batch dims flattened."""
 
-    qs: np.ndarray  # (B, Hq, L, E) query * scale
+    qs: np.ndarray  # (B, Hq, L, E) query * scale: the forward's scores
+    qs_f: np.ndarray  # (B, Hq, L, E) query * scale * f: dK = dS^T (q * scale)
     k: np.ndarray  # (B, Hkv, S, E)
     ks: np.ndarray  # (B, Hkv, S, E) key * scale: dQ = dS (K * scale), the scale before the product
     va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
     do_a: np.ndarray  # (B, Hq, L, Ev+1) [dO, -D]
-    lse_hi: np.ndarray  # (B, Hq, L) lse = lse_hi + lse_lo, two compute-dtype parts (-inf rows at 0)
-    lse_lo: np.ndarray
+    do_f: np.ndarray  # (B, Hq, L, Ev) dO * f
+    lse_hi: np.ndarray  # (B, Hq, L) lse = lse_hi + lse_lo, lse_hi in the compute dtype
+    row_f: np.ndarray  # (B, Hq, L) f = exp(-lse_lo), within a few ulps of 1 (-inf rows: 1)
 
 
-def _backward_cols(plan: _Plan, inputs: _BackwardInputs, b, h_kv, k0, k1, dq_acc, dk_out, dv_out):
-    """Keys [k0, k1) of kv head (b, h_kv): accumulate their dK, dV over every query
-    head of the group and every query tile that can see them, and add the dQ
-    contributions into this thread's dq_acc (B, Hq, L, E)."""
-    qs, do_a, lse_hi, lse_lo = inputs.qs, inputs.do_a, inputs.lse_hi, inputs.lse_lo
+class _Cols(NamedTuple):
+    """A backward task: keys [k0, k1) of kv head h_kv in flattened batch b."""
+
+    b: int
+    h_kv: int
+    k0: int
+    k1: int
+
+
+def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc, dk_out, dv_out) -> None:
+    """One backward task (see _Cols): accumulate its dK, dV over every query head
+    of the group and every query tile that can see the keys, into dk_out
+    (k1 - k0, E) and dv_out (k1 - k0, Ev), and add the dQ contributions into this
+    thread's dq_acc (B, Hq, L, E)."""
+    b, h_kv, k0, k1 = cols
+    do_a, lse_hi, row_f = inputs.do_a, inputs.lse_hi, inputs.row_f
     k, ks, va = inputs.k[b, h_kv], inputs.ks[b, h_kv], inputs.va[b, h_kv]  # (S, E), (S, E), (S, Ev+1)
-    cd = qs.dtype
-    E, Ev = qs.shape[-1], do_a.shape[-1] - 1
+    k3 = inputs.k[b, h_kv:h_kv + 1]  # (1, S, E): _tile_scores takes heads
+    cd = k.dtype
+    E, Ev = k.shape[-1], do_a.shape[-1] - 1
     g, bq = plan.shapes.group, plan.block_q
     dk = np.zeros((k1 - k0, E), dtype=cd)
     dv = np.zeros((k1 - k0, Ev), dtype=cd)
@@ -623,35 +791,37 @@ def _backward_cols(plan: _Plan, inputs: _BackwardInputs, b, h_kv, k0, k1, dq_acc
             n = c1 - c0
             if n <= 0:
                 continue
-            skip, blocked, adds = plan.tile_masks(b, h, q0, q1, c0, c1, cd)
+            tile = _Tile(b, h, h + 1, q0, q1, c0, c1)
+            skip, blocked, adds = plan.tile_masks(tile, cd)
             if skip:
                 continue
-            rows, cols, mine = slice(q0, q1), slice(c0, c1), slice(c0 - k0, c1 - k0)
-            p = _tile("p", r, n, cd)
-            _tile_scores(plan, qs[b, h, rows], k, p, b, h, q0, q1, c0, c1, adds)
+            rows, cols_k, mine = slice(q0, q1), slice(c0, c1), slice(c0 - k0, c1 - k0)
+            f = row_f[b, h, rows, None]  # (r, 1)
+            p3 = _buffer("p", r * n, cd)[: r * n].reshape(1, r, n)  # one head of the forward's tile
+            _tile_scores(plan, inputs.qs[b, h:h + 1, rows], k3, p3, tile, adds)
+            if blocked is not None:
+                np.copyto(p3, cd.type(-np.inf), where=blocked)
+            p = p3[0]
             mod_grad = None
             if plan.score_mod is not None and plan.score_mod.grad is not None:  # None: additive
-                pre = np.matmul(qs[b, h, rows], k[cols].T)  # the scores the mod saw
-                mod_grad = plan.score_mod.grad(pre, b, h, np.arange(q0, q1)[:, None], np.arange(c0, c1)[None, :])
+                pre = np.matmul(inputs.qs[b, h, rows], k[cols_k].T)  # the scores the mod saw
+                mod_grad = plan.score_mod.grad(pre, b, h, *tile.indices())
             # forward: P = exp(s - lse), with lse = hi + lo: P = exp(s - hi) * f, f = exp(-lo) per row
             p -= lse_hi[b, h, rows, None]
-            if blocked is not None:
-                np.copyto(p, cd.type(-np.inf), where=blocked)
             np.exp(p, out=p)
-            row_f = np.exp(-lse_lo[b, h, rows])  # (r,) within a few ulps of 1
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
             dv_part = _tile("dv_part", n, Ev, cd)
-            np.matmul(p.T, do_a[b, h, rows, :Ev] * row_f[:, None], out=dv_part)
+            np.matmul(p.T, inputs.do_f[b, h, rows], out=dv_part)
             dv[mine] += dv_part
             ds = _tile("ds", r, n, cd)
-            np.matmul(do_a[b, h, rows], va[cols].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            np.matmul(do_a[b, h, rows], va[cols_k].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
             one = plan.one_key_rows(q0, q1)
             if one is not None:
                 # A row that sees a single key takes D from the tile, as the plain path
                 # does, D = sum_j P_ij dP_ij: consistent with the dP just rounded, its
                 # dS is exactly 0 (FlashAttention-2's D would leave the rounding of dO . v).
                 missed = np.einsum("ij,ij->i", ds[one], p[one])  # sum_j P_ij (dP_ij - D_i) / f_i
-                missed *= row_f[one]
+                missed *= f[one, 0]
                 ds[one] -= missed[:, None]
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             np.multiply(ds, p, out=ds)
@@ -660,11 +830,11 @@ def _backward_cols(plan: _Plan, inputs: _BackwardInputs, b, h_kv, k0, k1, dq_acc
                 ds *= mod_grad
             # forward: s = (q * scale) k^T  ->  dQ += dS (K * scale), dK += dS^T (q * scale)
             dk_part = _tile("dk_part", n, E, cd)
-            np.matmul(ds.T, qs[b, h, rows] * row_f[:, None], out=dk_part)
+            np.matmul(ds.T, inputs.qs_f[b, h, rows], out=dk_part)
             dk[mine] += dk_part
             dq_part = _tile("dq_part", r, E, cd)
-            np.matmul(ds, ks[cols], out=dq_part)
-            dq_part *= row_f[:, None]
+            np.matmul(ds, ks[cols_k], out=dq_part)
+            dq_part *= f
             dq_acc[b, h, rows] += dq_part
     dk_out[...] = dk
     dv_out[...] = dv
@@ -676,33 +846,26 @@ def flash_attention_backward(
     key: np.ndarray,
     value: np.ndarray,
     output: np.ndarray,
-    lse: np.ndarray,
-    attn_mask: np.ndarray | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+    state: AttentionState,
     *,
-    causal_align: str = "top_left",
-    window: int | tuple[int | None, int | None] | None = None,
-    score_mod: Callable | None = None,
-    mask_mod: Callable | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
     num_threads: int | None = None,
 ) -> AttentionGrads:
     """Gradients of `flash_attention`, FlashAttention-2 style, tile by tile.
 
-    Takes the forward's inputs and mask arguments, its `output` and `lse`
-    (from `flash_attention(..., return_lse=True)`) and grad_output = dLoss/dO
-    of shape (..., Hq, L, Ev). With D = rowsum(dO * O) each tile's weights are
-    recomputed as P = exp(s - lse) and
+    Takes the forward's inputs, its `output`, the `state` that
+    `flash_attention(..., return_lse=True)` returned (its lse and its plan: the
+    mask, band, mods, scale and tile grid of the forward, which the backward
+    reuses, so the two always cut the same tiles) and grad_output = dLoss/dO of
+    shape (..., Hq, L, Ev). A state computed for other shapes is refused. With
+    D = rowsum(dO * O) each tile's weights are recomputed as P = exp(s - lse) and
 
         dV += P^T dO,   dP = dO V^T,   dS = P * (dP - D),
         dQ += dS K * scale,   dK += dS^T Q * scale.
 
-    Work is spread over (batch, kv head, key block); each thread adds its dQ
-    contributions into its own (B, Hq, L, E) buffer, summed at the end: extra
-    memory O(threads * L + S), never (L, S).
+    Work is spread over (batch, kv head, key block) on num_threads threads
+    (default: the forward's); each thread adds its dQ contributions into its own
+    (B, Hq, L, E) buffer, summed at the end: extra memory O(threads * L + S),
+    never (L, S).
 
     D is summed in float64. A row that the band lets see a single key takes D
     from its tile, sum_j P_ij dP_ij as the plain path does, so its dQ is exactly
@@ -719,22 +882,36 @@ def flash_attention_backward(
         AttentionGrads(grad_query, grad_key, grad_value) in the inputs' shapes
         and dtype. Rows with no key allowed give zero gradients.
     """
+    if not isinstance(state, AttentionState) or state.plan is None:
+        got = "a merged state without a plan" if isinstance(state, AttentionState) else type(state).__name__
+        raise TypeError(
+            "expected state to be the AttentionState that flash_attention(..., return_lse=True) returned "
+            f"(it carries the forward's tile plan), got {got}"
+        )
+    plan = state.plan
+    if num_threads is not None:
+        plan = replace(plan, num_threads=_check_block(num_threads, "num_threads"))
     drop = max(3 - output_ndim(query, key, value), 0)  # (L, E) inputs run with a head axis of 1
-    q, k, v, plan = _make_plan(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align,
-                               window, score_mod, mask_mod, block_q, block_k, num_threads)
-    shapes = plan.shapes
+    q, k, v, shapes = _check_inputs(query, key, value, plan.enable_gqa)
+    if shapes != plan.shapes:
+        def problem(s):
+            return (f"query {shape_str((*s.batch, s.q_heads, s.L, s.E))}, key {shape_str((*s.batch, s.kv_heads, s.S, s.E))}, "
+                    f"value {shape_str((*s.batch, s.kv_heads, s.S, s.Ev))} {s.dtype}")
+        raise ValueError(
+            f"expected the inputs of the forward that made this state ({problem(plan.shapes)}), "
+            f"got {problem(shapes)}"
+        )
     cd, Hq, Hkv = shapes.compute_dtype, shapes.q_heads, shapes.kv_heads
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     out_shape = (*shapes.batch, Hq, L, Ev)
     lse_shape = (*shapes.batch, Hq, L)
-    extra = drop
     for arr, name, want in ((grad_output, "grad_output", out_shape), (output, "output", out_shape),
-                            (lse, "lse", lse_shape)):
+                            (state.lse, "state.lse", lse_shape)):
         arr = require_float_tensor(arr, name, 1)
-        if arr.shape != want[extra:]:
-            raise ValueError(f"expected {name} of shape {shape_str(want[extra:])}, got {shape_str(arr.shape)}")
+        if arr.shape != want[drop:]:
+            raise ValueError(f"expected {name} of shape {shape_str(want[drop:])}, got {shape_str(arr.shape)}")
 
-    if plan.score_mod is not None and not hasattr(plan.score_mod, "grad"):
+    if plan.score_mod is not None and not isinstance(plan.score_mod, DifferentiableScoreMod):
         raise TypeError(
             "flash_attention_backward needs the derivative of score_mod: wrap it as "
             "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
@@ -745,7 +922,7 @@ def flash_attention_backward(
     grads = None
     if start_dtype(cd, plan.scale) == cd and (cd == wide or not scores_may_overflow(q, k, plan.scale, cd)):
         with np.errstate(over="ignore", invalid="ignore"):
-            grads = _flash_backward(plan, q, k, v, grad_output, output, lse, cd)
+            grads = _flash_backward(plan, q, k, v, grad_output, output, state.lse, cd)
         if cd != wide and not all_finite(*grads) and all_finite(q, k, v, grad_output, output):
             grads = None  # a gradient beyond the compute dtype on the way
     if grads is None:
@@ -764,13 +941,13 @@ def flash_attention_backward(
     return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
 
 
-def _flash_backward(plan: _Plan, q, k, v, grad_output, output, lse, cd: np.dtype):
+def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, lse, cd: np.dtype):
     """The tiled backward in dtype `cd`: (dQ (B, Hq, L, E), dK (B, Hkv, S, E),
     dV (B, Hkv, S, Ev)) in cd, B the flattened batch dims."""
     shapes = plan.shapes
     B, Hq, Hkv = math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
-    qs = _flat(q, shapes, Hq, cd) * cd.type(plan.scale)  # (B, Hq, L, E)
+    q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
     k = _flat(k, shapes, Hkv, cd)  # (B, Hkv, S, E)
     ks = k * cd.type(plan.scale)  # (B, Hkv, S, E)
     va = _with_ones(_flat(v, shapes, Hkv, cd))  # (B, Hkv, S, Ev+1)
@@ -780,26 +957,29 @@ def _flash_backward(plan: _Plan, q, k, v, grad_output, output, lse, cd: np.dtype
     do_a[..., :Ev] = d_out
     # D = rowsum(dO * O), summed in float64: rounded once, to the compute dtype
     do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o, dtype=np.float64)
-    # lse split into two compute-dtype parts so that the matmul subtracts it
-    # to float64 accuracy (a float32 lse of 40 is off by up to 2e-6).
+    # lse split into two compute-dtype parts so that the subtraction is
+    # float64-accurate (a float32 lse of 40 is off by up to 2e-6):
+    # P = exp(s - hi) * f with f = exp(-lo) per row.
     lse64 = np.asarray(lse, dtype=np.float64).reshape(B, Hq, L).copy()
     lse64[np.isneginf(lse64)] = 0  # rows with no key: their tiles are all masked anyway
     lse_hi = lse64.astype(cd)
-    lse_lo = (lse64 - lse_hi).astype(cd)
-    inputs = _BackwardInputs(qs, k, ks, va, do_a, lse_hi, lse_lo)
+    row_f = np.exp(-(lse64 - lse_hi).astype(cd))
+    qs = q * cd.type(plan.scale)  # (B, Hq, L, E)
+    inputs = _BackwardInputs(qs, qs * row_f[..., None], k, ks, va, do_a, d_out * row_f[..., None], lse_hi, row_f)
 
     grad_k = np.zeros((B, Hkv, S, E), dtype=cd)
     grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)
     dq_buffers: dict[int, np.ndarray] = {}
     lock = threading.Lock()
 
-    def task(b, h_kv, k0, k1):
+    def task(cols: _Cols) -> None:
         ident = threading.get_ident()
         with lock:
             if ident not in dq_buffers:
                 dq_buffers[ident] = np.zeros((B, Hq, L, E), dtype=cd)
             dq_acc = dq_buffers[ident]
-        _backward_cols(plan, inputs, b, h_kv, k0, k1, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
+        b, h_kv, k0, k1 = cols
+        _backward_cols(plan, inputs, cols, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
     blocks = []
     for k0 in range(0, S, plan.block_k):
@@ -808,7 +988,7 @@ def _flash_backward(plan: _Plan, q, k, v, grad_output, output, lse, cd: np.dtype
         if q_end > q_start:
             blocks.append((k0, k1, q_end - q_start))
     blocks.sort(key=lambda t: t[2], reverse=True)
-    tasks = [(b, h, k0, k1) for k0, k1, _ in blocks for b in range(B) for h in range(Hkv)]
+    tasks = [_Cols(b, h, k0, k1) for k0, k1, _ in blocks for b in range(B) for h in range(Hkv)]
     _run(tasks, task, plan.num_threads, 3 * B * Hq * L * S)
 
     grad_q = np.zeros((B, Hq, L, E), dtype=cd)
@@ -886,18 +1066,51 @@ def flash_backend(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    rng: np.random.Generator | None = None,
+    causal_align: str = "top_left",
+    window: int | tuple[int | None, int | None] | None = None,
+    key_padding_mask: np.ndarray | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    rng: np.random.Generator | int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> np.ndarray | AttentionOutput:
-    """`flash_attention` behind `scaled_dot_product_attention`'s signature
-    (registered as ATTENTION_BACKENDS["flash"]). It never forms the weights,
-    so dropout and return_weights are refused."""
+    """`flash_attention` behind the one backend signature (registered as
+    ATTENTION_BACKENDS["flash"]; see `attnkit.functional`).
+
+    is_causal with causal_align, and window, become flash's band: tiles outside
+    it are never computed (a KV cache's bottom-right causal chunk costs half
+    the tiles). key_padding_mask (..., S) becomes a mask mod, evaluated per
+    tile, so it combines with the band (an `attn_mask` could not: flash takes
+    no attn_mask together with is_causal). score_mod and mask_mod pass through.
+
+    One query row per head (L = 1, a decode step) has no tile to skip and
+    scores of O(S) already: it runs the plain kernel (`scaled_dot_product_attention`,
+    same arguments), whose one product per head group beats the tile loop.
+
+    The flash backend never forms the weights, so dropout and return_weights
+    are refused."""
     if dropout_p:
         raise ValueError(f"the flash backend has no dropout; expected dropout_p=0.0, got {dropout_p}")
     if return_weights:
         raise ValueError("the flash backend never forms the (L, S) weights; use the 'naive' backend for them")
-    res = flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse=True)
+    options = dict(causal_align=causal_align, window=window, score_mod=score_mod, mask_mod=mask_mod)
+    if np.shape(query)[-2:-1] == (1,):  # a decode step: the plain kernel (see above)
+        return scaled_dot_product_attention(
+            query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask, return_lse=return_lse, **options,
+        )
+    if key_padding_mask is not None:
+        shapes = check_qkv(query, key, value, enable_gqa)[3]
+        padding = check_key_padding_mask(key_padding_mask, shapes)  # (*batch, S)
+        if not padding.all():
+            real = np.ascontiguousarray(padding).reshape(-1, shapes.S)  # (B, S), b = flattened batch index
+
+            def key_padding(b, h, q_idx, kv_idx):
+                return real[b, kv_idx]  # (1, cols), True = a real key
+
+            options["mask_mod"] = key_padding if mask_mod is None else and_mods(mask_mod, key_padding)
+    res = flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse=True, **options)
     if not return_lse:
         return res.output
     return AttentionOutput(output=res.output, weights=None, lse=res.lse.astype(res.output.dtype, copy=False))

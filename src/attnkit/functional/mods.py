@@ -24,13 +24,54 @@ takes.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 from attnkit.functional.masks import ALIGNMENTS
 
 Band = tuple  # (lo | None, hi | None, exact: bool) on kv - q
+
+
+# ----------------------------------------------------------------------------- what flash reads from a mod
+# Any callable with the right signature is a mod; these Protocols name the extra
+# knowledge a mod may carry, and flash checks them with isinstance.
+
+
+@runtime_checkable
+class BindsLengths(Protocol):
+    """A mod that needs the lengths (bottom_right alignment): `bind(L, S)`
+    returns the same mod for L queries over S keys."""
+
+    def bind(self, L: int, S: int) -> Any: ...
+
+
+@runtime_checkable
+class BandedMaskMod(Protocol):
+    """A mask mod that knows its band: every allowed pair has lo <= kv - q <= hi,
+    `band` = (lo, hi, exact) or None, exact when the band is the whole mask, and
+    `rest` the mod left to evaluate per tile once the band is applied (None: the
+    whole mod). Flash skips tiles outside the band."""
+
+    band: Band | None
+    rest: Callable | None
+
+    def __call__(self, b, h, q_idx, kv_idx) -> Any: ...
+
+
+@runtime_checkable
+class DifferentiableScoreMod(Protocol):
+    """A score mod that carries its derivative for the backward: `grad(score, b,
+    h, q_idx, kv_idx)` = d new_score / d score, or None for an additive mod."""
+
+    grad: Callable | None
+
+    def __call__(self, score, b, h, q_idx, kv_idx) -> Any: ...
+
+
+def bound(mod, L: int, S: int):
+    """`mod` for L queries over S keys: bound when it needs the lengths, else itself."""
+    return mod.bind(L, S) if isinstance(mod, BindsLengths) else mod
 
 
 def _check_align(align: str) -> str:
@@ -77,6 +118,7 @@ class MaskMod:
     """
 
     band: Band | None = None
+    rest: Callable | None = None  # what remains per tile once the band is applied; None: the whole mod
 
     def __init__(self, fn: Callable | None = None, name: str = "mask_mod"):
         self._fn = fn
@@ -187,17 +229,17 @@ class _Combined(MaskMod):
         super().__init__(name=f"{op.__name__}({', '.join(repr(m) for m in mods)})")
         self.mods, self.op = list(mods), op
         if op is np.logical_and:
-            bands = [m.band for m in self.mods if getattr(m, "band", None) is not None]
-            if bands:
-                los = [b[0] for b in bands if b[0] is not None]
-                his = [b[1] for b in bands if b[1] is not None]
-                rest = [m for m in self.mods if getattr(m, "band", None) is None or not m.band[2]]
+            banded = [m for m in self.mods if isinstance(m, BandedMaskMod) and m.band is not None]
+            if banded:
+                los = [m.band[0] for m in banded if m.band[0] is not None]
+                his = [m.band[1] for m in banded if m.band[1] is not None]
+                rest = [m for m in self.mods if not any(m is x and x.band[2] for x in banded)]
                 self.band = (max(los) if los else None, min(his) if his else None, not rest)
                 # what remains to evaluate per tile once the band is applied
                 self.rest = None if not rest else (rest[0] if len(rest) == 1 else _Combined(rest, op))
 
     def bind(self, L: int, S: int) -> "_Combined":
-        return _Combined([m.bind(L, S) if hasattr(m, "bind") else m for m in self.mods], self.op)
+        return _Combined([bound(m, L, S) for m in self.mods], self.op)
 
     def __call__(self, b, h, q_idx, kv_idx):
         shape = np.broadcast_shapes(np.shape(q_idx), np.shape(kv_idx))
@@ -316,8 +358,7 @@ def softcap(cap: float) -> ScoreMod:
 
 def create_mask(mask_mod: Callable, B: int, H: int, L: int, S: int) -> np.ndarray:
     """The dense bool (B, H, L, S) mask a mask mod stands for (for the plain path)."""
-    if hasattr(mask_mod, "bind"):
-        mask_mod = mask_mod.bind(L, S)
+    mask_mod = bound(mask_mod, L, S)
     q_idx, kv_idx = np.arange(L)[:, None], np.arange(S)[None, :]
     out = np.empty((B, H, L, S), dtype=bool)
     for b in range(B):
@@ -332,8 +373,7 @@ def apply_score_mod(score_mod: Callable, scores: np.ndarray) -> np.ndarray:
     if scores.ndim != 4:
         raise ValueError(f"expected scores shaped (B, H, L, S), got {scores.shape}")
     B, H, L, S = scores.shape
-    if hasattr(score_mod, "bind"):
-        score_mod = score_mod.bind(L, S)
+    score_mod = bound(score_mod, L, S)
     q_idx, kv_idx = np.arange(L)[:, None], np.arange(S)[None, :]
     out = np.empty_like(scores)
     for b in range(B):

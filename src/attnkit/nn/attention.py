@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attnkit.functional.masks import causal_mask
+from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import AttentionModule
 from attnkit.nn.linear import Linear, linear
 from attnkit.nn.module import check_float_input, compute_dtype, make_rng
@@ -292,6 +294,8 @@ class MultiHeadAttention(AttentionModule):
         is_causal: bool = False,
         need_weights: bool = False,
         average_attn_weights: bool = True,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
     ) -> AttentionResult:
         """Attend from query to key/value.
 
@@ -303,31 +307,54 @@ class MultiHeadAttention(AttentionModule):
                 (L, S) or 4-D broadcastable to (B, num_heads, L, S).
             key_mask: bool (B, S), True = a real token (the opposite of torch's
                 key_padding_mask).
-            is_causal: top-left causal mask; combines with the other masks.
+            is_causal: top-left causal mask; with a kv_cache, bottom-right (the L
+                new queries are the last L of the S keys); combines with the other masks.
             need_weights: also return the attention weights.
             average_attn_weights: average the weights over heads -> (B, L, S);
                 otherwise per head (B, num_heads, L, S).
+            kv_cache, layer: self-attention decoding: this call's keys and values are
+                appended to `kv_cache` (see `new_kv_cache`) at `layer` and the queries
+                attend to all S cached, with its padding (`KVCache.add_padding`);
+                attn_mask and key_mask then cover the S cached keys.
 
         Returns:
             AttentionResult(output (B, L, d_model), weights or None), in query's
             dtype. A query that may attend to no key gets attention output 0
             (so the layer output is out_proj's bias), never NaN.
         """
+        self_attention = key is None and value is None
         query, key, value = self._check_inputs(query, key, value)
+        if kv_cache is not None and not self_attention:
+            raise ValueError("kv_cache is for self-attention decoding: pass neither key nor value")
         B, L, _ = query.shape
         S = key.shape[1]
         H, Hkv, E = self.num_heads, self.num_kv_heads, self.head_dim
         dt = compute_dtype(np.result_type(query, key, value), self.q_proj.weight.dtype)
-        mask, causal = build_attention_mask(attn_mask, key_mask, is_causal, B, H, L, S, dt)
 
         q, k, v = self._project(query, key, value, dt)
         q = q.reshape(B, L, H, E).transpose(0, 2, 1, 3)  # (B, H, L, E)
         k = k.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
         v = v.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
+        options: dict[str, Any] = {}
+        if kv_cache is None:
+            mask, causal = build_attention_mask(attn_mask, key_mask, is_causal, B, H, L, S, dt)
+        else:
+            k, v = (x.astype(dt, copy=False) for x in kv_cache.update(layer, k, v))  # (B, Hkv, past + L, E)
+            S = k.shape[2]
+            # the call's masks over the S cached keys; causality and the cache's padding go to
+            # the backend as keywords (bottom-right, key_padding_mask), never as a dense mask
+            mask, _ = build_attention_mask(attn_mask, key_mask, False, B, H, L, S, dt)
+            causal = bool(is_causal)
+            if causal and mask is not None:  # the backend takes no attn_mask with is_causal
+                below = causal_mask(L, S, align="bottom_right")  # (L, S)
+                mask = mask & below if mask.dtype == np.bool_ else np.where(below, mask, dt.type(-np.inf))
+                causal = False
+            options = dict(causal_align="bottom_right",
+                           key_padding_mask=kv_cache.key_padding[:, :S] if kv_cache.has_padding else None)
         result = self.attend(
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=Hkv != H, rng=self.rng, return_weights=need_weights,
+            enable_gqa=Hkv != H, rng=self.rng, return_weights=need_weights, **options,
         )
         heads = result.output if need_weights else result  # (B, H, L, E)
         merged = heads.transpose(0, 2, 1, 3).reshape(B, L, H * E)  # (B, L, d_model)
@@ -339,6 +366,12 @@ class MultiHeadAttention(AttentionModule):
                 weights = weights.mean(axis=1)  # (B, L, S)
             weights = weights.astype(query.dtype, copy=False)
         return AttentionResult(out, weights)
+
+    def new_kv_cache(self, batch_size: int, max_length: int, num_layers: int = 1) -> KVCache:
+        """An empty KVCache shaped for this module, in its parameters' dtype."""
+        dtype = self.k_proj.weight.dtype
+        return KVCache(num_layers, batch_size, self.num_kv_heads, self.head_dim, max_length,
+                       dtype=dtype if dtype in (np.float32, np.float64) else np.float32)
 
     def extra_repr(self) -> str:
         return attention_extra_repr(self)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from attnkit.nn.attention import MultiHeadAttention
+from attnkit.nn.cache import KVCache
 from attnkit.nn.layers import FeedForward, LayerNorm, check_dropout, dropout, layer_norm
 from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
 from attnkit.nn.spec import block_extra_repr
@@ -92,6 +93,8 @@ class TransformerBlock(Module):
         is_causal: bool = False,
         need_weights: bool = False,
         average_attn_weights: bool = True,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
     ) -> np.ndarray | BlockOutput:
         """Run the block.
 
@@ -104,6 +107,8 @@ class TransformerBlock(Module):
             need_weights: also return the attention weights, as BlockOutput.
             average_attn_weights: weights averaged over heads (B, L, L), or per
                 head (B, num_heads, L, L).
+            kv_cache, layer: decode through a KV cache (MultiHeadAttention's; is_causal
+                is then bottom-right over the cached keys).
 
         Returns:
             (B, L, d_model) in x's dtype, or BlockOutput(output, attn_weights)
@@ -118,6 +123,7 @@ class TransformerBlock(Module):
         attn_kwargs = dict(
             attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
             need_weights=need_weights, average_attn_weights=average_attn_weights,
+            kv_cache=kv_cache, layer=layer,
         )
         if self.norm_first:
             a, weights = self.attn(layer_norm(h, n1.weight, n1.bias, n1.eps), **attn_kwargs)

@@ -16,6 +16,12 @@ prompt) it is `causal_mask(L, S, align="bottom_right")`.
 
 Left-padded batches: `key_padding` records, per sequence, which cached
 positions hold real tokens; padded keys are never attended to.
+
+`attend` never builds that mask: it hands the backend `is_causal=True,
+causal_align="bottom_right"` and the (B, S) `key_padding_mask`, the one
+backend signature's keywords, so "flash" skips the tiles above the diagonal
+(its band) instead of testing a dense mask tile by tile. `mask(L, S)` still
+gives the dense mask, for callers that want it.
 """
 
 from __future__ import annotations
@@ -163,13 +169,13 @@ class KVCache:
         self._lengths[layer] = stop
         return self.keys[layer][:, :, :stop], self.values[layer][:, :, :stop]
 
-    def mask(self, L: int, S: int) -> np.ndarray | None:
+    def mask(self, L: int, S: int, *, causal: bool = True) -> np.ndarray | None:
         """The boolean mask for L new queries over S cached keys, or None when all may attend.
 
-        Bottom-right causal (query i sees keys 0..S-L+i), combined with the padding of each
-        sequence: shape (L, S) or (B, 1, L, S).
+        Bottom-right causal (query i sees keys 0..S-L+i; causal=False leaves it out),
+        combined with the padding of each sequence: shape (L, S) or (B, 1, L, S).
         """
-        causal = causal_mask(L, S, align="bottom_right") if L > 1 else None
+        causal = causal_mask(L, S, align="bottom_right") if causal and L > 1 else None
         if not self._padded:
             return causal
         padding = self.key_padding[:, None, None, :S]  # (B, 1, 1, S)
@@ -193,24 +199,28 @@ class KVCache:
             key, value: (B, Hkv, L, E) / (B, Hkv, L, Ev) of the same positions.
             scale: score scale, default 1/sqrt(E).
             attention: a name in `attnkit.functional.ATTENTION_BACKENDS`, or a function with
-                `scaled_dot_product_attention`'s signature; attention modules pass their
-                `attend`, which dispatches on their `backend` and records maps.
+                the one backend signature (`attnkit.functional`); attention modules pass
+                their `attend`, which dispatches on their `backend` and records maps. It is
+                called with is_causal=True, causal_align="bottom_right" and, when the batch
+                is padded, key_padding_mask (B, S): never a dense mask.
             return_weights: also return the (B, Hq, L, S) attention weights.
 
         Returns:
             (B, Hq, L, Ev), or AttentionOutput when return_weights.
         """
         keys, values = self.update(layer, key, value)  # (B, Hkv, S, E)
-        L, S = query.shape[-2], keys.shape[-2]
+        S = keys.shape[-2]
         if isinstance(attention, str):
             attention = get_attention(attention)
         return attention(
             query,
             keys,
             values,
-            attn_mask=self.mask(L, S),
+            is_causal=True,
             scale=scale,
             enable_gqa=query.shape[-3] != self.num_kv_heads,
+            causal_align="bottom_right",  # the L new queries are the last L of the S keys
+            key_padding_mask=self.key_padding[:, :S] if self._padded else None,  # (B, S)
             return_weights=return_weights,
         )
 

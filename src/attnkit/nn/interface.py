@@ -22,16 +22,16 @@ only while a module is recorded, or when a caller asks (need_weights).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from attnkit.functional import WEIGHTLESS_BACKENDS, AttentionOutput, get_attention
 from attnkit.nn.module import Module
 
-__all__ = ["AttentionModule", "AttentionRecording", "record_attention"]
+__all__ = ["AttentionModule", "AttentionRecording", "RECORDING_ADAPTERS", "RecordingAdapter", "record_attention"]
 
 
 class AttentionModule(Module):
@@ -122,7 +122,9 @@ def record_attention(model: Any) -> Iterator[AttentionRecording]:
 
     Arguments:
         model: any attnkit model or module (BertModel, SentenceEncoder, a CausalLM,
-            MultiHeadAttention, TransformerBlock, ...).
+            MultiHeadAttention, TransformerBlock, ...), or a model an adapter in
+            `RECORDING_ADAPTERS` knows: a transformers model loaded with
+            attn_implementation="attnkit" once `attnkit.hf` is imported.
 
     Yields:
         An `AttentionRecording`; `.maps` fills with one (B, H, L, S) array per attention
@@ -131,15 +133,61 @@ def record_attention(model: Any) -> Iterator[AttentionRecording]:
     Raises:
         TypeError: `model` is not a module; ValueError: it has no attention module.
     """
-    modules = attention_modules(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no attention module to record")
     recording = AttentionRecording()
+    modules, attribute, sink = _recorded_modules(model, recording)
     for module in modules:
-        object.__setattr__(module, "_recorders", module._recorders + (recording.maps,))
+        object.__setattr__(module, attribute, getattr(module, attribute, ()) + (sink,))
     try:
         yield recording
     finally:
         for module in modules:
-            kept = tuple(maps for maps in module._recorders if maps is not recording.maps)
-            object.__setattr__(module, "_recorders", kept)
+            kept = tuple(maps for maps in getattr(module, attribute, ()) if maps is not sink)
+            object.__setattr__(module, attribute, kept)
+
+
+class RecordingAdapter(NamedTuple):
+    """How `record_attention` records a model that is not made of attnkit modules.
+
+    find(model): the modules of `model` that compute attention, in call order, or None
+        when `model` is not of this adapter's kind. While recorded, each such module
+        appends its (B, H, L, S) weights to every sink in its `_attnkit_recorders` tuple.
+    to_numpy(weights): those weights as a NumPy float32 array.
+    """
+
+    find: Callable[[Any], "list[Any] | None"]
+    to_numpy: Callable[[Any], np.ndarray]
+
+
+RECORDING_ADAPTERS: list[RecordingAdapter] = []
+"""Adapters `record_attention` asks, in order, before attnkit's own modules. `attnkit.hf`
+adds the one for transformers models when it is imported (nn imports no upper layer)."""
+
+
+class _ConvertingSink:
+    """A recording's list as a foreign module sees it: `append` stores the weights as NumPy."""
+
+    __slots__ = ("maps", "to_numpy")
+
+    def __init__(self, maps: list[np.ndarray], to_numpy: Callable[[Any], np.ndarray]) -> None:
+        self.maps, self.to_numpy = maps, to_numpy
+
+    def append(self, weights: Any) -> None:
+        self.maps.append(self.to_numpy(weights))
+
+
+def _recorded_modules(model: Any, recording: AttentionRecording) -> tuple[list[Any], str, Any]:
+    """The modules to record, the attribute holding their recorders, and what to add there."""
+    for adapter in RECORDING_ADAPTERS:
+        found = adapter.find(model)
+        if found is not None:
+            if not found:
+                raise ValueError(f"{type(model).__name__} has no attention module to record")
+            return list(found), "_attnkit_recorders", _ConvertingSink(recording.maps, adapter.to_numpy)
+    modules = attention_modules(model)
+    if not modules:
+        hint = ""
+        if type(model).__module__.startswith("transformers."):
+            hint = (" (a transformers model records after `import attnkit.hf`, "
+                    "loaded with attn_implementation='attnkit')")
+        raise ValueError(f"{type(model).__name__} has no attention module to record{hint}")
+    return modules, "_recorders", recording.maps

@@ -81,13 +81,21 @@ def scores_may_overflow(q_scaled: torch.Tensor, key: torch.Tensor) -> bool:
     return scores_bound_exceeds(_max_abs(q_scaled), _max_abs(key), q_scaled.shape[-1], torch.finfo(dtype).max)
 
 
-def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols):
+def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols, softcap=None, cap_grad=None):
     """Scores of one (query block, key block) tile, masked: (..., G, bq, bk).
 
     q_tile is already multiplied by the scale; causal_rows are the query
     positions already shifted by the alignment offset. Returns a new tensor
-    (the callers overwrite it in place)."""
+    (the callers overwrite it in place). With `softcap`, the scores are
+    softcap * tanh(scores / softcap) before the mask (Gemma 2's logit
+    softcapping); `cap_grad`, a list, then receives d(capped)/d(raw) =
+    1 - tanh^2 for the backward."""
     s = torch.matmul(q_tile, k_tile.transpose(-1, -2))  # (..., G, bq, bk)
+    if softcap is not None:
+        s.div_(softcap).tanh_()
+        if cap_grad is not None:
+            cap_grad.append(1 - s * s)  # in the forward pass this was: s = softcap * tanh(s / softcap)
+        s.mul_(softcap)
     if mask_tile is not None:
         if mask_tile.dtype == torch.bool:
             s.masked_fill_(~mask_tile, -math.inf)
@@ -113,6 +121,26 @@ def _zero_where_neg_inf(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == -math.inf, torch.zeros_like(x), x)
 
 
+def _lse_parts(lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float64 row lse (..., L) as hi + lo in `dtype`, so that the backward's
+    exp((s - hi) - lo) keeps what float32 would round away: rounded to float32, an
+    lse near 1e3 is off by up to 3e-5, and so would be the largest weight of its row.
+    Rows with no key (lse -inf) give 0 + 0 (their scores are -inf: P = 0)."""
+    base = _zero_where_neg_inf(lse)
+    hi = base.to(dtype)
+    if lse.dtype == dtype:
+        return hi, None
+    return hi, (base - hi.to(base.dtype)).to(dtype)
+
+
+def _weights_from_lse(s: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+    """P = exp(s - lse) for a tile of scores s (..., bq, bk), in s's memory; hi, lo (..., bq)."""
+    s.sub_(hi[..., None])
+    if lo is not None:
+        s.sub_(lo[..., None])
+    return s.exp_()
+
+
 class _Tiling(NamedTuple):
     """How one call is cut and masked: causal (aligned by offset), tile sizes, scale."""
 
@@ -121,6 +149,18 @@ class _Tiling(NamedTuple):
     block_q: int
     block_k: int
     scale: float
+    softcap: float | None = None
+    dropout: float = 0.0  # probability of dropping a weight; the tile's keep mask comes from `seed`
+    seed: int = 0
+
+
+def _kept(tiling: _Tiling, i0: int, j0: int, like: torch.Tensor) -> torch.Tensor:
+    """Dropout's scaled keep mask of tile (i0, j0): 0 (dropped) or 1 / (1 - dropout),
+    drawn from a generator seeded by (seed, i0, j0), so the backward draws it again."""
+    generator = torch.Generator(device=like.device)
+    generator.manual_seed(hash((tiling.seed, i0, j0)) & (2**62 - 1))
+    keep = torch.rand(like.shape, generator=generator, device=like.device) >= tiling.dropout
+    return keep.to(like.dtype).mul_(1.0 / (1.0 - tiling.dropout))
 
 
 def _all_finite(*tensors) -> bool:
@@ -134,7 +174,9 @@ def _forward_tiles(q, k, v, mask, tiling: _Tiling):
     block_q, block_k, is_causal, offset = tiling.block_q, tiling.block_k, tiling.is_causal, tiling.offset
     L, S = q.shape[-2], k.shape[-2]
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))  # (..., Hkv, G, L, Ev)
-    lse = q.new_full(q.shape[:-1], -math.inf)  # (..., Hkv, G, L)
+    # (..., Hkv, G, L) in float64: m + log(l) rounded to float32 would cost the backward's
+    # weights up to half an ulp of |lse| (see _lse_parts)
+    lse = q.new_full(q.shape[:-1], -math.inf, dtype=torch.float64)
     rows = torch.arange(L, device=q.device) + offset  # aligned query positions
     cols = torch.arange(S, device=q.device)
 
@@ -157,17 +199,20 @@ def _forward_tiles(q, k, v, mask, tiling: _Tiling):
                 mask_tile,
                 rows[i0:i1] if on_diagonal else None,
                 cols[j0:j1] if on_diagonal else None,
+                tiling.softcap,
             )
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_base = _zero_where_neg_inf(m_new)  # rows with no key yet: exp(-inf - 0) = 0
             p = s.sub_(m_base[..., None]).exp_()  # (..., G, bq, bk), in the scores' memory
             alpha = torch.exp(m - m_base)  # rescales what was accumulated so far
             l.mul_(alpha).add_(p.sum(dim=-1))
+            if tiling.dropout:
+                p.mul_(_kept(tiling, i0, j0, p))  # dropout on the weights: the denominator l is undropped
             acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[..., j0:j1, :]))
             m = m_new
         seen = l > 0
         out[..., i0:i1, :] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
-        lse[..., i0:i1] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+        lse[..., i0:i1] = torch.where(seen, m.double() + torch.log(torch.where(seen, l, 1.0).double()), -math.inf)
     return out, lse
 
 
@@ -180,7 +225,7 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term,
     # summed in float64 and rounded once.
     delta = (do.double() * out.double()).sum(dim=-1).to(q.dtype)  # (..., Hkv, G, L)
-    lse_base = _zero_where_neg_inf(lse)  # fully masked rows: all scores -inf, P = 0
+    lse_hi, lse_lo = _lse_parts(lse, q.dtype)  # (..., Hkv, G, L); fully masked rows: scores -inf, P = 0
     k_scaled = k * tiling.scale  # dQ = dS (K * scale): no product of two small numbers underflows first
     dq = torch.zeros_like(q)
     dk = torch.zeros(q.shape[:-3] + (q.shape[-3],) + k.shape[-2:], dtype=q.dtype, device=q.device)
@@ -203,18 +248,25 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
             mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
             on_diagonal = is_causal and j1 - 1 > i0 + offset
             # in the forward pass this was: p = exp(s - m) / l, with lse = m + log(l)
+            cap_grad = [] if tiling.softcap is not None else None
             s = _scores(
                 q_tile,
                 k_tile,
                 mask_tile,
                 rows[i0:i1] if on_diagonal else None,
                 cols[j0:j1] if on_diagonal else None,
+                tiling.softcap,
+                cap_grad,
             )
-            p = s.sub_(lse_base[..., i0:i1, None]).exp_()  # (..., G, bq, bk)
-            do_tile = do[..., i0:i1, :]
+            p = _weights_from_lse(s, lse_hi[..., i0:i1], None if lse_lo is None else lse_lo[..., i0:i1])
+            do_tile = do[..., i0:i1, :]  # p: (..., G, bq, bk)
             # in the forward pass this was: out = p @ v
-            dv_tile += torch.matmul(p.transpose(-1, -2), do_tile)
+            kept = _kept(tiling, i0, j0, p) if tiling.dropout else None
+            # in the forward pass this was: out = (p * kept) @ v
+            dv_tile += torch.matmul(p.transpose(-1, -2) if kept is None else (p * kept).transpose(-1, -2), do_tile)
             dp = torch.matmul(do_tile, v_tile.transpose(-1, -2))
+            if kept is not None:
+                dp.mul_(kept)  # the gradient of the undropped weights; D = rowsum(dO * O) matches it
             # softmax backward: ds = p * (dp - rowsum(p * dp)), and rowsum(p * dp) = D
             dp.sub_(delta[..., i0:i1, None])
             a, z = _one_key_rows(i0, i1, S, offset if is_causal else None)
@@ -226,6 +278,8 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
             ds = dp.mul_(p)
             if dmask is not None:
                 dmask[..., i0:i1, j0:j1] = ds
+            if cap_grad:
+                ds.mul_(cap_grad[0])  # through the softcap (the mask was added after it)
             # in the forward pass this was: s = (q * scale) @ k^T; q here is already scaled
             dq[..., i0:i1, :] += torch.matmul(ds, k_scaled[..., j0:j1, :])  # scaled before the product
             dk_tile += torch.matmul(ds.transpose(-1, -2), q_tile)
@@ -250,8 +304,9 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, offset, scale, block_q, block_k):
-        tiling = _Tiling(is_causal, offset, block_q, block_k, scale)
+    def forward(ctx, query, key, value, attn_mask, is_causal, offset, scale, block_q, block_k, softcap=None,
+                dropout=0.0, seed=0):
+        tiling = _Tiling(is_causal, offset, block_q, block_k, scale, softcap, dropout, seed)
         acc_dtype = _accumulator_dtype(query.dtype)
         q = query.to(acc_dtype) * scale  # scaled once, before the product: every tile's scores are q k^T
         wide = _needs_float64(q, key, scale)
@@ -292,7 +347,8 @@ class FlashAttentionFunction(torch.autograd.Function):
             # the mask arrives expanded to (..., Hkv, G, L, S); autograd sums the
             # gradient back to the caller's broadcast shape.
             grad_mask = dmask.to(ctx.attn_mask_dtype)
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), grad_mask, None, None, None, None, None
+        return (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), grad_mask,
+                None, None, None, None, None, None, None, None)
 
 
 def _as_dtype(dtype, key, value, mask):
@@ -324,6 +380,8 @@ def flash_attention(
     block_q: int = 128,
     block_k: int = 128,
     return_lse: bool = False,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | FlashOutput:
     """Tiled attention in O(L + S) extra memory, differentiable (recomputing backward).
 
@@ -341,6 +399,12 @@ def flash_attention(
         block_q, block_k: tile sizes along L and S.
         return_lse: also return the row log-sum-exp (..., Hq, L) (natural log, -inf for
             fully masked rows).
+        softcap: logit softcapping (Gemma 2): scores -> softcap * tanh(scores / softcap),
+            applied before the mask; None (the default) leaves the scores as they are.
+        dropout_p: dropout on the attention weights (as SDPA's): each is dropped with this
+            probability and the rest scaled by 1 / (1 - dropout_p); the masks are drawn
+            from a seed taken from torch's default generator (torch.manual_seed repeats
+            them) and drawn again, tile by tile, in the backward. lse stays undropped.
 
     Returns:
         output (..., Hq, L, Ev) in the input dtype, or FlashOutput(output, lse).
@@ -386,6 +450,11 @@ def flash_attention(
     if causal_align not in ("top_left", "bottom_right"):
         raise ValueError(f"expected causal_align to be 'top_left' or 'bottom_right', got {causal_align!r}")
     offset = 0 if causal_align == "top_left" else S - L
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+        raise ValueError(f"expected softcap to be None or a positive finite number, got {softcap!r}")
+    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
+        raise ValueError(f"expected dropout_p in [0, 1), got {dropout_p!r}")
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
 
     grouped_mask = None
     if attn_mask is not None:
@@ -408,7 +477,8 @@ def flash_attention(
     k = key.unsqueeze(-3)  # (..., Hkv, 1, S, E)
     v = value.unsqueeze(-3)  # (..., Hkv, 1, S, Ev)
     out, lse = FlashAttentionFunction.apply(
-        q, k, v, grouped_mask, bool(is_causal), offset, float(scale), block_q, block_k
+        q, k, v, grouped_mask, bool(is_causal), offset, float(scale), block_q, block_k,
+        None if softcap is None else float(softcap), float(dropout_p), seed,
     )
     out = out.flatten(-4, -3)  # (..., Hq, L, Ev)
     if return_lse:

@@ -148,7 +148,9 @@ def test_sentence_encoder_backend_switch_reaches_the_packed_path(bert_folder, co
     texts = ["the cat sat on the mat .", "a big red dog ran !", "the dog"]
     naive = encoder.encode(texts)
     assert encoder.set_attention_backend("counting") is encoder
-    assert np.array_equal(encoder.encode(texts), naive)
+    # a backend varlen_attention does not know runs through `attend` on padded groups of
+    # sentences: the same attention, summed in another order than varlen's per-sentence calls
+    np.testing.assert_allclose(encoder.encode(texts), naive, rtol=0, atol=64 * F32_EPS)
     assert len(counting) == LAYERS  # 3 sentences: one attention group per layer
     encoder.set_attention_backend("flash")
     np.testing.assert_allclose(encoder.encode(texts), naive, rtol=0, atol=64 * F32_EPS)

@@ -228,7 +228,7 @@ def test_fast_path_matches_reference_modules(encoder, hf_models, torch):
     encodings = encoder.tokenizer.encode(texts)
     ids = np.concatenate([e.ids for e in encodings])
     lengths = np.array([len(e.ids) for e in encodings])
-    packed = encoder._packed.forward(ids, np.zeros_like(ids), lengths)
+    packed = encoder.model(ids, cu_seqlens=np.concatenate([[0], np.cumsum(lengths)])).last_hidden_state
     start = 0
     for n, e in zip(lengths, encodings):
         reference = encoder.model(np.array([e.ids])).last_hidden_state[0]

@@ -274,8 +274,9 @@ ALLOWED = {
     "walkthrough": {"functional", "nn"},
     "models": {"functional", "nn", "runtime"},
     "torch": {"functional", "nn", "runtime"},
-    "viz": {"functional", "masks", "nn", "models", "runtime"},
-    "bench": {"attnkit", "functional", "masks", "nn", "models", "torch", "runtime"},
+    "viz": {"functional", "masks", "nn", "models", "hf", "runtime"},  # hf: views of transformers folders
+    "hf": {"attnkit", "functional", "masks", "nn", "torch", "runtime"},
+    "bench": {"attnkit", "functional", "masks", "nn", "models", "torch", "hf", "runtime"},
 }
 
 
@@ -313,7 +314,7 @@ def test_extras_in_pyproject_match_the_runtime_table():
     for extra, modules in EXTRAS.items():
         assert {_requirement_name(r) for r in extras[extra]} == set(modules), extra
     everything = {_requirement_name(r) for extra in EXTRAS for r in extras[extra]}
-    assert everything - {"torch"} == {_requirement_name(r) for r in extras["all"]}
+    assert everything - {"torch", "transformers"} == {_requirement_name(r) for r in extras["all"]}  # all: no torch
     assert everything <= {_requirement_name(r) for r in extras["test"]}  # the test extra has them all
 
 

@@ -66,6 +66,7 @@ CTOR_ONLY_TORCH = {
 # MultiHeadAttention and TransformerBlock also run context-parallel (attnkit.torch.distributed).
 CTOR_ONLY_TORCH_CONTEXT_PARALLEL = {
     **CTOR_ONLY_TORCH,
+    "context_parallel": "sequence sharded over torch.distributed ranks; NumPy has no process groups",
 }
 CTOR_ONLY_TORCH_KVCACHE = {
     "device": "the torch cache's buffers live on a device",

@@ -4,10 +4,10 @@
   which a container or `taskset` narrows; `os.cpu_count()` elsewhere). The
   default thread count of `flash_attention`, `SentenceEncoder` and the benchmarks.
 - `one_blas_thread()`: a context in which BLAS (OpenBLAS, MKL, ...) runs on one
-  thread, restored on exit (threadpoolctl). Used wherever attnkit spreads work
-  over its own threads, so that the two thread pools do not fight over the
-  cores, and for decode steps, whose matrix-vector products a second BLAS
-  thread slows down on a busy machine.
+  thread, restored on exit (threadpoolctl); `blas_threads(n)` on n threads. Used
+  wherever attnkit spreads work over its own threads, so that the two thread
+  pools do not fight over the cores, and for decode steps, whose matrix-vector
+  products a second BLAS thread slows down on a busy machine.
 - `require(module, extra, purpose)`: import an optional package, or raise
   `MissingExtraError` naming the pip extra that installs it
   (`pip install 'attnkit[png]'`). The command line prints that message as its
@@ -25,7 +25,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-__all__ = ["EXTRAS", "MissingExtraError", "cpu_count", "one_blas_thread", "require"]
+__all__ = ["EXTRAS", "MissingExtraError", "blas_threads", "cpu_count", "one_blas_thread", "require"]
 
 
 def cpu_count() -> int:
@@ -54,6 +54,12 @@ def one_blas_thread() -> Any:
     return _blas_controller().limit(limits=1)
 
 
+def blas_threads(n: int) -> Any:
+    """A context manager in which BLAS runs on `n` threads; leaving it restores the
+    limits. `blas_threads(1)` is `one_blas_thread()`."""
+    return _blas_controller().limit(limits=int(n))
+
+
 # ----------------------------------------------------------------------------- optional packages
 
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -62,6 +68,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "png": ("matplotlib",),
     "serve": ("fastapi", "uvicorn"),
     "torch": ("torch",),
+    "hf": ("transformers", "torch"),
 }
 """pip extra -> the packages it brings (pyproject.toml's optional-dependencies, by import name)."""
 

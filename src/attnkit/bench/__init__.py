@@ -38,6 +38,7 @@ SUITES: dict[str, str] = {
     "decoder": "attnkit.bench.decoder",
     "nn": "attnkit.bench.nn",
     "cache": "attnkit.bench.cache",
+    "distributed": "attnkit.bench.distributed",
 }
 
 

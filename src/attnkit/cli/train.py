@@ -12,7 +12,7 @@ from attnkit.runtime import require
 # Sizes that keep one training run on a laptop CPU (each is named in its error).
 LIMITS = {
     "--steps": 1_000_000, "--vocab-size": 100_000, "--half-len": 1024, "--layers": 16, "--d-model": 1024,
-    "--heads": 64, "--d-ff": 8192, "--batch-size": 4096, "--threads": 256,
+    "--heads": 64, "--d-ff": 8192, "--batch-size": 4096, "--threads": 256, "--context-parallel": 64,
 }
 
 
@@ -35,6 +35,10 @@ def train(
     batch_size: int = typer.Option(64, "--batch-size", help="Sequences per step."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate, in (0, 1]."),
     threads: int = typer.Option(1, "--threads", help="torch threads (one is fastest for this small model)."),
+    context_parallel: int = typer.Option(
+        1, "--context-parallel", metavar="N",
+        help="Split every sequence over N local processes (gloo, ring attention); 1 = one process.",
+    ),
 ) -> None:
     """Train a small attnkit.torch decoder to continue repeated random tokens.
 
@@ -47,10 +51,13 @@ def train(
     for option, value in (("--steps", steps), ("--vocab-size", vocab_size), ("--half-len", half_len),
                           ("--min-half-len", min_half_len), ("--layers", layers), ("--d-model", d_model),
                           ("--heads", heads), ("--d-ff", d_ff), ("--batch-size", batch_size),
-                          ("--threads", threads)):
+                          ("--threads", threads), ("--context-parallel", context_parallel)):
         check_int(option, value, minimum.get(option, 1), LIMITS.get(option), "attnkit train's limit")
     check_int("--seed", seed, 0)
     check_float("--lr", lr, 0.0, 1.0, low_open=True)
+    if context_parallel > half_len:
+        usage(f"--context-parallel {context_parallel} cuts each sequence of 2 x --half-len = {2 * half_len} tokens "
+              f"into {2 * context_parallel} zigzag chunks: expected --half-len >= {context_parallel}")
     output = plan("--out", out, (".png",))
     torch = require("torch", "torch", "attnkit train")
     require("matplotlib", "png", "attnkit train's PNG")
@@ -88,7 +95,10 @@ def train(
                 bar.update(task, completed=metrics.step, loss=f"{metrics.loss:.4f}",
                            accuracy=f"{metrics.accuracy:6.1%}")
 
-            result = train_induction(config, callback=report)
+            if context_parallel > 1:
+                result = _train_context_parallel(config, context_parallel, bar, task)
+            else:
+                result = train_induction(config, callback=report)
         variable_loss, variable_accuracy = evaluate(result.model, fixed_period=False)
         head = find_copy_head(result.model)
         write_all([(output, lambda path: plot_copy_head(head, path, config.half_len))])
@@ -103,3 +113,20 @@ def train(
     table.add_row("copying head", f"layer {head.layer}, head {head.head} (stripe score {head.score:.2f})")
     console.print(table)
     say(f"wrote {output.path}")
+
+
+def _train_context_parallel(config, world_size: int, bar, task):
+    """train_induction's result, trained in world_size local processes with the sequence split."""
+    import time
+
+    from attnkit.torch.induction import TrainResult, evaluate
+    from attnkit.torch.train_cp import train_on_local_ranks
+
+    bar.update(task, description=f"training on {world_size} processes")
+    start = time.perf_counter()
+    model, history = train_on_local_ranks(config, world_size)
+    seconds = time.perf_counter() - start
+    last = history[-1]
+    bar.update(task, completed=last.step, loss=f"{last.loss:.4f}", accuracy=f"{last.accuracy:6.1%}")
+    eval_loss, eval_accuracy = evaluate(model)
+    return TrainResult(model, history, eval_accuracy, eval_loss, seconds)

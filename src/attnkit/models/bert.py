@@ -1,18 +1,26 @@
 """BERT-family encoders on attnkit's attention, and sentence embeddings on top.
 
-Read top to bottom: the config, the tokenizer, the model built from attnkit.nn
-modules (the reference path, the one fidelity tests read), the checkpoint name
-table, the inference path `encode` runs, and `SentenceEncoder`.
+Read top to bottom: the model built from attnkit.nn modules, its one forward
+(padded or packed input), the loader, and `SentenceEncoder`. The config is in
+attnkit.models.bert_config, the tokenizer in attnkit.models.bert_tokenizer, the
+checkpoint names in attnkit.models.bert_checkpoint and the sentence-transformers
+modules after the encoder in attnkit.models.sentence; their public names are
+importable from here too.
 
 The model (Hugging Face `BertModel` without the pooler):
 
-    x = LayerNorm(word[ids] + position[0..T-1] + token_type[types])     # (B, T, D)
+    x = LayerNorm(word[ids] + position[0..T-1] + token_type[types])     # (N, D) token rows
     for each layer:                                                       # post-LN block
-        x = LayerNorm(x + attention(x, key_mask))
+        x = LayerNorm(x + attention(x))
         x = LayerNorm(x + fc2(gelu(fc1(x))))                              # exact (erf) GELU
 
-Padding is excluded by a boolean key mask (True = real token), never by a
-large negative number. A sentence embedding is what the folder's
+Every step but attention works on token rows, so one forward serves both
+inputs: a padded batch (B, T) is B*T rows, attending through each layer's
+attention module (`AttentionModule.attend`) with a boolean key mask (True =
+real token, never a large negative number); a packed batch (total,) with
+`cu_seqlens` (FlashAttention's layout) is just the real tokens, attending
+through `attnkit.functional.varlen_attention`, so projections, feed-forward and
+LayerNorms never touch padding. A sentence embedding is what the folder's
 sentence-transformers modules make of the last hidden states over the real
 tokens (attnkit.models.sentence: Pooling, Dense, Normalize; for a plain folder
 the mean, L2-normalized), with inputs truncated to the folder's max_seq_length.
@@ -22,28 +30,26 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnkit.models.checkpoint import (
-    FLOAT_DTYPES,
-    HARMLESS_CONFIG_KEYS,
-    CheckpointError,
-    ConfigReader,
-    check_folder,
-    check_shapes,
-    find_safetensors,
-    load_state_dict,
-    map_names,
-    read_config,
-    read_header,
-    read_json,
+from attnkit.functional import varlen_attention
+from attnkit.functional.varlen import VARLEN_BACKENDS
+from attnkit.models.bert_checkpoint import (
+    BERT_IGNORED,
+    BERT_NAME_TABLE,
+    bert_shapes,
+    check_bert_header,
+    read_bert_weights,
 )
+from attnkit.models.bert_config import BertConfig
+from attnkit.models.bert_tokenizer import BertTokenizer, check_texts
+from attnkit.models.checkpoint import CheckpointError, check_folder
 from attnkit.models.sentence import (
     SentenceHead,
     read_head,
@@ -52,247 +58,9 @@ from attnkit.models.sentence import (
     read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
-from attnkit.nn.interface import record_attention
-from attnkit.runtime import cpu_count, one_blas_thread
-
-# ----------------------------------------------------------------------------- config
-
-
-# config.json keys a BERT config must have: they define the shapes and the heads.
-_REQUIRED_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "intermediate_size", "max_position_embeddings",
-)
-# Math-changing keys attnkit implements at one value only: (key, allowed values with
-# Hugging Face's default first, why the others are refused).
-_REFUSED_KEYS = (
-    ("position_embedding_type", ("absolute",), "relative position embeddings are not implemented"),
-    ("hidden_act", ("gelu",), "attnkit's BERT implements exact (erf) GELU only"),
-    ("is_decoder", (False,), "a decoder BERT attends causally"),
-    ("add_cross_attention", (False,), "cross-attention layers are not implemented"),
-    ("quantization_config", (None,), "quantized weights are not implemented"),
-)
-
-# Keys BERT configs carry that change nothing an encoder computes at inference:
-# dropouts, the pooler and pre-training heads (ignored, see BERT_IGNORED), token ids.
-_HARMLESS_BERT_KEYS = frozenset(
-    {
-        "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
-        "gradient_checkpointing", "tie_word_embeddings", "output_past", "use_return_dict",
-        "bos_token_id", "eos_token_id", "unk_token_id", "mask_token_id", "cls_token_id",
-        "directionality", "pooler_fc_size", "pooler_num_attention_heads", "pooler_num_fc_layers",
-        "pooler_size_per_head", "pooler_type", "_attn_implementation",
-    }
-)
-
-
-@dataclass(frozen=True)
-class BertConfig:
-    """The numbers that define a BERT encoder (Hugging Face config.json names)."""
-
-    vocab_size: int = 30522  # word-piece vocabulary
-    hidden_size: int = 384  # D, the model width
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 12  # H; head dim E = D / H
-    intermediate_size: int = 1536  # feed-forward hidden size
-    max_position_embeddings: int = 512  # longest input the position table covers
-    type_vocab_size: int = 2  # token types (segment A / B)
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-
-    @classmethod
-    def from_dict(cls, config: dict, source: str | Path = "config.json") -> BertConfig:
-        """Build from a config.json dict; rejects what this encoder does not implement.
-
-        The sizes and the head count are required (a missing one is refused, not
-        guessed); `type_vocab_size`, `layer_norm_eps` and `pad_token_id` default to
-        Hugging Face's values. Keys that change the math are implemented or
-        refused by name (`_REFUSED_KEYS`); the others (dropout, initializer
-        range, `id2label`, ...) change nothing at inference.
-
-        Raises:
-            CheckpointError: not a BERT model, a missing or malformed key, zero or
-                non-dividing heads, or a math-changing setting attnkit does not implement.
-        """
-        if not isinstance(config, dict):
-            raise CheckpointError(f"expected a JSON object in {source}, got {type(config).__name__}")
-        model_type = config.get("model_type")
-        if model_type != "bert":
-            architectures = config.get("architectures") or []
-            raise CheckpointError(
-                f"unsupported architecture in {source}: expected model_type 'bert' (a BERT-family "
-                f"encoder such as BertModel), got model_type={model_type!r}, "
-                f"architectures={architectures!r}"
-            )
-        for key, allowed, why in _REFUSED_KEYS:
-            value = config.get(key, allowed[0])
-            if value not in allowed:
-                raise CheckpointError(
-                    f"unsupported {key} {value!r} in {source}; expected {allowed[0]!r}: {why}"
-                )
-        values = {}
-        for field in fields(cls):
-            value = config.get(field.name)
-            if value is None:
-                continue
-            if field.name == "layer_norm_eps":
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
-                expected = "a number in [0, 1)"
-            elif field.name in ("num_hidden_layers", "pad_token_id"):
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-                expected = "an int >= 0"
-            else:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-                expected = "a positive int"
-            if not ok:
-                raise CheckpointError(f"unexpected {field.name}={value!r} in {source}; expected {expected}")
-            values[field.name] = value
-        ConfigReader(config, source).check_keys(
-            [field.name for field in fields(cls)] + [key for key, _, _ in _REFUSED_KEYS],
-            harmless=HARMLESS_CONFIG_KEYS | _HARMLESS_BERT_KEYS,
-            what="attnkit's BERT",
-        )
-        missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"missing key(s) {missing} in {source}: a BERT config needs {list(_REQUIRED_KEYS)}"
-            )
-        self = cls(**values)
-        if self.hidden_size % self.num_attention_heads:
-            raise CheckpointError(
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads} in {source}: expected a head "
-                "count that divides the width"
-            )
-        return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def check_texts(texts: Any) -> list[str]:
-    """A list of strings from a string or a sequence of strings; TypeError otherwise."""
-    if isinstance(texts, str):
-        return [texts]
-    if isinstance(texts, np.ndarray) and texts.ndim == 1:
-        texts = texts.tolist()  # numpy str_ elements become str
-    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
-        raise TypeError(
-            f"expected a str or a sequence of str, got {type(texts).__name__}"
-        )
-    for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"expected texts[{index}] to be a str, got {type(text).__name__}")
-    return list(texts)
-
-
-class BertTokenizer:
-    """Word-piece tokenization through the `tokenizers` library.
-
-    Reads a folder's tokenizer.json, or builds the standard BERT pipeline from
-    vocab.txt. As transformers' BertTokenizer does, the normalizer follows
-    tokenizer_config.json (`do_lower_case`, default true; `strip_accents`;
-    `tokenize_chinese_chars`), whatever tokenizer.json says. Inputs longer than
-    `max_length` tokens (special tokens included) are cut on the side
-    `truncation_side` names; nothing is padded here: the model pads per batch.
-    """
-
-    def __init__(self, tokenizer: Any, max_length: int, *, truncation_side: str = "right") -> None:
-        if truncation_side not in ("right", "left"):
-            raise ValueError(f"expected truncation_side 'right' or 'left', got {truncation_side!r}")
-        self.max_length = int(max_length)
-        self.truncation_side = truncation_side
-        tokenizer.no_padding()
-        tokenizer.enable_truncation(max_length=self.max_length, direction=truncation_side)
-        self._tokenizer = tokenizer
-
-    @classmethod
-    def from_folder(cls, folder: str | Path, max_length: int, *, lowercase: bool = False) -> BertTokenizer:
-        """Load the tokenizer of a model folder (tokenizer.json, else vocab.txt).
-
-        Arguments:
-            folder: the folder with tokenizer.json or vocab.txt (and tokenizer_config.json).
-            max_length: the longest input in tokens.
-            lowercase: lower-case every text first (sentence_bert_config.json's
-                `do_lower_case`, which sentence-transformers applies on top of the tokenizer).
-
-        Raises:
-            CheckpointError: no tokenizer, an unreadable one, a tokenizer class other
-                than BERT's, or left padding (which shifts BERT's absolute positions).
-        """
-        from tokenizers import Tokenizer, normalizers
-
-        folder = check_folder(folder)
-        config_path = folder / "tokenizer_config.json"
-        settings = read_json(config_path) if config_path.is_file() else {}
-        tokenizer_class = settings.get("tokenizer_class")
-        if tokenizer_class not in (None, "BertTokenizer", "BertTokenizerFast", "PreTrainedTokenizerFast"):
-            raise CheckpointError(
-                f"unsupported tokenizer_class {tokenizer_class!r} in {config_path}; expected "
-                "BertTokenizer, BertTokenizerFast or PreTrainedTokenizerFast (tokenizer.json as written)"
-            )
-        padding_side = settings.get("padding_side", "right")
-        if padding_side != "right":
-            raise CheckpointError(
-                f"unsupported padding_side {padding_side!r} in {config_path}; expected 'right' "
-                "(left padding shifts BERT's absolute positions, so results depend on the batch)"
-            )
-        truncation_side = settings.get("truncation_side", "right")
-        if truncation_side not in ("right", "left"):
-            raise CheckpointError(
-                f"unsupported truncation_side {truncation_side!r} in {config_path}; expected 'right' or 'left'"
-            )
-        for key in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
-            if not isinstance(settings.get(key, False), bool) and settings.get(key) is not None:
-                raise CheckpointError(f"unexpected {key}={settings[key]!r} in {config_path}; expected true or false")
-        bert_normalizer = dict(
-            clean_text=True,
-            handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
-            strip_accents=settings.get("strip_accents"),
-            lowercase=bool(settings.get("do_lower_case", True)),
-        )
-        if (folder / "tokenizer.json").is_file():
-            try:
-                tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            except Exception as error:  # tokenizers raises a bare Exception
-                raise CheckpointError(
-                    f"cannot read {folder / 'tokenizer.json'}: {error}"
-                ) from None
-            if tokenizer_class != "PreTrainedTokenizerFast":
-                tokenizer.normalizer = normalizers.BertNormalizer(**bert_normalizer)
-        elif (folder / "vocab.txt").is_file():
-            from tokenizers.implementations import BertWordPieceTokenizer
-
-            if tokenizer_class == "PreTrainedTokenizerFast":
-                raise CheckpointError(
-                    f"no tokenizer.json in {folder}, which tokenizer_class {tokenizer_class!r} needs"
-                )
-            tokenizer = BertWordPieceTokenizer(
-                str(folder / "vocab.txt"),
-                lowercase=bert_normalizer["lowercase"],
-                strip_accents=bert_normalizer["strip_accents"],
-                handle_chinese_chars=bert_normalizer["handle_chinese_chars"],
-            )._tokenizer  # the tokenizers.Tokenizer inside the convenience wrapper
-        else:
-            raise CheckpointError(f"no tokenizer in {folder}: expected tokenizer.json or vocab.txt")
-        if lowercase:
-            existing = tokenizer.normalizer
-            steps = [normalizers.Lowercase()] + ([existing] if existing is not None else [])
-            tokenizer.normalizer = normalizers.Sequence(steps)
-        return cls(tokenizer, max_length, truncation_side=truncation_side)
-
-    def encode(self, texts: str | Sequence[str]) -> list[Any]:
-        """Tokenize; returns one `tokenizers.Encoding` per text (.ids, .type_ids, .tokens)."""
-        return self._tokenizer.encode_batch(check_texts(texts))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
-
+from attnkit.nn.interface import AttentionModule, record_attention
+from attnkit.nn.layers import gelu
+from attnkit.runtime import blas_threads, cpu_count
 
 # ----------------------------------------------------------------------------- model
 
@@ -319,11 +87,13 @@ class BertEmbeddings(Module):
         self.token_type = Embedding(config.type_vocab_size, D)
         self.norm = LayerNorm(D, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
-        """(B, T) ids and types -> (B, T, D)."""
-        T = input_ids.shape[1]
-        x = self.word(input_ids)  # (B, T, D)
-        x += self.position(np.arange(T))  # (T, D) broadcast over the batch
+    def forward(
+        self, input_ids: np.ndarray, token_type_ids: np.ndarray, positions: np.ndarray | None = None
+    ) -> np.ndarray:
+        """(B, T) ids and types -> (B, T, D), positions 0..T-1; or any shape of ids,
+        types and `positions` (packed (N,): each token's place in its sequence) -> (..., D)."""
+        x = self.word(input_ids)  # (..., D)
+        x += self.position(np.arange(input_ids.shape[-1]) if positions is None else positions)
         x += self.token_type(token_type_ids)
         return self.norm(x)
 
@@ -331,11 +101,13 @@ class BertEmbeddings(Module):
 class BertOutput(NamedTuple):
     """What `BertModel` returns.
 
-    last_hidden_state: (B, T, D)
+    last_hidden_state: (B, T, D) for a padded batch, (total, D) for a packed one.
     hidden_states: the embeddings' output then each layer's, num_layers + 1 of
-        (B, T, D), or None unless asked for.
-    attentions: each layer's attention probabilities (B, H, T, T), or None
-        unless asked for.
+        the same shape, or None unless asked for.
+    attentions: the attention probabilities, or None unless asked for: for a
+        padded batch each layer's (B, H, T, T); for a packed batch one
+        (G, H, Lg, Lg) per group of up to `BertModel.ATTENTION_GROUP` sequences
+        per layer, in call order (with one sequence: each layer's (1, H, L, L)).
     """
 
     last_hidden_state: np.ndarray
@@ -356,12 +128,116 @@ def _as_index_array(name: str, value: Any, shape: tuple[int, ...] | None, bound:
     return array
 
 
+def _check_cu_seqlens(cu_seqlens: Any, total: int, longest_allowed: int) -> np.ndarray:
+    """Cumulative offsets (batch + 1,) from 0 to `total`, each sequence 1..longest_allowed tokens."""
+    cu = np.asarray(cu_seqlens)
+    if cu.dtype == np.bool_ or not np.issubdtype(cu.dtype, np.integer):
+        raise TypeError(f"expected cu_seqlens to be an integer array, got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"expected cu_seqlens of shape (batch + 1,) with batch >= 1, got shape {cu.shape}")
+    cu = cu.astype(np.int64, copy=False)
+    lengths = np.diff(cu)
+    if cu[0] != 0 or cu[-1] != total or lengths.min() < 1:
+        raise ValueError(
+            f"expected cu_seqlens to rise from 0 to the {total} packed tokens by at least 1 per "
+            f"sequence, got {cu.tolist() if cu.size <= 12 else cu}"
+        )
+    if lengths.max() > longest_allowed:
+        raise ValueError(
+            f"expected at most max_position_embeddings={longest_allowed} tokens per sequence, "
+            f"got {lengths.max()}"
+        )
+    return cu
+
+
+# ----------------------------------------------------------------------------- row kernels
+#
+# The forward's element-wise steps, in place on (N, ·) token rows: float32 GELU
+# and LayerNorm with few passes over memory and no temporaries the size of the
+# activations.
+
+# erfc(z) ~ t * exp(-z^2 - 1.26551223 + t * P(t)), t = 1 / (1 + z/2), z >= 0, with
+# relative error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev fit). Written
+# as GELU(x) = max(x, 0) - |x|/2 * erfc(|x|/sqrt(2)), it is exact GELU to float32
+# rounding on both sides (no cancellation for negative x).
+_ERFC_COEFFICIENTS = tuple(
+    np.float32(c)
+    for c in (
+        0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
+        -0.18628806, 0.09678418, 0.37409196, 1.00002368,
+    )
+)
+_ERFC_OFFSET = np.float32(1.26551223)
+_INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
+_GELU_ROWS = 32  # rows per chunk: the chunk's temporaries stay in the L2 cache
+
+
+def gelu_inplace(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x = GELU(x + bias), exact (erf), for a float32 (N, F) array, in place, chunk
+    by chunk (the bias is added while the chunk is in cache); returns x."""
+    rows = min(_GELU_ROWS, x.shape[0])
+    a = np.empty((rows, x.shape[1]), np.float32)
+    z = np.empty_like(a)
+    t = np.empty_like(a)
+    e = np.empty_like(a)
+    for start in range(0, x.shape[0], rows):
+        xs = x[start : start + rows]
+        n = xs.shape[0]
+        As, zs, ts, es = a[:n], z[:n], t[:n], e[:n]
+        if bias is not None:
+            xs += bias
+        np.abs(xs, out=As)
+        np.multiply(As, _INV_SQRT2, out=zs)  # z = |x| / sqrt(2)
+        np.multiply(zs, np.float32(0.5), out=ts)
+        ts += np.float32(1.0)
+        np.reciprocal(ts, out=ts)  # t = 1 / (1 + z/2)
+        np.multiply(ts, _ERFC_COEFFICIENTS[0], out=es)
+        for c in _ERFC_COEFFICIENTS[1:]:  # Horner: P(t) * t
+            es += c
+            es *= ts
+        es -= _ERFC_OFFSET
+        np.multiply(zs, zs, out=zs)
+        es -= zs  # exponent
+        np.exp(es, out=es)
+        es *= ts  # erfc(z)
+        es *= As  # |x| erfc(|x|/sqrt(2))
+        # 2 max(x, 0) = x + |x| exactly (np.maximum is several times slower than an add)
+        xs += As
+        xs -= es
+        xs *= np.float32(0.5)  # max(x, 0) - |x|/2 erfc(|x|/sqrt(2)): no cancellation for x < 0
+    return x
+
+
+def _layer_norm_inplace(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """torch's LayerNorm over the last axis of a (N, D) array, in place, in x's dtype."""
+    dtype = x.dtype.type
+    mean = x.mean(axis=1, keepdims=True)  # (N, 1)
+    x -= mean
+    var = np.einsum("nd,nd->n", x, x)[:, None]  # (N, 1) sum of squares
+    var *= dtype(1.0 / x.shape[1])
+    var += dtype(eps)
+    np.sqrt(var, out=var)
+    x /= var
+    x *= weight
+    x += bias
+    return x
+
+
+def _is_recorded(module: AttentionModule) -> bool:
+    """Whether a `record_attention` context is open on `module`."""
+    return bool(module._recorders)
+
+
 class BertModel(Module):
     """A BERT encoder (Hugging Face BertModel minus the pooler) from attnkit.nn modules.
 
     Attributes: `embeddings` (BertEmbeddings) and `blocks` (ModuleList of post-LN
-    `TransformerBlock`s with exact GELU and the config's LayerNorm eps).
+    `TransformerBlock`s with exact GELU and the config's LayerNorm eps). The
+    forward reads the blocks' parameters (and their attention modules' backend)
+    on every call: change them and the next call uses them.
     """
+
+    ATTENTION_GROUP = 16  # packed sequences padded together when attention goes through `attend`
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -386,35 +262,65 @@ class BertModel(Module):
         attention_mask: np.ndarray | None = None,
         token_type_ids: np.ndarray | None = None,
         *,
+        cu_seqlens: np.ndarray | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> BertOutput:
-        """Encode a padded batch.
+        """Encode a padded batch, or a packed one.
 
         Arguments:
-            input_ids: (B, T) integer token ids, T <= max_position_embeddings.
+            input_ids: (B, T) integer token ids, T <= max_position_embeddings; or,
+                with `cu_seqlens`, (total,) the tokens of every sequence packed
+                one after another, without padding.
             attention_mask: (B, T), True / 1 = real token, False / 0 = padding
-                (Hugging Face's convention); default all real.
-            token_type_ids: (B, T) segment ids; default zeros.
+                (Hugging Face's convention); default all real. None for packed input.
+            token_type_ids: segment ids shaped like input_ids; default zeros.
+            cu_seqlens: packed input's cumulative offsets (batch + 1,), from 0 to
+                total (FlashAttention's `cu_seqlens`): sequence b is tokens
+                cu_seqlens[b]:cu_seqlens[b + 1], each 1..max_position_embeddings long.
             output_hidden_states, output_attentions: also return those.
 
         Returns:
-            BertOutput(last_hidden_state (B, T, D), hidden_states, attentions).
-            Padded positions get hidden states too (they attend to the real
-            tokens), as in Hugging Face; padded keys get weight exactly 0.
+            BertOutput(last_hidden_state (B, T, D) or (total, D), hidden_states,
+            attentions), in the parameters' dtype. Padded positions get hidden
+            states too (they attend to the real tokens), as in Hugging Face;
+            padded keys get weight exactly 0.
+
+        Attention: a padded batch attends through each layer's attention module
+        (`attend`: its backend, recorded by `record_attention`). A packed batch
+        runs `attnkit.functional.varlen_attention` with the module's backend
+        ("naive" or "flash"); while the model is recorded, or for a backend
+        varlen_attention does not know (one registered by a user), it goes
+        through `attend` instead, for groups of up to ATTENTION_GROUP
+        consecutive sequences padded to the group's longest.
         """
         config = self.config
+        packed = cu_seqlens is not None
         ids = _as_index_array("input_ids", input_ids, None, config.vocab_size)
-        if ids.ndim != 2:
-            raise ValueError(f"expected input_ids of shape (B, T), got {ids.shape}")
-        B, T = ids.shape
-        if T > config.max_position_embeddings:
-            raise ValueError(
-                f"expected at most max_position_embeddings={config.max_position_embeddings} "
-                f"tokens, got T={T}"
-            )
+        if packed:
+            if ids.ndim != 1:
+                raise ValueError(f"expected packed input_ids of shape (total,) with cu_seqlens, got {ids.shape}")
+            if attention_mask is not None:
+                raise ValueError(
+                    "expected attention_mask=None with cu_seqlens: packed input has no padding to mask, "
+                    f"got an attention_mask of shape {np.shape(attention_mask)}"
+                )
+            cu = _check_cu_seqlens(cu_seqlens, ids.shape[0], config.max_position_embeddings)
+            lengths = np.diff(cu)
+            # each token's place in its sequence
+            positions = np.arange(ids.shape[0]) - np.repeat(cu[:-1], lengths)
+        else:
+            if ids.ndim != 2:
+                raise ValueError(f"expected input_ids of shape (B, T), or (total,) with cu_seqlens, got {ids.shape}")
+            B, T = ids.shape
+            if T > config.max_position_embeddings:
+                raise ValueError(
+                    f"expected at most max_position_embeddings={config.max_position_embeddings} "
+                    f"tokens, got T={T}"
+                )
+            positions = None
         types = np.zeros_like(ids) if token_type_ids is None else _as_index_array(
-            "token_type_ids", token_type_ids, (B, T), config.type_vocab_size
+            "token_type_ids", token_type_ids, ids.shape, config.type_vocab_size
         )
         key_mask = None
         if attention_mask is not None:
@@ -423,339 +329,110 @@ class BertModel(Module):
                 raise ValueError(f"expected attention_mask of shape {(B, T)}, got {key_mask.shape}")
             key_mask = key_mask.astype(bool)
 
+        def attend(module: AttentionModule, qkv: np.ndarray) -> np.ndarray:
+            if packed:
+                return self._attend_packed(module, qkv, cu)
+            return self._attend_padded(module, qkv, B, key_mask)
+
         recording = record_attention(self) if output_attentions else contextlib.nullcontext()
         with recording as recorded:
-            x = self.embeddings(ids, types)  # (B, T, D)
+            x = self.embeddings(ids, types, positions)  # (B, T, D) or (total, D)
+            shape = x.shape
+            x = x.reshape(-1, shape[-1])  # token rows (N, D)
             hidden_states = [x] if output_hidden_states else None
             for block in self.blocks:
-                x = block(x, key_mask=key_mask)
+                x = self._block(block, x, attend)
                 if output_hidden_states:
                     hidden_states.append(x)
         attentions = None
         if output_attentions:
-            attentions = tuple(w.astype(x.dtype, copy=False) for w in recorded.maps)  # each (B, H, T, T)
+            attentions = tuple(w.astype(x.dtype, copy=False) for w in recorded.maps)
         return BertOutput(
-            last_hidden_state=x,
-            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            last_hidden_state=x.reshape(shape),
+            hidden_states=tuple(h.reshape(shape) for h in hidden_states) if output_hidden_states else None,
             attentions=attentions,
         )
 
+    # ----- one layer, on token rows
 
-# ----------------------------------------------------------------------------- checkpoint names
+    def _block(
+        self, block: TransformerBlock, x: np.ndarray, attend: Callable[[AttentionModule, np.ndarray], np.ndarray]
+    ) -> np.ndarray:
+        """One post-LN layer on token rows (N, D) -> new rows (N, D); `attend(module,
+        qkv)` turns the fused (N, 3D) projections into the (N, D) attention context.
+        Never writes to x (so the returned rows can be kept as hidden states)."""
+        attn, ffn = block.attn, block.ffn
+        qkv_weight, qkv_bias = attn._fused_weights("qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x.dtype)
+        qkv = x @ qkv_weight.T  # (N, 3D): one matrix product for the three projections
+        qkv += qkv_bias
+        y = attend(attn, qkv) @ attn.out_proj.weight.T  # (N, D)
+        y += attn.out_proj.bias
+        y += x
+        x = _layer_norm_inplace(y, block.norm1.weight, block.norm1.bias, block.norm1.eps)
+        h = x @ ffn.fc1.weight.T  # (N, F)
+        if h.dtype == np.float32:
+            gelu_inplace(h, ffn.fc1.bias)
+        else:
+            h += ffn.fc1.bias
+            h = gelu(h)  # float64: the C library's erf
+        y = h @ ffn.fc2.weight.T  # (N, D)
+        y += ffn.fc2.bias
+        y += x
+        return _layer_norm_inplace(y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
 
-_PREFIX = r"(?:bert\.)?"  # BertForMaskedLM & co. nest the encoder under "bert."
-_LAYER = _PREFIX + r"encoder\.layer\.(\d+)\."
+    def _attend_padded(
+        self, module: AttentionModule, qkv: np.ndarray, B: int, key_mask: np.ndarray | None
+    ) -> np.ndarray:
+        """(B*T, 3D) projections of a padded batch -> (B*T, D) context, through `module.attend`."""
+        H, E = self.config.num_attention_heads, self.config.head_dim
+        T = qkv.shape[0] // B
+        q, k, v = qkv.reshape(B, T, 3, H, E).transpose(2, 0, 3, 1, 4)  # each (B, H, T, E)
+        out = module.attend(q, k, v, attn_mask=None if key_mask is None else key_mask[:, None, None, :])
+        return out.transpose(0, 2, 1, 3).reshape(B * T, H * E)  # (B, T, H, E) -> rows
 
-
-def _layer_norm_rules(checkpoint: str, ours: str, group: int) -> list[tuple[str, str]]:
-    """A LayerNorm's weight/bias (regex group `group`), and the gamma/beta of
-    TensorFlow-era checkpoints."""
-    return [
-        (checkpoint + r"\.(weight|bias)", f"{ours}.\\{group}"),
-        (checkpoint + r"\.gamma", ours + ".weight"),
-        (checkpoint + r"\.beta", ours + ".bias"),
-    ]
-
-
-def _bert_name_table() -> list[tuple[str, str]]:
-    """Hugging Face BERT names -> attnkit names (see docs/models.md)."""
-    table = [
-        (_PREFIX + r"embeddings\.word_embeddings\.weight", "embeddings.word.weight"),
-        (_PREFIX + r"embeddings\.position_embeddings\.weight", "embeddings.position.weight"),
-        (_PREFIX + r"embeddings\.token_type_embeddings\.weight", "embeddings.token_type.weight"),
-        *_layer_norm_rules(_PREFIX + r"embeddings\.LayerNorm", "embeddings.norm", 1),
-    ]
-    for checkpoint, ours in (
-        (r"attention\.self\.query", "attn.q_proj"),
-        (r"attention\.self\.key", "attn.k_proj"),
-        (r"attention\.self\.value", "attn.v_proj"),
-        (r"attention\.output\.dense", "attn.out_proj"),
-        (r"intermediate\.dense", "ffn.fc1"),
-        (r"output\.dense", "ffn.fc2"),
-    ):
-        table.append((_LAYER + checkpoint + r"\.(weight|bias)", r"blocks.\1." + ours + r".\2"))
-    table += _layer_norm_rules(_LAYER + r"attention\.output\.LayerNorm", r"blocks.\1.norm1", 2)
-    table += _layer_norm_rules(_LAYER + r"output\.LayerNorm", r"blocks.\1.norm2", 2)
-    return table
-
-
-BERT_NAME_TABLE = _bert_name_table()
-# Checkpoint tensors dropped on purpose: buffers, the pooler, pre-training heads.
-BERT_IGNORED = (
-    _PREFIX + r"embeddings\.position_ids",
-    _PREFIX + r"embeddings\.token_type_ids",
-    _PREFIX + r"pooler\..*",
-    r"cls\..*",
-)
-
-
-def bert_shapes(config: BertConfig) -> dict[str, tuple[tuple[str, int], ...]]:
-    """Every attnkit tensor name of a BertModel -> its shape, each size with the
-    config key that sets it, e.g. (("vocab_size", 30522), ("hidden_size", 384)).
-    Computed from the config alone: nothing is allocated."""
-    D = ("hidden_size", config.hidden_size)
-    F = ("intermediate_size", config.intermediate_size)
-    shapes = {
-        "embeddings.word.weight": (("vocab_size", config.vocab_size), D),
-        "embeddings.position.weight": (("max_position_embeddings", config.max_position_embeddings), D),
-        "embeddings.token_type.weight": (("type_vocab_size", config.type_vocab_size), D),
-        "embeddings.norm.weight": (D,),
-        "embeddings.norm.bias": (D,),
-    }
-    for i in range(config.num_hidden_layers):
-        block = f"blocks.{i}."
-        for projection in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            shapes[f"{block}attn.{projection}.weight"] = (D, D)
-            shapes[f"{block}attn.{projection}.bias"] = (D,)
-        shapes[f"{block}ffn.fc1.weight"] = (F, D)
-        shapes[f"{block}ffn.fc1.bias"] = (F,)
-        shapes[f"{block}ffn.fc2.weight"] = (D, F)
-        shapes[f"{block}ffn.fc2.bias"] = (D,)
-        for norm in ("norm1", "norm2"):
-            shapes[f"{block}{norm}.weight"] = (D,)
-            shapes[f"{block}{norm}.bias"] = (D,)
-    return shapes
-
-
-def check_bert_header(config: BertConfig, folder: Path) -> None:
-    """Check a folder's weights against its config from the safetensors headers alone,
-    before anything is allocated.
-
-    Raises:
-        CheckpointError: a tensor no rule maps and no ignore rule names, a layer
-            count or size that disagrees with config.json (naming the key, what the
-            config says and what the tensor has), a non-float weight, a missing tensor.
-    """
-    files = find_safetensors(folder)
-    source = files[0] if len(files) == 1 else f"{folder} ({len(files)} shards)"
-    infos = read_header(files)
-    mapped, original = map_names(infos, BERT_NAME_TABLE, ignore=BERT_IGNORED, source=source)
-    config_path = folder / "config.json"
-    layers = {int(name.split(".")[1]) for name in mapped if name.startswith("blocks.")}
-    if layers and max(layers) + 1 != config.num_hidden_layers:
-        extra = sorted(
-            f"{original[name]!r} (-> {name!r})" for name in mapped
-            if name.startswith("blocks.") and int(name.split(".")[1]) >= config.num_hidden_layers
-        )
-        found = f"unexpected tensor(s) {', '.join(extra[:8])}" + (" and more" if len(extra) > 8 else "")
-        raise CheckpointError(
-            f"num_hidden_layers={config.num_hidden_layers} in {config_path} disagrees with the "
-            f"weights in {source}: they hold layers up to encoder.layer.{max(layers)}, so "
-            f"expected num_hidden_layers={max(layers) + 1}" + (f"; {found}" if extra else "")
-        )
-    for name, dims in bert_shapes(config).items():
-        info = mapped.get(name)
-        if info is None:
-            continue  # missing: check_shapes names every missing tensor below
-        expected = tuple(size for _, size in dims)
-        if tuple(info.shape) != expected:
-            keys = ", ".join(f"{key}={size}" for key, size in dims)
-            if len(info.shape) == len(dims):  # name the sizes that disagree
-                keys_off = ", ".join(f"{key}={size}" for (key, size), n in zip(dims, info.shape) if size != n)
-            else:
-                keys_off = keys
-            described = repr(name) if original[name] == name else f"{original[name]!r} (-> {name!r})"
-            raise CheckpointError(
-                f"{keys_off} in {config_path} disagrees with the weights in {info.file}: "
-                f"tensor {described} has shape {tuple(info.shape)}, expected {expected} from {keys}"
-            )
-        if info.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"tensor {original[name]!r} in {info.file} has dtype {info.dtype}; expected "
-                f"floating point weights ({', '.join(FLOAT_DTYPES)})"
-            )
-    shapes = {name: tuple(size for _, size in dims) for name, dims in bert_shapes(config).items()}
-    check_shapes(mapped, shapes, original=original, source=source)
+    def _attend_packed(self, module: AttentionModule, qkv: np.ndarray, cu: np.ndarray) -> np.ndarray:
+        """(total, 3D) projections of packed sequences -> (total, D) context."""
+        H, E = self.config.num_attention_heads, self.config.head_dim
+        N = qkv.shape[0]
+        heads = qkv.reshape(N, 3, H, E)
+        if module.backend in VARLEN_BACKENDS and not _is_recorded(module):
+            out = varlen_attention(heads[:, 0], heads[:, 1], heads[:, 2], cu, cu, backend=module.backend)
+            return out.reshape(N, H * E)
+        # Through `attend` (recorded, or a backend varlen_attention does not know): pad
+        # groups of consecutive sequences into contiguous (3, G, H, L, E) heads, masked.
+        context = np.empty((N, H * E), qkv.dtype)
+        lengths = np.diff(cu)
+        for first in range(0, len(lengths), self.ATTENTION_GROUP):
+            last = min(first + self.ATTENTION_GROUP, len(lengths))
+            group = lengths[first:last]
+            G, L = len(group), int(group.max())
+            real = np.arange(L)[None, :] < group[:, None]  # (G, L) True = real token
+            rows = slice(int(cu[first]), int(cu[last]))
+            padded = np.zeros((3, G, H, L, E), qkv.dtype)  # padding rows stay zero
+            padded.transpose(1, 3, 0, 2, 4)[real] = heads[rows]
+            out = module.attend(
+                padded[0], padded[1], padded[2],
+                attn_mask=None if G == 1 else real[:, None, None, :],  # (G, 1, 1, L)
+            )  # (G, H, L, E)
+            context[rows] = out.transpose(0, 2, 1, 3)[real].reshape(-1, H * E)
+        return context
 
 
 def load_bert(folder: str | Path) -> BertModel:
     """A `BertModel` with the weights of a Hugging Face BERT folder.
 
     The config is validated, then checked against the safetensors headers
-    (`check_bert_header`), and only then is the model built and the weights read.
+    (attnkit.models.bert_checkpoint), and only then is the model built and the weights read.
 
     Raises:
         CheckpointError: unsupported architecture or setting, a missing or
             malformed config key, no weights, a corrupt file, or a missing /
             unexpected / mis-shaped tensor (named, with the config key it disagrees with).
     """
-    folder = check_folder(folder)
-    config = BertConfig.from_dict(read_config(folder), folder / "config.json")
-    check_bert_header(config, folder)
+    config, state = read_bert_weights(folder)
     model = BertModel(config)
-    expected = {name: array.shape for name, array in model.state_dict().items()}
-    state = load_state_dict(folder, BERT_NAME_TABLE, expected, ignore=BERT_IGNORED)
     model.load_state_dict(state)
     return model
-
-
-# ----------------------------------------------------------------------------- inference path
-#
-# `encode` runs the same computation as BertModel.forward on "packed" tokens:
-# the real tokens of every sentence stacked into one (N, D) matrix, so the
-# projections, feed-forward and LayerNorms never touch padding. Only attention
-# pads, per group of similar-length sentences, and masks the padding with
-# attnkit's boolean key mask through attnkit's attention backend. Every step is
-# float32 and in place where possible.
-
-# erfc(z) ~ t * exp(-z^2 - 1.26551223 + t * P(t)), t = 1 / (1 + z/2), z >= 0, with
-# relative error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev fit). Written
-# as GELU(x) = max(x, 0) - |x|/2 * erfc(|x|/sqrt(2)), it is exact GELU to float32
-# rounding on both sides (no cancellation for negative x).
-_ERFC_COEFFICIENTS = tuple(
-    np.float32(c)
-    for c in (
-        0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
-        -0.18628806, 0.09678418, 0.37409196, 1.00002368,
-    )
-)
-_ERFC_OFFSET = np.float32(1.26551223)
-_INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
-_GELU_ROWS = 32  # rows per chunk: the chunk's temporaries stay in the L2 cache
-
-
-def gelu_inplace(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x = GELU(x + bias), exact (erf), for a float32 (N, F) array, in place, chunk
-    by chunk (the bias is added while the chunk is in cache); returns x."""
-    rows = min(_GELU_ROWS, x.shape[0])
-    z = np.empty((rows, x.shape[1]), np.float32)
-    t = np.empty_like(z)
-    e = np.empty_like(z)
-    for start in range(0, x.shape[0], rows):
-        xs = x[start : start + rows]
-        n = xs.shape[0]
-        zs, ts, es = z[:n], t[:n], e[:n]
-        if bias is not None:
-            xs += bias
-        np.abs(xs, out=zs)
-        zs *= _INV_SQRT2  # z = |x| / sqrt(2)
-        np.multiply(zs, np.float32(0.5), out=ts)
-        ts += np.float32(1.0)
-        np.reciprocal(ts, out=ts)  # t = 1 / (1 + z/2)
-        np.multiply(ts, _ERFC_COEFFICIENTS[0], out=es)
-        for c in _ERFC_COEFFICIENTS[1:]:  # Horner: P(t) * t
-            es += c
-            es *= ts
-        es -= _ERFC_OFFSET
-        np.multiply(zs, zs, out=zs)
-        es -= zs  # exponent
-        np.exp(es, out=es)
-        es *= ts  # erfc(z)
-        np.abs(xs, out=zs)
-        es *= zs
-        es *= np.float32(0.5)  # |x|/2 * erfc(|x|/sqrt(2))
-        np.maximum(xs, np.float32(0.0), out=xs)
-        xs -= es
-    return x
-
-
-def _layer_norm_inplace(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: np.float32) -> np.ndarray:
-    """torch's LayerNorm over the last axis of a float32 (N, D) array, in place."""
-    mean = x.mean(axis=1, keepdims=True)  # (N, 1)
-    x -= mean
-    var = np.einsum("nd,nd->n", x, x)[:, None]  # (N, 1) sum of squares
-    var *= np.float32(1.0 / x.shape[1])
-    var += eps
-    np.sqrt(var, out=var)
-    x /= var
-    x *= weight
-    x += bias
-    return x
-
-
-@dataclass(frozen=True)
-class _FastLayer:
-    qkv_weight: np.ndarray  # (3D, D): query, key, value rows stacked
-    qkv_bias: np.ndarray  # (3D,)
-    out_weight: np.ndarray  # (D, D)
-    out_bias: np.ndarray
-    norm1: tuple[np.ndarray, np.ndarray]
-    fc1_weight: np.ndarray  # (F, D)
-    fc1_bias: np.ndarray
-    fc2_weight: np.ndarray  # (D, F)
-    fc2_bias: np.ndarray
-    norm2: tuple[np.ndarray, np.ndarray]
-
-
-class _PackedBert:
-    """BertModel's forward on packed float32 tokens (built from a loaded BertModel)."""
-
-    ATTENTION_GROUP = 16  # sentences padded together for attention
-
-    def __init__(self, model: BertModel) -> None:
-        config = model.config
-        self.config = config
-        self.eps = np.float32(config.layer_norm_eps)
-        # each layer attends through the model's own attention module: its backend, its recordings
-        self.attention = [block.attn for block in model.blocks]
-        emb = model.embeddings
-        self.word = np.asarray(emb.word.weight, np.float32)
-        self.position = np.asarray(emb.position.weight, np.float32)
-        self.token_type = np.asarray(emb.token_type.weight, np.float32)
-        self.norm = (emb.norm.weight, emb.norm.bias)
-        self.layers = []
-        for block in model.blocks:
-            attn, ffn = block.attn, block.ffn
-            self.layers.append(
-                _FastLayer(
-                    qkv_weight=np.concatenate([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                    qkv_bias=np.concatenate([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
-                    out_weight=attn.out_proj.weight,
-                    out_bias=attn.out_proj.bias,
-                    norm1=(block.norm1.weight, block.norm1.bias),
-                    fc1_weight=ffn.fc1.weight,
-                    fc1_bias=ffn.fc1.bias,
-                    fc2_weight=ffn.fc2.weight,
-                    fc2_bias=ffn.fc2.bias,
-                    norm2=(block.norm2.weight, block.norm2.bias),
-                )
-            )
-
-    def _attend(self, module: Module, qkv: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """Self-attention of packed (N, 3D) projections -> (N, D) context, through the
-        attention `module` (`attend`: its backend; recorded maps are per group (G, H, L, L))."""
-        D, H, E = self.config.hidden_size, self.config.num_attention_heads, self.config.head_dim
-        context = np.empty((qkv.shape[0], D), np.float32)
-        for first in range(0, len(lengths), self.ATTENTION_GROUP):
-            last = min(first + self.ATTENTION_GROUP, len(lengths))
-            group = lengths[first:last]
-            G, L = len(group), int(group.max())
-            real = np.arange(L)[None, :] < group[:, None]  # (G, L) True = real token
-            rows = slice(offsets[first], offsets[last])
-            # One copy from packed rows into contiguous (3, G, H, L, E) heads: matmul
-            # on strided head views would skip BLAS. Padding rows stay zero.
-            heads = np.zeros((3, G, H, L, E), np.float32)
-            heads.transpose(1, 3, 0, 2, 4)[real] = qkv[rows].reshape(-1, 3, H, E)
-            out = module.attend(
-                heads[0], heads[1], heads[2],
-                attn_mask=None if G == 1 else real[:, None, None, :],  # (G, 1, 1, L)
-            )  # (G, H, L, E)
-            context[rows] = out.transpose(0, 2, 1, 3)[real].reshape(-1, D)  # real tokens (n, D)
-        return context
-
-    def forward(self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Packed ids/types (N,) of sentences with `lengths` -> hidden states (N, D)."""
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        positions = np.concatenate([np.arange(n) for n in lengths])
-        x = self.word[ids]  # (N, D)
-        x += self.position[positions]
-        x += self.token_type[types]
-        _layer_norm_inplace(x, *self.norm, self.eps)
-        for layer, module in zip(self.layers, self.attention):
-            qkv = x @ layer.qkv_weight.T  # (N, 3D)
-            qkv += layer.qkv_bias
-            context = self._attend(module, qkv, lengths, offsets)
-            y = context @ layer.out_weight.T  # (N, D)
-            y += layer.out_bias
-            y += x
-            x = _layer_norm_inplace(y, *layer.norm1, self.eps)
-            h = x @ layer.fc1_weight.T  # (N, F)
-            gelu_inplace(h, layer.fc1_bias)
-            y = h @ layer.fc2_weight.T  # (N, D)
-            y += layer.fc2_bias
-            y += x
-            x = _layer_norm_inplace(y, *layer.norm2, self.eps)
-        return x
 
 
 def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
@@ -780,12 +457,18 @@ class SentenceEncoder:
         tokenizer: the `BertTokenizer` (truncates at `max_seq_length`).
         head: the `SentenceHead` after the encoder (attnkit.models.sentence):
             Pooling, then Dense / Normalize modules, `truncate_dim`, the similarity function.
-        num_threads: worker threads `encode` splits each batch over.
+        num_threads: the threads `encode` uses (see `encode`).
 
-    `encode` and `attention` run a packed copy of the model's weights taken
-    when the encoder is built: after changing `model`'s weights, build a new
-    `SentenceEncoder(model, tokenizer)`.
+    `encode` and `attention` run `model` itself on packed tokens
+    (`BertModel.forward(ids, cu_seqlens=...)`): its current weights and backend.
     """
+
+    # How `encode` may run a batch when num_threads > 1: one forward on one thread; one
+    # forward whose matrix products use num_threads BLAS threads; or the batch split by
+    # tokens over num_threads worker threads of one BLAS thread each.
+    SCHEDULES = ("one thread", "BLAS threads", "worker threads")
+    MIN_TOKENS_PER_THREAD = 64  # a smaller batch runs on one thread: too little work to split
+    RETIME_EVERY = 16  # batches between re-timings of a schedule not in use (the load changes)
 
     def __init__(
         self,
@@ -807,8 +490,9 @@ class SentenceEncoder:
         self.head = head
         self.num_threads = num_threads or cpu_count()
         self.path = path
-        self._packed = _PackedBert(model)
         self._pool: ThreadPoolExecutor | None = None
+        self._seconds_per_token: dict[str, float] = {}  # each schedule's measured speed
+        self._batches = 0
 
     @classmethod
     def from_pretrained(
@@ -886,10 +570,11 @@ class SentenceEncoder:
     # ----- embeddings
 
     def _embed_chunk(self, ids: list[np.ndarray], types: list[np.ndarray]) -> np.ndarray:
-        """Embeddings (n, dim) of a few tokenized sentences."""
+        """Embeddings (n, dim) of a few tokenized sentences, packed into one forward."""
         lengths = np.array([len(i) for i in ids])
-        hidden = self._packed.forward(np.concatenate(ids), np.concatenate(types), lengths)
-        return self.head(hidden, lengths)
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        hidden = self.model(np.concatenate(ids), token_type_ids=np.concatenate(types), cu_seqlens=cu_seqlens)
+        return self.head(hidden.last_hidden_state, lengths)
 
     def encode(
         self,
@@ -903,13 +588,25 @@ class SentenceEncoder:
         Arguments:
             texts: a sequence of strings (or one string: one row).
             batch_size: sentences per batch; sentences are sorted by length so a
-                batch holds similar lengths, and each batch is split over
-                `num_threads` threads.
+                batch holds similar lengths, and a batch's real tokens are packed
+                into one forward (no padding).
             progress: called with the number of sentences finished after each batch.
 
         Returns:
             (n, D) float32, row i the embedding of texts[i] (L2-normalized when the
             model says so).
+
+        Threads: with num_threads > 1, a batch of fewer than MIN_TOKENS_PER_THREAD
+        tokens per thread runs on one thread. Otherwise the encoder times each of
+        its SCHEDULES (one thread, BLAS threads, worker threads) on the first
+        batches, runs the fastest, and re-times the others every RETIME_EVERY
+        batches: which is fastest depends on the CPU, the BLAS and the machine's
+        load (BLAS threads synchronize in every matrix product and stall when a
+        core is busy elsewhere; worker threads contend for the GIL between small
+        NumPy calls), and one thread is among them, so more threads never make
+        encode slower for long. Results agree across schedules to float32
+        rounding (the BLAS sums in an order that depends on the rows it gets),
+        not bit for bit.
         """
         texts = check_texts(texts)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -921,27 +618,48 @@ class SentenceEncoder:
         ids = [np.asarray(e.ids, dtype=np.intp) for e in encodings]
         types = [np.asarray(e.type_ids, dtype=np.intp) for e in encodings]
         order = np.argsort([len(i) for i in ids], kind="stable")
-        threads = self.num_threads
-        # Our threads each run one BLAS thread (so num_threads is the whole budget),
-        # instead of BLAS threads fighting ours. The limit is process-wide while
-        # encode runs, as BLAS settings are.
-        with one_blas_thread():
-            for start in range(0, len(texts), batch_size):
-                batch = order[start : start + batch_size]
-                lengths = np.array([len(ids[i]) for i in batch])
-                parts = _split_by_tokens(lengths, threads)
-                jobs = [
-                    ([ids[i] for i in batch[part]], [types[i] for i in batch[part]]) for part in parts
-                ]
-                if len(jobs) == 1:
-                    results = [self._embed_chunk(*jobs[0])]
-                else:
-                    results = list(self._executor().map(lambda job: self._embed_chunk(*job), jobs))
-                for part, result in zip(parts, results):
-                    out[batch[part]] = result
-                if progress is not None:
-                    progress(len(batch))
+        for start in range(0, len(texts), batch_size):
+            batch = order[start : start + batch_size]
+            lengths = np.array([len(ids[i]) for i in batch])
+            tokens = int(lengths.sum())
+            schedule = self._schedule(tokens)
+            begin = time.perf_counter()
+            out[batch] = self._run_batch(schedule, [ids[i] for i in batch], [types[i] for i in batch], lengths)
+            if self.num_threads > 1 and tokens >= self.num_threads * self.MIN_TOKENS_PER_THREAD:
+                self._timed(schedule, (time.perf_counter() - begin) / tokens)
+            if progress is not None:
+                progress(len(batch))
         return out
+
+    def _schedule(self, tokens: int) -> str:
+        """Which of SCHEDULES runs a batch of `tokens` tokens (see `encode`)."""
+        threads = self.num_threads
+        if threads == 1 or tokens < threads * self.MIN_TOKENS_PER_THREAD:
+            return "one thread"
+        speeds = self._seconds_per_token
+        for schedule in self.SCHEDULES:
+            if schedule not in speeds:
+                return schedule  # not timed yet
+        self._batches += 1
+        ranked = sorted(self.SCHEDULES, key=speeds.__getitem__)
+        turn, due = divmod(self._batches, self.RETIME_EVERY)
+        return ranked[1 + turn % (len(ranked) - 1)] if due == 0 else ranked[0]
+
+    def _timed(self, schedule: str, seconds_per_token: float) -> None:
+        """Fold one batch's time into the schedule's speed (a running average)."""
+        old = self._seconds_per_token.get(schedule)
+        self._seconds_per_token[schedule] = seconds_per_token if old is None else (old + seconds_per_token) / 2
+
+    def _run_batch(self, schedule: str, ids: list[np.ndarray], types: list[np.ndarray], lengths: np.ndarray):
+        """Embeddings (n, dim) of one batch on `schedule`. BLAS settings are process-wide:
+        the limit holds while the batch runs and is restored after."""
+        if schedule == "worker threads":
+            parts = _split_by_tokens(lengths, self.num_threads)
+            with blas_threads(1):  # our threads use the cores, BLAS does not start its own
+                results = self._executor().map(lambda part: self._embed_chunk(ids[part], types[part]), parts)
+                return np.concatenate(list(results))
+        with blas_threads(self.num_threads if schedule == "BLAS threads" else 1):
+            return self._embed_chunk(ids, types)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -981,7 +699,7 @@ class SentenceEncoder:
         ids = np.asarray(encoding.ids, dtype=np.intp)
         types = np.asarray(encoding.type_ids, dtype=np.intp)
         with record_attention(self.model) as recording:
-            self._packed.forward(ids, types, np.array([len(ids)]))
+            self.model(ids, token_type_ids=types, cu_seqlens=np.array([0, len(ids)]))
         stacked = np.stack([w[0] for w in recording.maps])  # (layers, H, T, T)
         return list(encoding.tokens), stacked.astype(np.float32, copy=False)
 
@@ -1004,6 +722,9 @@ __all__ = [
     "BertOutput",
     "BertTokenizer",
     "SentenceEncoder",
+    "bert_shapes",
+    "check_bert_header",
+    "check_texts",
     "gelu_inplace",
     "load_bert",
 ]

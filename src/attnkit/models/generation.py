@@ -194,13 +194,19 @@ class CausalLM(Module):
     its matrix-vector products on one BLAS thread. They are memory-bound, and a second
     OpenBLAS thread saves little on an idle CPU but costs a lot on a busy one (its threads
     spin while they wait for each other): on the shared 2-core machine attnkit is
-    benchmarked on, two threads made decoding 2-5x slower. Prompts (prefill) keep every
-    thread. Set it to False to let BLAS use its threads in decode steps too.
+    benchmarked on, two threads made decoding 2-5x slower. So does a short prompt: a
+    forward pass over at most `single_thread_rows` (default 64) token rows in all (B * T)
+    also runs on one thread. Its products are too small to split: the 50-token prefill of
+    `attnkit bench decoder` took 0.6 s on one thread and 4-12 s on two on that machine
+    under load, and two threads would save about 0.1 s of it on an idle one. Longer
+    prompts keep every thread. Set `single_thread_decode` to False to let BLAS use its
+    threads everywhere.
     """
 
     config: Any
     tokenizer: Any = None
     single_thread_decode: bool = True
+    single_thread_rows: int = 64
 
     # -- what subclasses implement ---------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -255,10 +261,10 @@ class CausalLM(Module):
                 f"{self.context_length} tokens"
             )
         positions = self._positions(cache, mask)
-        if T == 1 and self.single_thread_decode:
-            with one_blas_thread():
-                hidden = self._hidden_states(ids, positions, cache)  # (B, 1, d)
-                logits = self._logits(hidden)  # (B, 1, V)
+        if self.single_thread_decode and (T == 1 or B * T <= self.single_thread_rows):
+            with one_blas_thread():  # too little work per product to split (see the class docstring)
+                hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
+                logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
         else:
             hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
             logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)

@@ -458,9 +458,9 @@ class LlamaBlock(Module):
         """x: the residual stream (B, T, d), float64 (see `_hidden_states`); the
         sublayers compute in the parameters' dtype."""
         dt = self.attn_norm.weight.dtype
-        normed = self.attn_norm(x).astype(dt, copy=False)
-        h = x + self.attn(normed, cache, layer, cos=cos, sin=sin)
-        return h + self.mlp(self.mlp_norm(h).astype(dt, copy=False))
+        h = x + self.attn(self.attn_norm(x, dt), cache, layer, cos=cos, sin=sin)
+        h += self.mlp(self.mlp_norm(h, dt))
+        return h
 
 
 class LlamaForCausalLM(CausalLM):

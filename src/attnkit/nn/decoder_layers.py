@@ -18,6 +18,8 @@ The copies are rebuilt whenever a weight array is replaced.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from attnkit.nn.cache import KVCache
@@ -70,15 +72,20 @@ class RMSNorm(Module):
         self.eps = float(eps)
         self.register_parameter("weight", np.ones(self.d))
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, out_dtype: np.dtype | type | None = None) -> np.ndarray:
+        """x (..., d) -> (..., d) in `out_dtype` (default x's dtype)."""
         if x.shape[-1] != self.d:
             raise ValueError(f"expected x of shape (..., {self.d}), got {x.shape}")
         x32 = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
-        mean_square = np.mean(np.square(x32), axis=-1, keepdims=True)  # (..., 1)
+        # np.mean's arithmetic (sum, then divide by d) without its Python overhead: a decode
+        # step normalizes 2 vectors per layer, and the wrapper cost more than the sums.
+        mean_square = np.add.reduce(np.square(x32), axis=-1, keepdims=True)  # (..., 1)
+        mean_square /= self.d
         mean_square += x32.dtype.type(self.eps)
-        y = x32 / np.sqrt(mean_square)
+        np.sqrt(mean_square, out=mean_square)
+        y = x32 / mean_square
         y *= self.weight
-        return y.astype(x.dtype, copy=False)
+        return y.astype(x.dtype if out_dtype is None else out_dtype, copy=False)
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
@@ -144,12 +151,12 @@ class RotaryEmbedding:
         x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[E/2:], x[:E/2]).
         """
         half = x.shape[-1] // 2
-        rotated = np.empty_like(x)
-        np.negative(x[..., half:], out=rotated[..., :half])
-        rotated[..., half:] = x[..., :half]
-        rotated *= sin
         out = x * cos
-        out += rotated
+        # the same products and sums as forming rotate_half(x) * sin, without building it
+        term = x[..., half:] * sin[..., :half]
+        out[..., :half] -= term
+        np.multiply(x[..., :half], sin[..., half:], out=term)
+        out[..., half:] += term
         return out
 
 
@@ -163,7 +170,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     np.minimum(denominator, 80, out=denominator)
     np.exp(denominator, out=denominator)
     denominator += 1
-    return x / denominator
+    return np.divide(x, denominator, out=denominator)
 
 
 class SwiGLU(Module):
@@ -192,10 +199,11 @@ class SwiGLU(Module):
     def _fused(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """(gate_up_t (d_model, 2*d_ff), gate_up_bias (2*d_ff,) or None, down_t (d_ff, d_model)),
         rebuilt when a weight is replaced."""
-        projections = (self.gate_proj, self.up_proj, self.down_proj)
-        sources = tuple(p.weight for p in projections) + tuple(p.bias for p in projections)
-        if len(self._fused_from) != len(sources) or any(a is not b for a, b in zip(sources, self._fused_from)):
-            gate, up, down = projections
+        modules = self.__dict__["_modules"]  # (attribute lookup through Module.__getattr__ is slow)
+        params = [modules[name]._parameters for name in ("gate_proj", "up_proj", "down_proj")]
+        sources = tuple(p["weight"] for p in params) + tuple(p["bias"] for p in params)
+        if len(self._fused_from) != len(sources) or not all(map(operator.is_, sources, self._fused_from)):
+            gate, up, down = self.gate_proj, self.up_proj, self.down_proj
             self._gate_up_t = np.ascontiguousarray(np.concatenate([gate.weight, up.weight], axis=0).T)
             self._gate_up_bias = None if gate.bias is None else np.concatenate([gate.bias, up.bias])
             self._down_t = np.ascontiguousarray(down.weight.T)
@@ -214,8 +222,9 @@ class SwiGLU(Module):
         hidden = silu(gate)
         hidden *= up
         out = hidden @ down_t  # (..., d_model)
-        if self.down_proj.bias is not None:
-            out += self.down_proj.bias
+        down_bias = self._fused_from[5]
+        if down_bias is not None:
+            out += down_bias
         return out
 
     def extra_repr(self) -> str:
@@ -270,10 +279,11 @@ class CausalSelfAttention(AttentionModule):
 
     def _fused(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
         """(qkv_t (d, (Hq+2Hkv)E), qkv_bias, out_t (Hq*E, d), out_bias)."""
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
-        sources = tuple(p.weight for p in projections) + tuple(p.bias for p in projections)
-        if len(self._fused_from) != len(sources) or any(a is not b for a, b in zip(sources, self._fused_from)):
-            q, k, v, o = projections
+        modules = self.__dict__["_modules"]  # (attribute lookup through Module.__getattr__ is slow)
+        params = [modules[name]._parameters for name in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        sources = tuple(p["weight"] for p in params) + tuple(p["bias"] for p in params)
+        if len(self._fused_from) != len(sources) or not all(map(operator.is_, sources, self._fused_from)):
+            q, k, v, o = self.q_proj, self.k_proj, self.v_proj, self.out_proj
             self._qkv_t = np.ascontiguousarray(np.concatenate([q.weight, k.weight, v.weight], axis=0).T)
             self._qkv_bias = None if q.bias is None else np.concatenate([q.bias, k.bias, v.bias])
             self._out_t = np.ascontiguousarray(o.weight.T)

@@ -37,8 +37,9 @@ SUITES: dict[str, str] = {
     "torch_modules": "attnkit.bench.torch_modules",
     "decoder": "attnkit.bench.decoder",
     "nn": "attnkit.bench.nn",
-    "cache": "attnkit.bench.cache",
     "distributed": "attnkit.bench.distributed",
+    "cache": "attnkit.bench.cache",
+    "hf": "attnkit.bench.hf",
 }
 
 

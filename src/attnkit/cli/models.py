@@ -26,7 +26,9 @@ HOW_TO_ADD = (
     "Any other model: give its path to --model. A BERT-family folder (config.json, model.safetensors, "
     "tokenizer.json or vocab.txt) works with embed, similarity, show, compare and serve; a Llama .gguf "
     "file with generate, chat, show, compare and serve; a Llama or GPT-2 folder (config.json, "
-    "*.safetensors, tokenizer.json) with generate and chat."
+    "*.safetensors, tokenizer.json) with generate, chat, show, compare and serve. A folder of any other "
+    "transformers architecture (config.json, weights, tokenizer.json) works with show, compare and serve, "
+    "run by transformers with attnkit's attention (pip install 'attnkit[hf]')."
 )
 
 

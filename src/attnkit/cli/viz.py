@@ -13,7 +13,8 @@ from attnkit.cli._output import Output, beside, plan, write_all
 from attnkit.cli.models import ANY, model_option
 from attnkit.runtime import require
 
-_MODEL_HELP = "minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path."
+_MODEL_HELP = ("minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path "
+               "(a .gguf file or a model folder, of any transformers architecture).")
 _HIDE_HELP = ("Drop the special tokens ([CLS], [SEP], <|im_start|>...) and, in a causal model, the first "
               "token (the attention sink), then renormalise each row to sum to 1.")
 _LOG_HELP = "Colour on a log scale over the 3 decades below the largest weight, so small weights show."

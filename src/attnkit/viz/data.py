@@ -38,6 +38,9 @@ class AttentionMaps:
         special: T booleans, True for the tokenizer's special tokens (`[CLS]`, `[SEP]`,
             `<|im_start|>`...); None reads them from the token text (`looks_special`).
         hidden: how many tokens `hide_special` removed (0 for maps as the model gave them).
+        layer_names: a name per layer where layers are not all alike (an encoder-decoder:
+            "encoder 0", "decoder 0", "decoder 0 cross attention"), shown in `label`; None
+            when every layer is a plain self-attention layer.
     """
 
     tokens: tuple[str, ...]
@@ -49,6 +52,7 @@ class AttentionMaps:
     meta: dict = field(default_factory=dict, compare=False)
     special: tuple[bool, ...] | None = None
     hidden: int = 0
+    layer_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         tokens = tuple(str(t) for t in self.tokens)
@@ -71,6 +75,11 @@ class AttentionMaps:
         if not np.issubdtype(weights.dtype, np.floating):
             raise TypeError(f"expected floating-point weights, got {weights.dtype}")
         object.__setattr__(self, "weights", weights)
+        if self.layer_names is not None:
+            names = tuple(str(name) for name in self.layer_names)
+            if len(names) != weights.shape[0]:
+                raise ValueError(f"expected {weights.shape[0]} layer names like layers, got {len(names)}")
+            object.__setattr__(self, "layer_names", names)
 
     @property
     def num_layers(self) -> int:
@@ -103,8 +112,12 @@ class AttentionMaps:
         """A short title such as 'layer 2, head 5' or 'layer 2, mean of 12 heads'."""
         layer = self.check_layer(layer)
         if head is None:
-            return f"layer {layer}, mean of {self.num_heads} heads"
-        return f"layer {layer}, head {self.check_head(head)}"
+            return f"{self._layer_label(layer)}, mean of {self.num_heads} heads"
+        return f"{self._layer_label(layer)}, head {self.check_head(head)}"
+
+    def _layer_label(self, layer: int) -> str:
+        """'layer 3', or 'layer 3 (decoder 0 cross attention)' where layers have names."""
+        return f"layer {layer}" if self.layer_names is None else f"layer {layer} ({self.layer_names[layer]})"
 
     @property
     def hidden_note(self) -> str:

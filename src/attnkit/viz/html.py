@@ -54,6 +54,7 @@ def doc_payload(maps: AttentionMaps, level: int = 6) -> dict[str, Any]:
         "layers": maps.num_layers,
         "heads": maps.num_heads,
         "causal": maps.causal,
+        "layer_names": list(maps.layer_names) if maps.layer_names else None,  # encoder-decoders: which is which
         "truncated_from": maps.truncated_from,
         "hide": maps.hidden_tokens().tolist(),  # what "hide special tokens" drops
         "weights": encode_weights(maps.weights, level),

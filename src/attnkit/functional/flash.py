@@ -98,6 +98,9 @@ class AttentionState:
             backward rebuilds from it by up to |lse| * 6e-8.
     plan:   the forward's `FlashPlan` (problem, band, mask, mods, tile grid),
             for `flash_attention_backward`; None for a merged state.
+    shift:  (..., H, L) float64, the constant the forward subtracted inside
+            each row's score products (see `_forward_rows`), so that the
+            backward rebuilds bitwise the same scores; None for a merged state.
 
     `output, lse = state` unpacks it as before.
     """
@@ -105,6 +108,7 @@ class AttentionState:
     output: np.ndarray
     lse: np.ndarray
     plan: FlashPlan | None = field(default=None, repr=False)
+    shift: np.ndarray | None = field(default=None, repr=False)
 
     def __iter__(self):
         return iter((self.output, self.lse))
@@ -495,10 +499,10 @@ def _with_ones(x: np.ndarray, n: int = 1) -> np.ndarray:
 
 def _tile_scores(plan: FlashPlan, q_rows, k, s, tile: _Tile, adds) -> None:
     """s <- score_mod(q_rows k[:, k0:k1]^T) + adds, in place, q_rows (heads, rows,
-    E), k (heads, S, E), s (heads, rows, cols), one BLAS product per head (NumPy's
-    batched matmul): the one way both the
-    forward and the backward compute a tile's scores (q_rows already times
-    the scale). Tiles sit on the same (block_q, block_k) grid in both and
+    E + 1), k (heads, S, E + 1), s (heads, rows, cols), one BLAS product per head
+    (NumPy's batched matmul): the one way both the forward and the backward
+    compute a tile's scores. q_rows is [q * scale, -shift] and k is [k, 1], so
+    the product is the scores less each row's shift, subtracted inside BLAS. Tiles sit on the same (block_q, block_k) grid in both and
     BLAS runs single-threaded, so the backward rebuilds bitwise the scores whose
     lse the forward saved: a near-one-hot row then gets exp(s - lse) = 1 to
     rounding, as the plain path's normalized softmax does."""
@@ -513,14 +517,16 @@ class _ForwardInputs(NamedTuple):
     """What every forward task reads: compute-dtype arrays with the batch dims flattened."""
 
     q: np.ndarray  # (B, Hq, L, E)
-    k: np.ndarray  # (B, Hkv, S, E)
+    ka: np.ndarray  # (B, Hkv, S, E+1) keys with a ones column
     va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
 
 
 class _Rows(NamedTuple):
     """A forward task: query rows [q0, q1) of heads [h0, h1) in flattened batch b
     over keys [k_start, k_end) (on the block_k grid, or at S), written to out
-    (heads, rows, Ev) and lse (heads, rows)."""
+    (heads, rows, Ev), lse (heads, rows) and shift (heads, rows); shift None
+    keeps the task on the running-max path (a split row's parts are merged, and
+    the backward rebuilds them with shift 0)."""
 
     b: int
     h0: int
@@ -531,39 +537,56 @@ class _Rows(NamedTuple):
     k_end: int
     out: np.ndarray
     lse: np.ndarray
+    shift: np.ndarray | None
+
+
+_SAMPLE_KEYS = 16  # keys whose scores give a row's shift on the fast path
 
 
 def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
-    """One forward task (see _Rows): the online softmax over its key tiles, the
-    heads side by side in every call (one NumPy call per tile, not per head)."""
+    """One forward task (see _Rows): softmax over its key tiles, the heads side
+    by side in every call (one NumPy call per tile, not per head).
+
+    Fast path: each row's shift c is fixed before the first tile, the largest
+    score over a few keys that every row of the task may see. BLAS subtracts it
+    inside the score product ([q * scale, -c] . [k, 1]), so a tile costs its two
+    products and one exp, with no running max to rescale by: c is a real score
+    of the row, so the true maximum term is exp(max - c) >= 1 and nothing that
+    matters underflows. If some score lies so far above c that a sum overflows,
+    the task runs again on the running-max path (online softmax, shift 0)."""
     b, h0, h1, q0, q1 = rows.b, rows.h0, rows.h1, rows.q0, rows.q1
     g = plan.shapes.group
     # (heads, S, ·); with GQA a task's heads share one kv head, (1, S, ·), which matmul broadcasts
     kv = slice(h0, h1) if g == 1 else slice(h0 // g, h0 // g + 1)
-    k, va = inputs.k[b, kv], inputs.va[b, kv]
-    cd = k.dtype
-    E, Ev = k.shape[-1], va.shape[-1] - 1
+    ka, va = inputs.ka[b, kv], inputs.va[b, kv]
+    cd = ka.dtype
+    E, Ev = ka.shape[-1] - 1, va.shape[-1] - 1
     nh, r = h1 - h0, q1 - q0
-    qs = _buffer("qs", nh * r * E, cd)[: nh * r * E].reshape(nh, r, E)
-    np.multiply(inputs.q[b, h0:h1, q0:q1], cd.type(plan.scale), out=qs)
+    qa = _buffer("qa", nh * r * (E + 1), cd)[: nh * r * (E + 1)].reshape(nh, r, E + 1)  # [q * scale, -c]
+    np.multiply(inputs.q[b, h0:h1, q0:q1], cd.type(plan.scale), out=qa[..., :E])
+    acc = np.zeros((nh, r, Ev + 1), dtype=cd)  # [sum p v, sum p]
+    part = _buffer("part", nh * r * (Ev + 1), cd)[: nh * r * (Ev + 1)].reshape(nh, r, Ev + 1)
+    sample = None if rows.shift is None else _sample_keys(plan, q0, q1, rows.k_start, rows.k_end)
+    if sample is not None:
+        c = np.max(np.matmul(qa[..., :E], ka[:, sample, :E].swapaxes(-1, -2)), axis=2)
+        qa[..., E] = -c
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below (per thread)
+            for tile, s in _score_tiles(plan, inputs, rows, qa, ka):
+                np.exp(s, out=s)
+                np.matmul(s, va[:, tile.k0:tile.k1], out=part)  # [P V, P 1]: the row sums come out of BLAS
+                acc += part
+        total = acc[..., Ev]
+        if np.isfinite(acc).all() and (total > 0).all():
+            np.divide(acc[..., :Ev], total[..., None], out=rows.out)
+            rows.lse[...] = c.astype(np.float64) + np.log(total.astype(np.float64))
+            rows.shift[...] = c
+            return
+        acc[...] = 0
+    qa[..., E] = 0
     m = np.full((nh, r), -np.inf, dtype=cd)  # running max per row
     new_m = _tile("new_m", nh, r, cd)
     alpha = _tile("alpha", nh, r, cd)
-    acc = np.zeros((nh, r, Ev + 1), dtype=cd)  # [sum p v, sum p] relative to m
-    part = _buffer("part", nh * r * (Ev + 1), cd)[: nh * r * (Ev + 1)].reshape(nh, r, Ev + 1)
-    for k_tile in range(rows.k_start, rows.k_end, plan.block_k):
-        k0, k1 = plan.tile_cols(q0, q1, k_tile, min(k_tile + plan.block_k, rows.k_end))
-        if k1 <= k0:
-            continue
-        tile = _Tile(b, h0, h1, q0, q1, k0, k1)
-        skip, blocked, adds = plan.tile_masks(tile, cd)
-        if skip:
-            continue
-        n = k1 - k0
-        s = _buffer("s", nh * r * n, cd)[: nh * r * n].reshape(nh, r, n)
-        _tile_scores(plan, qs, k, s, tile, adds)
-        if blocked is not None:
-            np.copyto(s, cd.type(-np.inf), where=blocked)
+    for tile, s in _score_tiles(plan, inputs, rows, qa, ka):
         np.max(s, axis=2, out=new_m)
         np.maximum(m, new_m, out=new_m)
         shift = new_m
@@ -575,7 +598,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         # backward's exp(s - lse) reproduces these weights to rounding.
         s -= shift[..., None]
         np.exp(s, out=s)
-        np.matmul(s, va[:, k0:k1], out=part)  # [P V, P 1]: the row sums come out of BLAS
+        np.matmul(s, va[:, tile.k0:tile.k1], out=part)
         acc *= alpha[..., None]
         acc += part
         m[...] = new_m
@@ -584,6 +607,43 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
     np.divide(acc[..., :Ev], np.where(empty, cd.type(1), total)[..., None], out=rows.out)
     with np.errstate(divide="ignore", invalid="ignore"):  # lse in float64: see AttentionState
         rows.lse[...] = np.where(empty, -np.inf, m.astype(np.float64) + np.log(total.astype(np.float64)))
+    if rows.shift is not None:
+        rows.shift[...] = 0
+
+
+def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) -> slice | None:
+    """Up to _SAMPLE_KEYS keys of [k_start, k_end) that every query of [q0, q1)
+    may see, or None: only a band may exclude keys (no mask, mask_mod or
+    score_mod, whose scores the sample could not stand for)."""
+    if plan.mask is not None or plan.mask_mod is not None or plan.score_mod is not None:
+        return None
+    start = k_start if plan.lo is None else max(k_start, q1 - 1 + plan.lo)
+    end = k_end if plan.hi is None else min(k_end, q0 + plan.hi + 1)
+    end = min(end, start + _SAMPLE_KEYS)
+    return slice(start, end) if end > start else None
+
+
+def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka):
+    """(tile, s) for each key tile of a forward task that has an allowed pair:
+    s (heads, rows, cols) its scores less the shift in qa, masked (-inf where
+    not allowed), in a scratch buffer reused by the next tile."""
+    b, h0, h1, q0, q1 = rows.b, rows.h0, rows.h1, rows.q0, rows.q1
+    cd = ka.dtype
+    nh, r = h1 - h0, q1 - q0
+    for k_tile in range(rows.k_start, rows.k_end, plan.block_k):
+        k0, k1 = plan.tile_cols(q0, q1, k_tile, min(k_tile + plan.block_k, rows.k_end))
+        if k1 <= k0:
+            continue
+        tile = _Tile(b, h0, h1, q0, q1, k0, k1)
+        skip, blocked, adds = plan.tile_masks(tile, cd)
+        if skip:
+            continue
+        n = k1 - k0
+        s = _buffer("s", nh * r * n, cd)[: nh * r * n].reshape(nh, r, n)
+        _tile_scores(plan, qa, ka, s, tile, adds)
+        if blocked is not None:
+            np.copyto(s, cd.type(-np.inf), where=blocked)
+        yield tile, s
 
 
 def flash_attention(
@@ -637,8 +697,8 @@ def flash_attention(
 
     Returns:
         The output (..., Hq, L, Ev) in query's dtype, or with return_lse
-        AttentionState(output, lse, plan) with lse (..., Hq, L) in float64 and
-        the plan `flash_attention_backward` needs.
+        AttentionState(output, lse, plan, shift) with lse (..., Hq, L) in float64
+        and the plan and per-row shifts `flash_attention_backward` needs.
         A query row with no key allowed gets output 0 and lse -inf.
     """
     options = FlashOptions(attn_mask, is_causal, scale, enable_gqa, causal_align, window, score_mod, mask_mod,
@@ -650,18 +710,19 @@ def flash_attention(
     if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
         out = np.zeros(out_shape, dtype=shapes.dtype)
         lse = np.full(out_shape[:-1], -np.inf, dtype=np.float64)
+        shift = np.zeros(out_shape[:-1], dtype=np.float64)
     else:
         dtype = start_dtype(shapes.compute_dtype, plan.scale)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
-            out, lse = _flash_forward(plan, q, k, v, dtype)
+            out, lse, shift = _flash_forward(plan, q, k, v, dtype)
         if needs_float64(q, k, plan.scale, dtype, lse, value=v, output=out):
             # scores (or a running sum of values) beyond float32: torch's float64 answer
-            out, lse = _flash_forward(plan, q, k, v, np.dtype(np.float64))
+            out, lse, shift = _flash_forward(plan, q, k, v, np.dtype(np.float64))
         out = out.reshape(out_shape).astype(shapes.dtype, copy=False)
-        lse = lse.reshape(out_shape[:-1])
+        lse, shift = lse.reshape(out_shape[:-1]), shift.reshape(out_shape[:-1])
     if drop:
-        out, lse = out[0], lse[0]
-    return AttentionState(out, lse, plan) if return_lse else out
+        out, lse, shift = out[0], lse[0], shift[0]
+    return AttentionState(out, lse, plan, shift) if return_lse else out
 
 
 def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> int:
@@ -682,18 +743,19 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> in
     return heads
 
 
-def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The tiled forward in dtype `cd`: output (B, Hq, L, Ev) in cd and lse
-    (B, Hq, L) in float64, B the flattened batch dims."""
+def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tiled forward in dtype `cd`: output (B, Hq, L, Ev) in cd, lse and
+    shift (B, Hq, L) in float64, B the flattened batch dims."""
     shapes = plan.shapes
     B, Hq, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.L, shapes.S
     inputs = _ForwardInputs(
         _flat(q, shapes, Hq, cd),  # (B, Hq, L, E)
-        _flat(k, shapes, shapes.kv_heads, cd),  # (B, Hkv, S, E)
+        _with_ones(_flat(k, shapes, shapes.kv_heads, cd)),  # (B, Hkv, S, E+1)
         _with_ones(_flat(v, shapes, shapes.kv_heads, cd)),  # (B, Hkv, S, Ev+1)
     )
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
     lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
+    shift = np.zeros((B, Hq, L), dtype=cd)
 
     # Tasks: (b, heads, query block), the longest first so the pool ends evenly.
     # When there are fewer query blocks than threads (decoding), split the keys
@@ -716,10 +778,10 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
     if splits == 1:
         nh = _heads_per_task(plan, len(blocks), B, cd.itemsize)
         tasks = [_Rows(b, h, min(h + nh, Hq), q0, q1, k_start, k_end,
-                       out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1])
+                       out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1], shift[b, h:h + nh, q0:q1])
                  for q0, q1, k_start, k_end in blocks for b in range(B) for h in range(0, Hq, nh)]
         _run(tasks, task, plan.num_threads, B * Hq * L * S)
-        return out, lse
+        return out, lse, shift.astype(np.float64)
 
     tasks, parts = [], []
     for q0, q1, k_start, k_end in blocks:
@@ -734,12 +796,12 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
                 for i in range(splits):
                     if edges[i + 1] > edges[i]:
                         tasks.append(_Rows(b, h, h + 1, q0, q1, int(edges[i]), int(edges[i + 1]),
-                                           o_parts[i], l_parts[i]))
+                                           o_parts[i], l_parts[i], None))
     _run(tasks, task, plan.num_threads, B * Hq * L * S)
     for b, h, q0, q1, o_parts, l_parts in parts:
         merged = merge_attention_states(o_parts[:, 0], l_parts[:, 0])
         out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
-    return out, lse
+    return out, lse, shift.astype(np.float64)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -748,14 +810,16 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
 class _BackwardInputs(NamedTuple):
     """What every backward task reads: compute-dtype arrays with the batch dims flattened."""
 
-    qs: np.ndarray  # (B, Hq, L, E) query * scale: the forward's scores
+    qs: np.ndarray  # (B, Hq, L, E) query * scale
+    qa: np.ndarray  # (B, Hq, L, E+1) [query * scale, -shift]: the forward's scores, less its shift
     qs_f: np.ndarray  # (B, Hq, L, E) query * scale * f: dK = dS^T (q * scale)
     k: np.ndarray  # (B, Hkv, S, E)
+    ka: np.ndarray  # (B, Hkv, S, E+1) keys with a ones column
     ks: np.ndarray  # (B, Hkv, S, E) key * scale: dQ = dS (K * scale), the scale before the product
     va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
     do_a: np.ndarray  # (B, Hq, L, Ev+1) [dO, -D]
     do_f: np.ndarray  # (B, Hq, L, Ev) dO * f
-    lse_hi: np.ndarray  # (B, Hq, L) lse = lse_hi + lse_lo, lse_hi in the compute dtype
+    lse_hi: np.ndarray  # (B, Hq, L) lse - shift = lse_hi + lse_lo, lse_hi in the compute dtype
     row_f: np.ndarray  # (B, Hq, L) f = exp(-lse_lo), within a few ulps of 1 (-inf rows: 1)
 
 
@@ -776,7 +840,7 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
     b, h_kv, k0, k1 = cols
     do_a, lse_hi, row_f = inputs.do_a, inputs.lse_hi, inputs.row_f
     k, ks, va = inputs.k[b, h_kv], inputs.ks[b, h_kv], inputs.va[b, h_kv]  # (S, E), (S, E), (S, Ev+1)
-    k3 = inputs.k[b, h_kv:h_kv + 1]  # (1, S, E): _tile_scores takes heads
+    k3 = inputs.ka[b, h_kv:h_kv + 1]  # (1, S, E+1): _tile_scores takes heads
     cd = k.dtype
     E, Ev = k.shape[-1], do_a.shape[-1] - 1
     g, bq = plan.shapes.group, plan.block_q
@@ -798,7 +862,7 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
             rows, cols_k, mine = slice(q0, q1), slice(c0, c1), slice(c0 - k0, c1 - k0)
             f = row_f[b, h, rows, None]  # (r, 1)
             p3 = _buffer("p", r * n, cd)[: r * n].reshape(1, r, n)  # one head of the forward's tile
-            _tile_scores(plan, inputs.qs[b, h:h + 1, rows], k3, p3, tile, adds)
+            _tile_scores(plan, inputs.qa[b, h:h + 1, rows], k3, p3, tile, adds)
             if blocked is not None:
                 np.copyto(p3, cd.type(-np.inf), where=blocked)
             p = p3[0]
@@ -806,7 +870,8 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
             if plan.score_mod is not None and plan.score_mod.grad is not None:  # None: additive
                 pre = np.matmul(inputs.qs[b, h, rows], k[cols_k].T)  # the scores the mod saw
                 mod_grad = plan.score_mod.grad(pre, b, h, *tile.indices())
-            # forward: P = exp(s - lse), with lse = hi + lo: P = exp(s - hi) * f, f = exp(-lo) per row
+            # forward: P = exp(s - lse); p holds s - shift, and lse - shift = hi + lo:
+            # P = exp(p - hi) * f, f = exp(-lo) per row
             p -= lse_hi[b, h, rows, None]
             np.exp(p, out=p)
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
@@ -905,8 +970,9 @@ def flash_attention_backward(
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     out_shape = (*shapes.batch, Hq, L, Ev)
     lse_shape = (*shapes.batch, Hq, L)
+    shift = np.zeros(lse_shape[drop:]) if state.shift is None else state.shift
     for arr, name, want in ((grad_output, "grad_output", out_shape), (output, "output", out_shape),
-                            (state.lse, "state.lse", lse_shape)):
+                            (state.lse, "state.lse", lse_shape), (shift, "state.shift", lse_shape)):
         arr = require_float_tensor(arr, name, 1)
         if arr.shape != want[drop:]:
             raise ValueError(f"expected {name} of shape {shape_str(want[drop:])}, got {shape_str(arr.shape)}")
@@ -922,15 +988,15 @@ def flash_attention_backward(
     grads = None
     if start_dtype(cd, plan.scale) == cd and (cd == wide or not scores_may_overflow(q, k, plan.scale, cd)):
         with np.errstate(over="ignore", invalid="ignore"):
-            grads = _flash_backward(plan, q, k, v, grad_output, output, state.lse, cd)
+            grads = _flash_backward(plan, q, k, v, grad_output, output, state.lse, shift, cd)
         if cd != wide and not all_finite(*grads) and all_finite(q, k, v, grad_output, output):
             grads = None  # a gradient beyond the compute dtype on the way
     if grads is None:
         # float64, from the forward on: a tiny scale, or scores or gradients beyond
         # float32 (torch's float64 answer). The weights exp(s - lse) are rebuilt from
         # an lse of the same float64 scores, never from float32 ones.
-        out64, lse64 = _flash_forward(plan, q, k, v, wide)
-        grads = _flash_backward(plan, q, k, v, grad_output, out64, lse64, wide)
+        out64, lse64, shift64 = _flash_forward(plan, q, k, v, wide)
+        grads = _flash_backward(plan, q, k, v, grad_output, out64, lse64, shift64, wide)
     grads = (
         grads[0].reshape(*shapes.batch, Hq, L, E),
         grads[1].reshape(*shapes.batch, Hkv, S, E),
@@ -941,7 +1007,7 @@ def flash_attention_backward(
     return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
 
 
-def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, lse, cd: np.dtype):
+def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, lse, shift, cd: np.dtype):
     """The tiled backward in dtype `cd`: (dQ (B, Hq, L, E), dK (B, Hkv, S, E),
     dV (B, Hkv, S, Ev)) in cd, B the flattened batch dims."""
     shapes = plan.shapes
@@ -957,15 +1023,19 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, lse, cd: np.d
     do_a[..., :Ev] = d_out
     # D = rowsum(dO * O), summed in float64: rounded once, to the compute dtype
     do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o, dtype=np.float64)
-    # lse split into two compute-dtype parts so that the subtraction is
+    # The tiles hold s - shift (the forward's products, bitwise); lse - shift is
+    # split into two compute-dtype parts so that the subtraction is
     # float64-accurate (a float32 lse of 40 is off by up to 2e-6):
-    # P = exp(s - hi) * f with f = exp(-lo) per row.
-    lse64 = np.asarray(lse, dtype=np.float64).reshape(B, Hq, L).copy()
+    # P = exp(s - shift - hi) * f with f = exp(-lo) per row.
+    shift = np.asarray(shift, dtype=np.float64).reshape(B, Hq, L).astype(cd).astype(np.float64)  # as qa holds it
+    lse64 = np.asarray(lse, dtype=np.float64).reshape(B, Hq, L) - shift
     lse64[np.isneginf(lse64)] = 0  # rows with no key: their tiles are all masked anyway
     lse_hi = lse64.astype(cd)
     row_f = np.exp(-(lse64 - lse_hi).astype(cd))
     qs = q * cd.type(plan.scale)  # (B, Hq, L, E)
-    inputs = _BackwardInputs(qs, qs * row_f[..., None], k, ks, va, do_a, d_out * row_f[..., None], lse_hi, row_f)
+    qa = np.concatenate([qs, -shift.astype(cd)[..., None]], axis=-1)
+    inputs = _BackwardInputs(qs, qa, qs * row_f[..., None], k, _with_ones(k), ks, va, do_a,
+                             d_out * row_f[..., None], lse_hi, row_f)
 
     grad_k = np.zeros((B, Hkv, S, E), dtype=cd)
     grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)

@@ -502,6 +502,44 @@ def test_threads_do_not_change_results_and_default_tiles_work():
     assert_within_budget(two, plain, ref, "default tiles")
 
 
+def test_reused_scratch_never_leaks_between_calls_or_threads():
+    """Each call's temporaries come from its thread's reused block (no page
+    faults on every call): calls of other shapes in between, and calls from
+    several threads at once, must not change a single bit."""
+    import threading
+
+    def problem(L, S, seed):
+        r = np.random.default_rng(seed)
+        return [r.standard_normal(shape).astype(np.float32) for shape in
+                ((2, 4, L, 16), (2, 2, S, 16), (2, 2, S, 16), (2, 4, L, 16))]
+
+    def fwd_bwd(q, k, v, d_out, threads=2):
+        res = attnkit.flash_attention(q, k, v, enable_gqa=True, is_causal=True, causal_align="bottom_right",
+                                      block_q=32, block_k=48, return_lse=True, num_threads=threads)
+        return (res.output, res.lse, *attnkit.flash_attention_backward(d_out, q, k, v, res.output, res))
+
+    small, big = problem(70, 90, 1), problem(200, 260, 2)
+    first = fwd_bwd(*small)
+    fwd_bwd(*big)  # grows the scratch
+    again = fwd_bwd(*small)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    results = {}
+
+    def worker(i):
+        results[i] = fwd_bwd(*(small if i % 2 else big))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    alone_big = fwd_bwd(*big)
+    for i, got in results.items():
+        for a, b in zip(got, first if i % 2 else alone_big):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_float16_and_2d_inputs():
     rng = np.random.default_rng(9)
     q, k, v = (rng.standard_normal((6, 8)).astype(np.float16) for _ in range(3))

@@ -265,6 +265,22 @@ class FlashOptions:
     num_threads: int | None = None
 
 
+class _Columns(NamedTuple):
+    """values (rows, stop - start) to add to columns [start, stop) of a tile: a
+    causal diagonal tile trimmed to its triangle's width has -inf only in its
+    last `rows` columns, and adding zeros to the rest would cost a pass."""
+
+    start: int
+    stop: int
+    values: np.ndarray
+
+    def full(self, cols: int) -> np.ndarray:
+        """(rows, cols) booleans of the whole tile, True where the bias is -inf."""
+        out = np.zeros((self.values.shape[0], cols), dtype=bool)
+        out[:, self.start:self.stop] = np.isneginf(self.values)
+        return out
+
+
 @dataclass
 class FlashPlan:
     """Everything a tile needs, fixed once per forward call and reused by its
@@ -340,10 +356,10 @@ class FlashPlan:
     def batch_index(self, b: int) -> tuple[int, ...]:
         return tuple(int(i) for i in np.unravel_index(b, self.shapes.batch)) if self.shapes.batch else ()
 
-    def band_bias(self, q0: int, q1: int, k0: int, k1: int, dtype) -> tuple[np.ndarray | None, bool]:
-        """(bias, empty): a (rows, cols) additive tile, 0 where the band allows a
-        pair and -inf where it does not (None when it allows all), and whether it
-        allows none. Adding is ~3x faster than np.copyto(where=); the tile
+    def band_bias(self, q0: int, q1: int, k0: int, k1: int, dtype) -> tuple[_Columns | None, bool]:
+        """(bias, empty): the band's additive (rows, cols) tile, 0 where it allows
+        a pair and -inf where it does not, as the span of columns that hold a
+        -inf (None when it allows all), and whether it allows none. Adding is ~3x faster than np.copyto(where=); the tile
         depends only on the band relative to the tile and its shape, so it is
         cached across calls (a causal mask's diagonal tiles repeat for every head
         and every call)."""
@@ -386,7 +402,7 @@ class FlashPlan:
                 blocked = ~allowed if blocked is None else blocked | ~allowed
         if blocked is not None:
             if bias is not None:
-                blocked = blocked | np.isneginf(bias)
+                blocked = blocked | bias.full(k1 - k0)
             if blocked.all():
                 return True, None, ()
         return False, blocked, adds
@@ -410,9 +426,10 @@ class FlashPlan:
 
 
 @lru_cache(maxsize=512)
-def _band_tile(lo: int | None, hi: int | None, rows: int, cols: int, dtype: str) -> tuple[np.ndarray, bool]:
+def _band_tile(lo: int | None, hi: int | None, rows: int, cols: int, dtype: str) -> tuple[_Columns | None, bool]:
     """(bias, empty) of a (rows, cols) tile whose pair (i, j) is allowed when
-    lo <= j - i <= hi: 0 allowed, -inf not (read-only: it is shared)."""
+    lo <= j - i <= hi: 0 allowed, -inf not, over the columns that hold a -inf
+    (read-only: it is shared)."""
     rel = np.arange(cols)[None, :] - np.arange(rows)[:, None]
     blocked = np.zeros((rows, cols), dtype=bool)
     if lo is not None:
@@ -420,9 +437,13 @@ def _band_tile(lo: int | None, hi: int | None, rows: int, cols: int, dtype: str)
     if hi is not None:
         blocked |= rel > hi
     kind = np.dtype(dtype).type
-    bias = np.where(blocked, kind(-np.inf), kind(0))
+    hit = np.flatnonzero(blocked.any(axis=0))
+    if not hit.size:
+        return None, False
+    start, stop = int(hit[0]), int(hit[-1]) + 1
+    bias = np.where(blocked[:, start:stop], kind(-np.inf), kind(0))
     bias.flags.writeable = False
-    return bias, bool(blocked.all())
+    return _Columns(start, stop, bias), bool(blocked.all())
 
 
 class _Tile(NamedTuple):
@@ -530,7 +551,10 @@ def _tile_scores(plan: FlashPlan, q_rows, k, s, tile: _Tile, adds) -> None:
     if plan.score_mod is not None:
         plan.modded(s, tile)
     for add in adds:
-        s += add
+        if isinstance(add, _Columns):
+            s[..., add.start:add.stop] += add.values
+        else:
+            s += add
 
 
 class _ForwardInputs(NamedTuple):

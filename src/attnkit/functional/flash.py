@@ -101,6 +101,8 @@ class AttentionState:
     shift:  (..., H, L) float64, the constant the forward subtracted inside
             each row's score products (see `_forward_rows`), so that the
             backward rebuilds bitwise the same scores; None for a merged state.
+    shifted_lse: (..., H, L) float64, lse - shift as the forward summed it
+            (lse itself, in float64, drops the low bits of a shift near 1e10).
 
     `output, lse = state` unpacks it as before.
     """
@@ -109,6 +111,7 @@ class AttentionState:
     lse: np.ndarray
     plan: FlashPlan | None = field(default=None, repr=False)
     shift: np.ndarray | None = field(default=None, repr=False)
+    shifted_lse: np.ndarray | None = field(default=None, repr=False)
 
     def __iter__(self):
         return iter((self.output, self.lse))
@@ -568,9 +571,9 @@ class _ForwardInputs(NamedTuple):
 class _Rows(NamedTuple):
     """A forward task: query rows [q0, q1) of heads [h0, h1) in flattened batch b
     over keys [k_start, k_end) (on the block_k grid, or at S), written to out
-    (heads, rows, Ev), lse (heads, rows) and shift (heads, rows); shift None
-    keeps the task on the running-max path (a split row's parts are merged, and
-    the backward rebuilds them with shift 0)."""
+    (heads, rows, Ev), lse (heads, rows), shift and rel = lse - shift (heads,
+    rows); shift None keeps the task on the running-max path (a split row's
+    parts are merged, and the backward rebuilds them with shift 0)."""
 
     b: int
     h0: int
@@ -582,6 +585,7 @@ class _Rows(NamedTuple):
     out: np.ndarray
     lse: np.ndarray
     shift: np.ndarray | None
+    rel: np.ndarray | None
 
 
 _SAMPLE_KEYS = 16  # keys whose scores give a row's shift on the fast path
@@ -622,7 +626,8 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         total = acc[..., Ev]
         if np.isfinite(acc).all() and (total > 0).all():
             np.divide(acc[..., :Ev], total[..., None], out=rows.out)
-            rows.lse[...] = c.astype(np.float64) + np.log(total.astype(np.float64))
+            rows.rel[...] = np.log(total.astype(np.float64))
+            rows.lse[...] = c.astype(np.float64) + rows.rel
             rows.shift[...] = c
             return
         acc[...] = 0
@@ -653,6 +658,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         rows.lse[...] = np.where(empty, -np.inf, m.astype(np.float64) + np.log(total.astype(np.float64)))
     if rows.shift is not None:
         rows.shift[...] = 0
+        rows.rel[...] = rows.lse
 
 
 def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) -> slice | None:
@@ -741,8 +747,9 @@ def flash_attention(
 
     Returns:
         The output (..., Hq, L, Ev) in query's dtype, or with return_lse
-        AttentionState(output, lse, plan, shift) with lse (..., Hq, L) in float64
-        and the plan and per-row shifts `flash_attention_backward` needs.
+        AttentionState(output, lse, plan, shift, shifted_lse) with lse
+        (..., Hq, L) in float64, and the plan and per-row shifts that
+        `flash_attention_backward` needs.
         A query row with no key allowed gets output 0 and lse -inf.
     """
     options = FlashOptions(attn_mask, is_causal, scale, enable_gqa, causal_align, window, score_mod, mask_mod,
@@ -754,19 +761,19 @@ def flash_attention(
     if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
         out = np.zeros(out_shape, dtype=shapes.dtype)
         lse = np.full(out_shape[:-1], -np.inf, dtype=np.float64)
-        shift = np.zeros(out_shape[:-1], dtype=np.float64)
+        shift, rel = np.zeros(out_shape[:-1], dtype=np.float64), lse
     else:
         dtype = start_dtype(shapes.compute_dtype, plan.scale)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
-            out, lse, shift = _flash_forward(plan, q, k, v, dtype)
+            out, lse, shift, rel = _flash_forward(plan, q, k, v, dtype)
         if needs_float64(q, k, plan.scale, dtype, lse, value=v, output=out):
             # scores (or a running sum of values) beyond float32: torch's float64 answer
-            out, lse, shift = _flash_forward(plan, q, k, v, np.dtype(np.float64))
+            out, lse, shift, rel = _flash_forward(plan, q, k, v, np.dtype(np.float64))
         out = out.reshape(out_shape).astype(shapes.dtype, copy=False)
-        lse, shift = lse.reshape(out_shape[:-1]), shift.reshape(out_shape[:-1])
+        lse, shift, rel = (x.reshape(out_shape[:-1]) for x in (lse, shift, rel))
     if drop:
-        out, lse, shift = out[0], lse[0], shift[0]
-    return AttentionState(out, lse, plan, shift) if return_lse else out
+        out, lse, shift, rel = out[0], lse[0], shift[0], rel[0]
+    return AttentionState(out, lse, plan, shift, rel) if return_lse else out
 
 
 def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> int:
@@ -787,9 +794,9 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> in
     return heads
 
 
-def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tiled forward in dtype `cd`: output (B, Hq, L, Ev) in cd, lse and
-    shift (B, Hq, L) in float64, B the flattened batch dims."""
+def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, ...]:
+    """The tiled forward in dtype `cd`: output (B, Hq, L, Ev) in cd, lse, shift
+    and lse - shift (B, Hq, L) in float64, B the flattened batch dims."""
     shapes = plan.shapes
     B, Hq, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.L, shapes.S
     Hkv = shapes.kv_heads
@@ -802,6 +809,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
     lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
     shift = np.zeros((B, Hq, L), dtype=cd)
+    rel = np.full((B, Hq, L), -np.inf, dtype=np.float64)
 
     # Tasks: (b, heads, query block), the longest first so the pool ends evenly.
     # When there are fewer query blocks than threads (decoding), split the keys
@@ -824,10 +832,11 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
     if splits == 1:
         nh = _heads_per_task(plan, len(blocks), B, cd.itemsize)
         tasks = [_Rows(b, h, min(h + nh, Hq), q0, q1, k_start, k_end,
-                       out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1], shift[b, h:h + nh, q0:q1])
+                       out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1], shift[b, h:h + nh, q0:q1],
+                       rel[b, h:h + nh, q0:q1])
                  for q0, q1, k_start, k_end in blocks for b in range(B) for h in range(0, Hq, nh)]
         _run(tasks, task, plan.num_threads, B * Hq * L * S)
-        return out, lse, shift.astype(np.float64)
+        return out, lse, shift.astype(np.float64), rel
 
     tasks, parts = [], []
     for q0, q1, k_start, k_end in blocks:
@@ -842,12 +851,12 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
                 for i in range(splits):
                     if edges[i + 1] > edges[i]:
                         tasks.append(_Rows(b, h, h + 1, q0, q1, int(edges[i]), int(edges[i + 1]),
-                                           o_parts[i], l_parts[i], None))
+                                           o_parts[i], l_parts[i], None, None))
     _run(tasks, task, plan.num_threads, B * Hq * L * S)
     for b, h, q0, q1, o_parts, l_parts in parts:
         merged = merge_attention_states(o_parts[:, 0], l_parts[:, 0])
         out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
-    return out, lse, shift.astype(np.float64)
+    return out, lse, shift.astype(np.float64), lse.copy()  # shift 0: rel is lse
 
 
 # ----------------------------------------------------------------------------- backward
@@ -1016,9 +1025,13 @@ def flash_attention_backward(
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
     out_shape = (*shapes.batch, Hq, L, Ev)
     lse_shape = (*shapes.batch, Hq, L)
-    shift = np.zeros(lse_shape[drop:]) if state.shift is None else state.shift
+    if state.shift is None or state.shifted_lse is None:
+        shift, rel = np.zeros(lse_shape[drop:]), state.lse
+    else:
+        shift, rel = state.shift, state.shifted_lse
     for arr, name, want in ((grad_output, "grad_output", out_shape), (output, "output", out_shape),
-                            (state.lse, "state.lse", lse_shape), (shift, "state.shift", lse_shape)):
+                            (state.lse, "state.lse", lse_shape), (shift, "state.shift", lse_shape),
+                            (rel, "state.shifted_lse", lse_shape)):
         arr = require_float_tensor(arr, name, 1)
         if arr.shape != want[drop:]:
             raise ValueError(f"expected {name} of shape {shape_str(want[drop:])}, got {shape_str(arr.shape)}")
@@ -1034,15 +1047,15 @@ def flash_attention_backward(
     grads = None
     if start_dtype(cd, plan.scale) == cd and (cd == wide or not scores_may_overflow(q, k, plan.scale, cd)):
         with np.errstate(over="ignore", invalid="ignore"):
-            grads = _flash_backward(plan, q, k, v, grad_output, output, state.lse, shift, cd)
+            grads = _flash_backward(plan, q, k, v, grad_output, output, shift, rel, cd)
         if cd != wide and not all_finite(*grads) and all_finite(q, k, v, grad_output, output):
             grads = None  # a gradient beyond the compute dtype on the way
     if grads is None:
         # float64, from the forward on: a tiny scale, or scores or gradients beyond
         # float32 (torch's float64 answer). The weights exp(s - lse) are rebuilt from
         # an lse of the same float64 scores, never from float32 ones.
-        out64, lse64, shift64 = _flash_forward(plan, q, k, v, wide)
-        grads = _flash_backward(plan, q, k, v, grad_output, out64, lse64, shift64, wide)
+        out64, _, shift64, rel64 = _flash_forward(plan, q, k, v, wide)
+        grads = _flash_backward(plan, q, k, v, grad_output, out64, shift64, rel64, wide)
     grads = (
         grads[0].reshape(*shapes.batch, Hq, L, E),
         grads[1].reshape(*shapes.batch, Hkv, S, E),
@@ -1053,7 +1066,7 @@ def flash_attention_backward(
     return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
 
 
-def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, lse, shift, cd: np.dtype):
+def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, cd: np.dtype):
     """The tiled backward in dtype `cd`: (dQ (B, Hq, L, E), dK (B, Hkv, S, E),
     dV (B, Hkv, S, Ev)) in cd, B the flattened batch dims."""
     shapes = plan.shapes
@@ -1087,8 +1100,10 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, lse, shift, c
     # split into two compute-dtype parts so that the subtraction is
     # float64-accurate (a float32 lse of 40 is off by up to 2e-6):
     # P = exp(s - shift - hi) * f with f = exp(-lo) per row.
-    shift = np.asarray(shift, dtype=np.float64).reshape(B, Hq, L).astype(cd).astype(np.float64)  # as qa holds it
-    lse64 = np.asarray(lse, dtype=np.float64).reshape(B, Hq, L) - shift
+    given = np.asarray(shift, dtype=np.float64).reshape(B, Hq, L)
+    shift = given.astype(cd).astype(np.float64)  # as qa holds it (a float64 forward's shift, rounded)
+    lse64 = np.array(rel, dtype=np.float64).reshape(B, Hq, L)  # lse - shift, as the forward summed it
+    lse64 += given - shift  # 0 unless a float64 forward's shift was rounded to cd
     lse64[np.isneginf(lse64)] = 0  # rows with no key: their tiles are all masked anyway
     lse_hi = lse64.astype(cd)
     row_f = np.exp(-(lse64 - lse_hi).astype(cd))

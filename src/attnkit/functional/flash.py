@@ -546,10 +546,11 @@ def _tile_scores(plan: FlashPlan, q_rows, k, s, tile: _Tile, adds) -> None:
     E + 1), k (heads, S, E + 1), s (heads, rows, cols), one BLAS product per head
     (NumPy's batched matmul): the one way both the forward and the backward
     compute a tile's scores. q_rows is [q * scale, -shift] and k is [k, 1], so
-    the product is the scores less each row's shift, subtracted inside BLAS. Tiles sit on the same (block_q, block_k) grid in both and
-    BLAS runs single-threaded, so the backward rebuilds bitwise the scores whose
-    lse the forward saved: a near-one-hot row then gets exp(s - lse) = 1 to
-    rounding, as the plain path's normalized softmax does."""
+    the product is the scores less each row's shift, subtracted inside BLAS.
+    Tiles sit on the same (block_q, block_k) grid in both and BLAS runs
+    single-threaded, so the backward rebuilds bitwise the numbers whose sum the
+    forward saved: a near-one-hot row then gets exp(s - lse) = 1 to rounding, as
+    the plain path's normalized softmax does."""
     np.matmul(q_rows, k[:, tile.k0:tile.k1].swapaxes(-1, -2), out=s)  # (heads, rows, cols)
     if plan.score_mod is not None:
         plan.modded(s, tile)

@@ -444,7 +444,8 @@ def test_fixed_shift_fast_path_and_its_running_max_fallback_both_match_float64(t
             ref_grads = _ref_grads(q, keys, v, d_out, mask, 1.0, 1)
             plain = attnkit.scaled_dot_product_attention(q, keys, v, is_causal=causal, scale=1.0)
             plain_grads = attnkit.scaled_dot_product_attention_backward(d_out, q, keys, v, is_causal=causal, scale=1.0)
-            res = attnkit.flash_attention(q, keys, v, is_causal=causal, scale=1.0, block_q=8, block_k=16, return_lse=True)
+            res = attnkit.flash_attention(q, keys, v, is_causal=causal, scale=1.0, block_q=8, block_k=16,
+                                          return_lse=True)
             assert res.shift.shape == res.lse.shape
             used_fast = res.shift != 0
             # rows from 32 on see the jump in every case: their tasks fell back

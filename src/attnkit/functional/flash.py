@@ -362,10 +362,10 @@ class FlashPlan:
     def band_bias(self, q0: int, q1: int, k0: int, k1: int, dtype) -> tuple[_Columns | None, bool]:
         """(bias, empty): the band's additive (rows, cols) tile, 0 where it allows
         a pair and -inf where it does not, as the span of columns that hold a
-        -inf (None when it allows all), and whether it allows none. Adding is ~3x faster than np.copyto(where=); the tile
-        depends only on the band relative to the tile and its shape, so it is
-        cached across calls (a causal mask's diagonal tiles repeat for every head
-        and every call)."""
+        -inf (None when it allows all), and whether it allows none. Adding is
+        ~3x faster than np.copyto(where=); the tile depends only on the band
+        relative to the tile and its shape, so it is cached across calls (a
+        causal mask's diagonal tiles repeat for every head and every call)."""
         d = k0 - q0  # kv - q at the tile's corner; kv - q = d + (j - i)
         rows, cols = q1 - q0, k1 - k0
         lo = None if self.lo is None or self.lo - d <= -(rows - 1) else max(self.lo - d, -rows)

@@ -503,7 +503,7 @@ def test_threads_do_not_change_results_and_default_tiles_work():
     assert_within_budget(two, plain, ref, "default tiles")
 
 
-def test_reused_scratch_never_leaks_between_calls_or_threads():
+def test_reused_scratch_never_leaks_between_calls_or_threads(monkeypatch):
     """Each call's temporaries come from its thread's reused block (no page
     faults on every call): calls of other shapes in between, and calls from
     several threads at once, must not change a single bit."""
@@ -539,6 +539,12 @@ def test_reused_scratch_never_leaks_between_calls_or_threads():
     for i, got in results.items():
         for a, b in zip(got, first if i % 2 else alone_big):
             np.testing.assert_array_equal(a, b)
+    # over the kept size a call gets a fresh block, and the same bits
+    from attnkit.functional import flash as flash_module
+
+    monkeypatch.setattr(flash_module, "_ARENA_BYTES", 1024)
+    for a, b in zip(fwd_bwd(*big), alone_big):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_float16_and_2d_inputs():

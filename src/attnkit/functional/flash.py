@@ -936,16 +936,14 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
             dv[mine] += dv_part
             ds = _tile("ds", r, n, cd)
             np.matmul(do_a[b, h, rows], va[cols_k].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
-            one = plan.one_key_rows(q0, q1)
-            if one is not None:
-                # A row that sees a single key takes D from the tile, as the plain path
-                # does, D = sum_j P_ij dP_ij: consistent with the dP just rounded, its
-                # dS is exactly 0 (FlashAttention-2's D would leave the rounding of dO . v).
-                missed = np.einsum("ij,ij->i", ds[one], p[one])  # sum_j P_ij (dP_ij - D_i) / f_i
-                missed *= f[one, 0]
-                ds[one] -= missed[:, None]
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             np.multiply(ds, p, out=ds)
+            one = plan.one_key_rows(q0, q1)
+            if one is not None:
+                # A softmax over a single key is constant: its dS is exactly 0, as the
+                # plain path's is. FlashAttention-2's D would leave the rounding of dO . v,
+                # and the rebuilt weight of that key is 1 only to rounding.
+                ds[one] = 0
             if mod_grad is not None:
                 # forward: s = score_mod(q k^T * scale)  ->  chain rule through the mod
                 ds *= mod_grad

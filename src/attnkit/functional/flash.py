@@ -1118,7 +1118,7 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, c
     grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)
     for buf in dq_more:
         buf.fill(0)
-    free = [grad_q, *dq_more]
+    free = [*dq_more, grad_q]  # popped from the end: the first thread sums into grad_q itself
     dq_buffers: dict[int, np.ndarray] = {}
     lock = threading.Lock()
 

@@ -77,12 +77,26 @@ def flash_case(draw):
     scale = draw(st.sampled_from([None, 0.3, 1.7]))
     block_q = draw(st.integers(1, 12))
     block_k = draw(st.integers(1, 12))
+    piece = draw(st.sampled_from([1, 2, 3, 128]))  # rows per piece where a band's edge crosses a tile
     seed = draw(st.integers(0, 2**16))
-    return batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, seed
+    return batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, piece, seed
+
+
+@pytest.fixture(autouse=True)
+def _restore_piece_rows():
+    """_build sets the rows per piece each case draws; every test ends with the default."""
+    from attnkit.functional import flash
+
+    default = flash.PIECE_ROWS
+    yield
+    flash.PIECE_ROWS = default
 
 
 def _build(case, dtype=np.float32):
-    batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, seed = case
+    batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, piece, seed = case
+    from attnkit.functional import flash
+
+    flash.PIECE_ROWS = piece  # plans made from here on cut band tiles into pieces of this many rows
     rng = np.random.default_rng(seed)
     Hq = kv_heads * group
     q = rng.standard_normal((*batch, Hq, L, E)).astype(dtype)
@@ -315,6 +329,65 @@ def test_flash_attention_grid_every_row_within_the_plain_error(torch, L, S, E, c
     mask = masks.causal_mask(L, S, align="bottom_right") if causal else None
     kw = dict(is_causal=causal, causal_align="bottom_right", block_q=tiles[0], block_k=tiles[1])
     _check_every_row(q, k, v, d_out, mask, kw)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64])
+@pytest.mark.parametrize("band", [dict(is_causal=True), dict(is_causal=True, causal_align="bottom_right"),
+                                  dict(window=(40, 0)), dict(window=(9, 30), causal_align="bottom_right")], ids=str)
+def test_band_tiles_cut_into_pieces_keep_every_row_within_the_plain_error(torch, band, piece):
+    """Tiles a band's edge crosses are computed as runs of `piece` rows, forward
+    and backward alike (the backward rebuilds the forward's products bitwise)."""
+    from attnkit.functional import flash
+
+    flash.PIECE_ROWS = piece
+    L, S, E = 300, 260, 40
+    rng = np.random.default_rng(piece)
+    q = rng.standard_normal((1, 2, L, E)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, S, E)).astype(np.float32) for _ in range(2))
+    d_out = rng.standard_normal((1, 2, L, E)).astype(np.float32)
+    align = band.get("causal_align", "top_left")
+    if "window" in band:
+        left, right = band["window"]
+        mask = masks.sliding_window_mask(L, S, left=left, right=right, align=align)
+    else:
+        mask = masks.causal_mask(L, S, align=align)
+    _check_every_row(q, k, v, d_out, mask, dict(band, block_q=128, block_k=96))
+
+
+@pytest.mark.parametrize("band", [(None, 0), (None, 40), (-40, 0), (-9, 30), (-3, -1)], ids=str)
+@pytest.mark.parametrize("piece", [1, 5, 128])
+def test_pieces_cover_exactly_the_pairs_the_band_allows(band, piece):
+    """Over the whole grid, the pieces hold every allowed (query, key) pair once
+    and each piece's columns are the union of what its rows may see."""
+    from attnkit.functional import flash
+
+    L, S, bq, bk = 70, 90, 16, 24
+    q = np.zeros((1, L, 4), np.float32)
+    k = np.zeros((1, S, 4), np.float32)
+    plan = flash._make_plan(q, k, k, flash.FlashOptions(block_q=bq, block_k=bk))[-1]
+    plan = dataclasses.replace(plan, lo=band[0], hi=band[1], piece_q=piece, _band_cache={})
+    rel = np.arange(S)[None, :] - np.arange(L)[:, None]
+    allowed = np.ones((L, S), bool)
+    if band[0] is not None:
+        allowed &= rel >= band[0]
+    allowed &= rel <= band[1]
+    covered = np.zeros((L, S), int)
+    whole = 0  # pairs computed if each tile were one piece
+    for q0 in range(0, L, bq):
+        for k0 in range(0, S, bk):
+            c0, c1 = plan.tile_cols(q0, min(q0 + bq, L), k0, min(k0 + bk, S))
+            whole += (min(q0 + bq, L) - q0) * max(0, c1 - c0)
+            for r0, r1, c0, c1 in plan.pieces(q0, min(q0 + bq, L), k0, min(k0 + bk, S)):
+                assert q0 <= r0 < r1 <= min(q0 + bq, L) and k0 <= c0 < c1 <= min(k0 + bk, S)
+                seen = np.flatnonzero(allowed[r0:r1, k0:min(k0 + bk, S)].any(axis=0)) + k0
+                assert (c0, c1) == (seen.min(), seen.max() + 1), "a piece's columns are what its rows may see"
+                covered[r0:r1, c0:c1] += 1
+    assert covered.max() == 1, "no pair is computed twice"
+    assert (covered[allowed] == 1).all(), "every allowed pair is computed"
+    if piece < bq:
+        assert covered.sum() < whole, "pieces compute fewer pairs than whole tiles"
+    else:
+        assert covered.sum() == whole
 
 
 # ---------------------------------------------------------------- merging
@@ -675,7 +748,8 @@ def test_flash_broadcasts_like_sdpa_forward_and_backward():
 
 def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     """Tiles keep a (block_q, block_k) score tile within the L2 the OS reports, and
-    along a causal band the query blocks are cut to L / 8 (at least 64)."""
+    along a causal band the query blocks are cut to L / 8 (at least 64); a window's
+    are not."""
     from attnkit.functional import flash
 
     assert flash.l2_cache_bytes() >= 1 << 14
@@ -689,6 +763,9 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     q = np.ones((1, 2, 300, 8), np.float32)
     res = attnkit.flash_attention(q, q, q, is_causal=True, return_lse=True)
     assert (res.plan.block_q, res.plan.block_k) == (64, 300)
+    # a window keeps whole query blocks: its edges are followed by pieces of PIECE_ROWS rows
+    res = attnkit.flash_attention(q, q, q, window=(8, 0), return_lse=True)
+    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (192, 300, flash.PIECE_ROWS)
 
 
 def test_small_calls_stay_on_the_calling_thread():

@@ -84,6 +84,7 @@ from attnkit.functional.mods import BandedMaskMod, DifferentiableScoreMod, and_m
 from attnkit.runtime import cpu_count, one_blas_thread
 
 MAX_BLOCK = 512  # the largest tile side: beyond it a tile stops fitting the L2 caches of today's CPUs
+PIECE_ROWS = 128  # rows per piece where a band's edge crosses a tile: smaller products run slower than they save
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,11 +225,13 @@ def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int
     """Tile sizes (block_q, block_k) for L queries over S keys: a key block of up
     to MAX_BLOCK, and as many query rows as keep the (block_q, block_k) scores
     within the L2 cache (each pass over the tile then streams from L2; measured
-    on a 1 MiB L2, 512 x 512 beat 256 x 512 by 5%). Along a band (causal,
-    window) the query blocks are cut finer, to at most L / 8: the diagonal tiles
-    cost their full width, (n + 1) / 2n of the full matrix for n query blocks,
-    and 8 blocks bring a causal call to 56%. The forward puts several heads
-    side by side in each call when the tiles are small (`_heads_per_task`)."""
+    on a 1 MiB L2, 512 x 512 beat 256 x 512 by 5%). Along a causal band
+    (`banded`: no left edge) the query blocks are cut finer, to at most L / 8:
+    a diagonal tile costs its full width, (n + 1) / 2n of the full matrix for n
+    query blocks, and 8 blocks bring a causal call to 56%. Tiles a band's edge
+    crosses are further cut into pieces of PIECE_ROWS rows (`FlashPlan.pieces`),
+    which is all a window needs. The forward puts several heads side by side in
+    each call when the tiles are small (`_heads_per_task`)."""
     block_k = max(1, min(S, MAX_BLOCK))
     rows = l2_cache_bytes() // (block_k * itemsize)
     block_q = max(32, min(MAX_BLOCK, rows // 32 * 32))
@@ -301,6 +304,7 @@ class FlashPlan:
     block_q: int
     block_k: int
     num_threads: int
+    piece_q: int = 0  # rows per piece where a band's edge crosses a tile (see pieces); 0: block_q
     _band_cache: dict = field(default_factory=dict, repr=False)
 
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
@@ -324,6 +328,35 @@ class FlashPlan:
         c0 = k0 if self.lo is None else max(k0, q0 + self.lo)
         c1 = k1 if self.hi is None else min(k1, q1 + self.hi)
         return c0, max(c0, c1)
+
+    def pieces(self, q0: int, q1: int, k0: int, k1: int) -> tuple[tuple[int, int, int, int], ...]:
+        """How grid tile (q0:q1, k0:k1) is computed: as (q0, q1, c0, c1) pieces,
+        each a run of rows with the columns the band lets them see. A tile the
+        band's edge does not cross is one piece (tile_cols); one it crosses (a
+        causal diagonal, a window's edges) is cut into runs of piece_q rows, each
+        cut to its own columns, and neighbouring runs that see the same columns
+        are joined again. A diagonal tile then costs about (1 + piece_q /
+        block_q) / 2 of its square, while the tiles below the diagonal stay whole
+        (their products run faster than small ones). A function of the tile
+        alone, so forward and backward cut alike; empty when no row sees a key."""
+        key = ("pieces", q0, q1, k0, k1)
+        found = self._band_cache.get(key)
+        if found is None:
+            runs: list[tuple[int, int, int, int]] = []
+            step = self.piece_q or (q1 - q0)
+            if self.lo is None and self.hi is None:
+                step = q1 - q0
+            for r0 in range(q0, q1, step):
+                r1 = min(r0 + step, q1)
+                c0, c1 = self.tile_cols(r0, r1, k0, k1)
+                if c1 <= c0:
+                    continue
+                if runs and runs[-1][1] == r0 and runs[-1][2:] == (c0, c1):
+                    runs[-1] = (runs[-1][0], r1, c0, c1)
+                else:
+                    runs.append((r0, r1, c0, c1))
+            found = self._band_cache[key] = tuple(runs)
+        return found
 
     def grid_q_range(self, k0: int, k1: int) -> tuple[int, int]:
         """q_range widened to whole tiles of the block_q grid."""
@@ -513,12 +546,14 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
             mask_mod = None
         elif mask_mod.rest is not None:
             mask_mod = mask_mod.rest
-    auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, lo is not None or hi is not None)
+    # a causal band (no left edge) also cuts query blocks finer; a window's two
+    # edges are followed by the pieces alone (plan.pieces)
+    auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, hi is not None and lo is None)
     plan = FlashPlan(
         shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
         mask_mod=mask_mod, score_mod=score_mod,
         block_q=min(block_q or auto_q, max(L, 1)), block_k=min(block_k or auto_k, max(S, 1)),
-        num_threads=num_threads,
+        num_threads=num_threads, piece_q=PIECE_ROWS,
     )
     return q, k, v, plan
 
@@ -620,10 +655,10 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         c = np.max(np.matmul(qa[..., :E], ka[:, sample, :E].swapaxes(-1, -2)), axis=2)
         qa[..., E] = -c
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below (per thread)
-            for tile, s in _score_tiles(plan, inputs, rows, qa, ka):
+            for tile, s, at in _score_tiles(plan, inputs, rows, qa, ka):
                 np.exp(s, out=s)
-                np.matmul(s, va[:, tile.k0:tile.k1], out=part)  # [P V, P 1]: the row sums come out of BLAS
-                acc += part
+                np.matmul(s, va[:, tile.k0:tile.k1], out=part[:, at])  # [P V, P 1]: the row sums come out of BLAS
+                acc[:, at] += part[:, at]
         total = acc[..., Ev]
         if np.isfinite(acc).all() and (total > 0).all():
             np.divide(acc[..., :Ev], total[..., None], out=rows.out)
@@ -636,22 +671,23 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
     m = np.full((nh, r), -np.inf, dtype=cd)  # running max per row
     new_m = _tile("new_m", nh, r, cd)
     alpha = _tile("alpha", nh, r, cd)
-    for tile, s in _score_tiles(plan, inputs, rows, qa, ka):
-        np.max(s, axis=2, out=new_m)
-        np.maximum(m, new_m, out=new_m)
-        shift = new_m
-        if np.isneginf(new_m).any():
-            shift = np.where(np.isneginf(new_m), cd.type(0), new_m)  # an all -inf row stays at 0
-        np.subtract(m, shift, out=alpha)
-        np.exp(alpha, out=alpha)  # rescales what was accumulated against the old max
+    for tile, s, at in _score_tiles(plan, inputs, rows, qa, ka):
+        m_at, new_at, alpha_at, part_at = m[:, at], new_m[:, at], alpha[:, at], part[:, at]
+        np.max(s, axis=2, out=new_at)
+        np.maximum(m_at, new_at, out=new_at)
+        shift = new_at
+        if np.isneginf(new_at).any():
+            shift = np.where(np.isneginf(new_at), cd.type(0), new_at)  # an all -inf row stays at 0
+        np.subtract(m_at, shift, out=alpha_at)
+        np.exp(alpha_at, out=alpha_at)  # rescales what was accumulated against the old max
         # Shifting by the true max keeps s - max exact near the max, so that the
         # backward's exp(s - lse) reproduces these weights to rounding.
         s -= shift[..., None]
         np.exp(s, out=s)
-        np.matmul(s, va[:, tile.k0:tile.k1], out=part)
-        acc *= alpha[..., None]
-        acc += part
-        m[...] = new_m
+        np.matmul(s, va[:, tile.k0:tile.k1], out=part_at)
+        acc[:, at] *= alpha_at[..., None]
+        acc[:, at] += part_at
+        m_at[...] = new_at
     total = acc[..., Ev]
     empty = total == 0  # no key allowed: output 0, lse -inf
     np.divide(acc[..., :Ev], np.where(empty, cd.type(1), total)[..., None], out=rows.out)
@@ -675,26 +711,26 @@ def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) ->
 
 
 def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka):
-    """(tile, s) for each key tile of a forward task that has an allowed pair:
-    s (heads, rows, cols) its scores less the shift in qa, masked (-inf where
-    not allowed), in a scratch buffer reused by the next tile."""
-    b, h0, h1, q0, q1 = rows.b, rows.h0, rows.h1, rows.q0, rows.q1
+    """(tile, s, part) for each piece (plan.pieces) of each key tile of a
+    forward task that has an allowed pair: s (heads, rows, cols) its scores
+    less the shift in qa, masked (-inf where not allowed), in a scratch buffer
+    reused by the next piece; part the piece's rows as offsets in the task."""
+    b, h0, h1, q0 = rows.b, rows.h0, rows.h1, rows.q0
     cd = ka.dtype
-    nh, r = h1 - h0, q1 - q0
+    nh = h1 - h0
     for k_tile in range(rows.k_start, rows.k_end, plan.block_k):
-        k0, k1 = plan.tile_cols(q0, q1, k_tile, min(k_tile + plan.block_k, rows.k_end))
-        if k1 <= k0:
-            continue
-        tile = _Tile(b, h0, h1, q0, q1, k0, k1)
-        skip, blocked, adds = plan.tile_masks(tile, cd)
-        if skip:
-            continue
-        n = k1 - k0
-        s = _buffer("s", nh * r * n, cd)[: nh * r * n].reshape(nh, r, n)
-        _tile_scores(plan, qa, ka, s, tile, adds)
-        if blocked is not None:
-            np.copyto(s, cd.type(-np.inf), where=blocked)
-        yield tile, s
+        for r0, r1, k0, k1 in plan.pieces(q0, rows.q1, k_tile, min(k_tile + plan.block_k, rows.k_end)):
+            tile = _Tile(b, h0, h1, r0, r1, k0, k1)
+            skip, blocked, adds = plan.tile_masks(tile, cd)
+            if skip:
+                continue
+            r, n = r1 - r0, k1 - k0
+            part = slice(r0 - q0, r1 - q0)
+            s = _buffer("s", nh * r * n, cd)[: nh * r * n].reshape(nh, r, n)
+            _tile_scores(plan, qa[:, part], ka, s, tile, adds)
+            if blocked is not None:
+                np.copyto(s, cd.type(-np.inf), where=blocked)
+            yield tile, s, part
 
 
 def flash_attention(
@@ -903,14 +939,11 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
     dk = np.zeros((k1 - k0, E), dtype=cd)
     dv = np.zeros((k1 - k0, Ev), dtype=cd)
     q_start, q_end = plan.grid_q_range(k0, k1)
+    pieces = [piece for qb in range(q_start, q_end, bq)  # the forward's tiles: same grid, same cut
+              for piece in plan.pieces(qb, min(qb + bq, q_end), k0, k1)]
     for h in range(h_kv * g, (h_kv + 1) * g):
-        for q0 in range(q_start, q_end, bq):
-            q1 = min(q0 + bq, q_end)
-            r = q1 - q0
-            c0, c1 = plan.tile_cols(q0, q1, k0, k1)  # the forward's tile: same grid, same cut
-            n = c1 - c0
-            if n <= 0:
-                continue
+        for q0, q1, c0, c1 in pieces:
+            r, n = q1 - q0, c1 - c0
             tile = _Tile(b, h, h + 1, q0, q1, c0, c1)
             skip, blocked, adds = plan.tile_masks(tile, cd)
             if skip:

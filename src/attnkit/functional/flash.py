@@ -228,14 +228,21 @@ def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int
     on a 1 MiB L2, 512 x 512 beat 256 x 512 by 5%). Along a causal band
     (`banded`: no left edge) the query blocks are cut finer, to at most L / 8:
     a diagonal tile costs its full width, (n + 1) / 2n of the full matrix for n
-    query blocks, and 8 blocks bring a causal call to 56%. Tiles a band's edge
+    query blocks, and 8 blocks bring a causal call to 56%. When the diagonal
+    crosses most keys (2L >= S) the key tiles are 256 wide and the query blocks
+    L / 4 (at least 2 PIECE_ROWS): the pieces then follow the diagonal in
+    128 x 256 steps (5-8% faster causal forwards at L = 1024 ... 8192 than 128
+    x 512 tiles, the backward unchanged). Tiles a band's edge
     crosses are further cut into pieces of PIECE_ROWS rows (`FlashPlan.pieces`),
     which is all a window needs. The forward puts several heads side by side in
     each call when the tiles are small (`_heads_per_task`)."""
-    block_k = max(1, min(S, MAX_BLOCK))
+    square = banded and 2 * L >= S  # a causal diagonal across most of the keys
+    block_k = max(1, min(S, MAX_BLOCK // 2 if square else MAX_BLOCK))
     rows = l2_cache_bytes() // (block_k * itemsize)
     block_q = max(32, min(MAX_BLOCK, rows // 32 * 32))
-    if banded:
+    if square:
+        block_q = min(block_q, max(2 * PIECE_ROWS, -(-L // 4)))
+    elif banded:
         block_q = min(block_q, max(64, -(-L // 8)))
     return max(1, min(block_q, L)), block_k
 

@@ -755,23 +755,31 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
 
     assert flash.l2_cache_bytes() >= 1 << 14
     monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 1 << 20)
-    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
-    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (256, 512)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (1024, 256)  # tall when L has the rows
+    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (512, 256)
+    assert flash.choose_blocks(512, 512, 4, banded=False) == (512, 512)
     assert flash.choose_blocks(1024, 1024, 4, banded=True) == (256, 256)  # square causal: L / 4, narrower keys
     assert flash.choose_blocks(4096, 4096, 4, banded=True) == (512, 256)
     assert flash.choose_blocks(64, 1024, 4, banded=True) == (64, 512)  # a chunk of rows over a long cache
     assert flash.choose_blocks(1024, 4096, 4, banded=True) == (128, 512)
     assert flash.choose_blocks(100, 30, 4, banded=False) == (100, 30)
     monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 256 << 10)
-    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (128, 512)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (256, 256)
     q = np.ones((1, 2, 300, 8), np.float32)
-    res = attnkit.flash_attention(q, q, q, is_causal=True, return_lse=True)
+    res = attnkit.flash_attention(q, q, q, is_causal=True, return_lse=True, num_threads=1)
     assert (res.plan.block_q, res.plan.block_k) == (256, 256)
-    res = attnkit.flash_attention(q[..., :50, :], q, q, is_causal=True, return_lse=True)
+    res = attnkit.flash_attention(q[..., :50, :], q, q, is_causal=True, return_lse=True, num_threads=1)
     assert (res.plan.block_q, res.plan.block_k) == (50, 300)
     # a window keeps whole query blocks: its edges are followed by pieces of PIECE_ROWS rows
-    res = attnkit.flash_attention(q, q, q, window=(8, 0), return_lse=True)
-    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (192, 300, flash.PIECE_ROWS)
+    res = attnkit.flash_attention(q, q, q, window=(8, 0), return_lse=True, num_threads=1)
+    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (256, 256, flash.PIECE_ROWS)
+    # query blocks shrink (to PIECE_ROWS at least) until every thread has two forward tasks
+    q = np.ones((1, 1, 4096, 8), np.float32)
+    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=1).plan.block_q == 256
+    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=8).plan.block_q == 256
+    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=16).plan.block_q == 128
+    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=32).plan.block_q == 128
+    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=64).plan.block_q == 128
 
 
 def test_small_calls_stay_on_the_calling_thread():

@@ -222,24 +222,32 @@ def l2_cache_bytes() -> int:
 
 
 def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int]:
-    """Tile sizes (block_q, block_k) for L queries over S keys: a key block of up
-    to MAX_BLOCK, and as many query rows as keep the (block_q, block_k) scores
-    within the L2 cache (each pass over the tile then streams from L2; measured
-    on a 1 MiB L2, 512 x 512 beat 256 x 512 by 5%). Along a causal band
-    (`banded`: no left edge) the query blocks are cut finer, to at most L / 8:
-    a diagonal tile costs its full width, (n + 1) / 2n of the full matrix for n
-    query blocks, and 8 blocks bring a causal call to 56%. When the diagonal
-    crosses most keys (2L >= S) the key tiles are 256 wide and the query blocks
-    L / 4 (at least 2 PIECE_ROWS): the pieces then follow the diagonal in
+    """Tile sizes (block_q, block_k) for L queries over S keys: as many scores
+    as the L2 cache holds (each pass over the tile then streams from L2), in a
+    tall tile when the problem has the rows for it: keys in blocks of
+    MAX_BLOCK // 2 and up to 2 MAX_BLOCK query rows (on a 1 MiB L2, 1024 x 256
+    tiles made full forwards 4-8% faster than 512 x 512 at L = 1024 ... 2048 and
+    forward + backward up to 7% faster at 4096; 512 x 512 had beaten 256 x 512
+    by 5%); otherwise keys in blocks of up to MAX_BLOCK and up to MAX_BLOCK rows.
+
+    Along a causal band (`banded`: no left edge) the query blocks are cut
+    finer: a diagonal tile costs its full width, (n + 1) / 2n of the full
+    matrix for n query blocks. When the diagonal crosses most keys (2L >= S)
+    the key tiles are 256 wide and the query blocks L / 4 (at least 2
+    PIECE_ROWS, at most MAX_BLOCK), so that the pieces follow the diagonal in
     128 x 256 steps (5-8% faster causal forwards at L = 1024 ... 8192 than 128
-    x 512 tiles, the backward unchanged). Tiles a band's edge
-    crosses are further cut into pieces of PIECE_ROWS rows (`FlashPlan.pieces`),
-    which is all a window needs. The forward puts several heads side by side in
-    each call when the tiles are small (`_heads_per_task`)."""
+    x 512 tiles, the backward unchanged); otherwise (a chunk of rows over a
+    long cache) they are cut to L / 8 (at least 64). Tiles a band's edge
+    crosses are further cut into pieces of PIECE_ROWS rows
+    (`FlashPlan.pieces`), which is all a window needs. The forward puts several
+    heads side by side in each call when the tiles are small
+    (`_heads_per_task`)."""
+    budget = max(1, l2_cache_bytes() // itemsize)  # scores per tile
     square = banded and 2 * L >= S  # a causal diagonal across most of the keys
-    block_k = max(1, min(S, MAX_BLOCK // 2 if square else MAX_BLOCK))
-    rows = l2_cache_bytes() // (block_k * itemsize)
-    block_q = max(32, min(MAX_BLOCK, rows // 32 * 32))
+    tall = square or (not banded and L * (MAX_BLOCK // 2) >= budget)
+    block_k = max(1, min(S, MAX_BLOCK // 2 if tall else MAX_BLOCK))
+    cap = 2 * MAX_BLOCK if tall and not square else MAX_BLOCK
+    block_q = max(32, min(cap, budget // block_k // 32 * 32))
     if square:
         block_q = min(block_q, max(2 * PIECE_ROWS, -(-L // 4)))
     elif banded:
@@ -556,6 +564,9 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
     # a causal band (no left edge) also cuts query blocks finer; a window's two
     # edges are followed by the pieces alone (plan.pieces)
     auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, hi is not None and lo is None)
+    heads = math.prod(shapes.batch) * shapes.q_heads
+    while auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * num_threads:
+        auto_q = max(PIECE_ROWS, auto_q // 2)  # two forward tasks per thread, where blocks can shrink
     plan = FlashPlan(
         shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
         mask_mod=mask_mod, score_mod=score_mod,

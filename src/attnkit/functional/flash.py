@@ -678,7 +678,11 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
                 np.matmul(s, va[:, tile.k0:tile.k1], out=part[:, at])  # [P V, P 1]: the row sums come out of BLAS
                 acc[:, at] += part[:, at]
         total = acc[..., Ev]
-        if np.isfinite(acc).all() and (total > 0).all():
+        # c is a score the row sees, so its sum is >= 1 up to rounding. Far below
+        # (scores near 1e19 in float64, 1e8 in float32) the sample's product
+        # rounded c above the tiles' fused s - c, every weight is small and p v
+        # can underflow: the running max (top weight exactly 1) takes the task.
+        if np.isfinite(acc).all() and (total >= 0.5).all():
             np.divide(acc[..., :Ev], total[..., None], out=rows.out)
             rows.rel[...] = np.log(total.astype(np.float64))
             rows.lse[...] = c.astype(np.float64) + rows.rel

@@ -167,7 +167,7 @@ def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchRep
                             continue
                         chosen[impl] = contenders[(impl, passes)]
                     progress.step(f"timing {', '.join(chosen)} {tag}")
-                    timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 5,
+                    timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 8,
                                                    min_rounds=1 if quick else 3, settle_s=0.05 if quick else 0.15)
                     results = {}
                     for impl, fn in chosen.items():

@@ -933,8 +933,8 @@ class _BackwardInputs(NamedTuple):
     va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
     do_a: np.ndarray  # (B, Hq, L, Ev+1) [dO, -D]
     do_f: np.ndarray  # (B, Hq, L, Ev) dO * f
-    lse_hi: np.ndarray  # (B, Hq, L) lse - shift = lse_hi + lse_lo, lse_hi in the compute dtype (0: folded)
-    row_f: np.ndarray  # (B, Hq, L) f = exp(-lse_lo) (-inf rows: 1)
+    lse_hi: np.ndarray  # (B, Hq, L) lse - shift = lse_hi + lse_lo, lse_hi in the compute dtype
+    row_f: np.ndarray  # (B, Hq, L) f = exp(-lse_lo), within a few ulps of 1 (-inf rows: 1)
 
 
 class _Cols(NamedTuple):
@@ -982,10 +982,8 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
                 pre = np.matmul(inputs.qs[b, h, rows], k[cols_k].T)  # the scores the mod saw
                 mod_grad = plan.score_mod.grad(pre, b, h, *tile.indices())
             # forward: P = exp(s - lse); p holds s - shift, and lse - shift = hi + lo:
-            # P = exp(p - hi) * f, f = exp(-lo) per row (hi = 0 on folded rows)
-            hi = lse_hi[b, h, rows]
-            if hi.any():
-                p -= hi[:, None]
+            # P = exp(p - hi) * f, f = exp(-lo) per row
+            p -= lse_hi[b, h, rows, None]
             np.exp(p, out=p)
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
             dv_part = _tile("dv_part", n, Ev, cd)
@@ -1122,9 +1120,6 @@ def flash_attention_backward(
     return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
 
 
-_FOLDED = 20.0  # |lse - shift| up to this goes into the backward's per-row factor (see _flash_backward)
-
-
 def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, cd: np.dtype):
     """The tiled backward in dtype `cd`: (dQ (B, Hq, L, E), dK (B, Hkv, S, E),
     dV (B, Hkv, S, Ev)) in cd, B the flattened batch dims."""
@@ -1158,17 +1153,14 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, c
     # The tiles hold s - shift (the forward's products, bitwise); lse - shift is
     # split into two compute-dtype parts so that the subtraction is
     # float64-accurate (a float32 lse of 40 is off by up to 2e-6):
-    # P = exp(s - shift - hi) * f with f = exp(-lo) per row. Where |lse - shift|
-    # <= _FOLDED the whole of it goes into f (hi = 0, f = exp(-(lse - shift)),
-    # rounded once from float64): exp(s - shift) <= exp(lse - shift) then stays
-    # within e^_FOLDED, f is a normal number, and the tile skips a pass.
+    # P = exp(s - shift - hi) * f with f = exp(-lo) per row.
     given = np.asarray(shift, dtype=np.float64).reshape(B, Hq, L)
     shift = given.astype(cd).astype(np.float64)  # as qa holds it (a float64 forward's shift, rounded)
     lse64 = np.array(rel, dtype=np.float64).reshape(B, Hq, L)  # lse - shift, as the forward summed it
     lse64 += given - shift  # 0 unless a float64 forward's shift was rounded to cd
     lse64[np.isneginf(lse64)] = 0  # rows with no key: their tiles are all masked anyway
-    lse_hi = np.where(np.abs(lse64) <= _FOLDED, 0, lse64).astype(cd)
-    row_f = np.exp(-(lse64 - lse_hi)).astype(cd)
+    lse_hi = lse64.astype(cd)
+    row_f = np.exp(-(lse64 - lse_hi).astype(cd))
     qs = qa[..., :E]
     np.multiply(q, cd.type(plan.scale), out=qs)  # (B, Hq, L, E) query * scale
     qa[..., E] = -shift

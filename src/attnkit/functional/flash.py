@@ -319,7 +319,7 @@ class FlashPlan:
     block_q: int
     block_k: int
     num_threads: int
-    piece_q: int = 0  # rows per piece where a band's edge crosses a tile (see pieces); 0: block_q
+    piece_q: int  # rows per piece where a band's edge crosses a tile (see pieces)
     _band_cache: dict = field(default_factory=dict, repr=False)
 
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
@@ -358,9 +358,8 @@ class FlashPlan:
         found = self._band_cache.get(key)
         if found is None:
             runs: list[tuple[int, int, int, int]] = []
-            step = self.piece_q or (q1 - q0)
-            if self.lo is None and self.hi is None:
-                step = q1 - q0
+            banded = self.lo is not None or self.hi is not None
+            step = self.piece_q if banded else q1 - q0
             for r0 in range(q0, q1, step):
                 r1 = min(r0 + step, q1)
                 c0, c1 = self.tile_cols(r0, r1, k0, k1)

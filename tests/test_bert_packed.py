@@ -158,13 +158,13 @@ def test_encode_times_each_schedule_and_agrees(tiny):
     one = SentenceEncoder.from_pretrained(folder, num_threads=1)
     two = SentenceEncoder(one.model, one.tokenizer, head=one.head, num_threads=2)
     expected = one.encode(texts, batch_size=8)
-    assert one._seconds_per_token == {}  # one thread: nothing to choose
+    assert one._choice.seconds == {}  # one thread: nothing to choose
     got = two.encode(texts, batch_size=8)  # 6 batches of >= 128 tokens: every schedule is timed
-    assert set(two._seconds_per_token) == set(SentenceEncoder.SCHEDULES)
+    assert set(two._choice.seconds) == set(SentenceEncoder.SCHEDULES)
     np.testing.assert_allclose(got, expected, rtol=0, atol=64 * F32_EPS)
     assert two._schedule(2 * SentenceEncoder.MIN_TOKENS_PER_THREAD - 1) == "one thread"
     # the fastest runs; every RETIME_EVERY-th batch re-times another
-    two._seconds_per_token = {"one thread": 3.0, "BLAS threads": 1.0, "worker threads": 2.0}
+    two._choice.seconds = {"one thread": 3.0, "BLAS threads": 1.0, "worker threads": 2.0}
     chosen = [two._schedule(1000) for _ in range(2 * SentenceEncoder.RETIME_EVERY)]
     assert chosen.count("BLAS threads") == len(chosen) - 2
     assert {c for c in chosen if c != "BLAS threads"} == {"one thread", "worker threads"}

@@ -13,6 +13,7 @@ import pytest
 from conftest import F32_EPS, assert_within_budget, max_abs_err, optional
 
 from attnkit.models.auto import AutoCausalLM
+from attnkit.models.generation import CausalLM
 from attnkit.models.gpt2 import GPT2LMHeadModel
 from attnkit.models.llama import LlamaForCausalLM
 from attnkit.nn import KVCache
@@ -255,36 +256,59 @@ def test_kv_cache_attend_matches_full_causal_attention():
     np.testing.assert_allclose(np.concatenate(parts, axis=2), full, atol=1e-12)
 
 
-def test_decode_steps_and_short_prompts_run_on_one_blas_thread(monkeypatch):
-    """Matrix products too small to split run on one BLAS thread (issue 15: a second
-    thread made a 50-token prefill 7-20x slower on a busy 2-core machine); long prompts,
-    and every pass when `single_thread_decode` is off, keep the caller's threads."""
+def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatch):
+    """Decode steps time one BLAS thread against all the caller allows and run the faster,
+    re-timing the other every DECODE_RETIME_EVERY steps (issue 15: a second thread reads
+    the weights faster on an idle CPU and made decoding 2-5x slower on a busy one); short
+    prompts run on one thread (a second made a 50-token prefill 7-20x slower on a busy
+    2-core machine); long prompts keep the caller's threads; `single_thread_decode`
+    True / False fixes the choice."""
     import contextlib
 
     import attnkit.models.generation as generation
     from attnkit.models.llama import LlamaConfig
 
-    pinned = []
+    used: list[int] = []  # the BLAS thread count each forward ran with; 0: left as it was
 
     @contextlib.contextmanager
-    def spy():
-        pinned.append(True)
+    def threads(n):
+        used.append(n)
         yield
 
-    monkeypatch.setattr(generation, "one_blas_thread", spy)
+    monkeypatch.setattr(generation, "one_blas_thread", lambda: threads(1))
+    monkeypatch.setattr(generation, "blas_threads", threads)
+    monkeypatch.setattr(generation, "blas_thread_count", lambda: 4)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
                                          num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=256),
                              seed=0)
     ids = np.arange(3, 3 + 70) % VOCAB
 
-    def pins(input_ids, **options) -> bool:
-        pinned.clear()
+    def ran_with(input_ids, **options) -> int:
+        used.clear()
         model(input_ids, **options)
-        return bool(pinned)
+        assert len(used) <= 1
+        return used[0] if used else 0
 
-    assert pins(ids[:1]) and pins(ids[:50]) and pins(np.stack([ids[:32], ids[1:33]]))  # 1, 50, 2 x 32 rows
-    assert not pins(ids[:65]) and not pins(np.stack([ids[:33], ids[1:34]]))  # 65, 66 rows
+    assert ran_with(ids[:50]) == 1 and ran_with(np.stack([ids[:32], ids[1:33]])) == 1  # 50, 2 x 32 rows
+    assert ran_with(ids[:65]) == 0 and ran_with(np.stack([ids[:33], ids[1:34]])) == 0  # 65, 66 rows
     model.single_thread_rows = 100
-    assert pins(ids[:65])
+    assert ran_with(ids[:65]) == 1
+
+    # decode steps: each schedule timed once, then the faster, the other every DECODE_RETIME_EVERY-th step
+    assert [ran_with(ids[:1]), ran_with(ids[:1])] == [1, 4]
+    choice = model._decode_choices[(1, 4)]
+    assert set(choice.seconds) == set(CausalLM.DECODE_SCHEDULES)
+    choice.seconds = {"one thread": 2.0, "BLAS threads": 1.0}
+    runs = [ran_with(ids[:1]) for _ in range(2 * CausalLM.DECODE_RETIME_EVERY)]
+    assert runs.count(1) == 2 and runs.count(4) == len(runs) - 2
+    two_rows = np.stack([ids[:1], ids[1:2]])
+    assert [ran_with(two_rows), ran_with(two_rows)] == [1, 4]  # another batch size is timed on its own
+    assert set(model._decode_choices) == {(1, 4), (2, 4)}
+
+    monkeypatch.setattr(generation, "blas_thread_count", lambda: 1)
+    assert ran_with(ids[:1]) == 1  # one thread allowed: nothing to time
+    monkeypatch.setattr(generation, "blas_thread_count", lambda: 4)
+    model.single_thread_decode = True
+    assert ran_with(ids[:1]) == 1
     model.single_thread_decode = False
-    assert not pins(ids[:1])
+    assert ran_with(ids[:1]) == 0 and ran_with(ids[:50]) == 0

@@ -7,7 +7,10 @@
   thread, restored on exit (threadpoolctl); `blas_threads(n)` on n threads. Used
   wherever attnkit spreads work over its own threads, so that the two thread
   pools do not fight over the cores, and for decode steps, whose matrix-vector
-  products a second BLAS thread slows down on a busy machine.
+  products a second BLAS thread slows down on a busy machine;
+  `blas_thread_count()` is the current limit.
+- `FastestSchedule`: picks the fastest of a few ways to run the same work by
+  timing them as it goes (the encoder's and the decoder's thread choices).
 - `require(module, extra, purpose)`: import an optional package, or raise
   `MissingExtraError` naming the pip extra that installs it
   (`pip install 'attnkit[png]'`). The command line prints that message as its
@@ -22,10 +25,20 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["EXTRAS", "MissingExtraError", "blas_threads", "cpu_count", "one_blas_thread", "require"]
+__all__ = [
+    "EXTRAS",
+    "FastestSchedule",
+    "MissingExtraError",
+    "blas_thread_count",
+    "blas_threads",
+    "cpu_count",
+    "one_blas_thread",
+    "require",
+]
 
 
 def cpu_count() -> int:
@@ -58,6 +71,54 @@ def blas_threads(n: int) -> Any:
     """A context manager in which BLAS runs on `n` threads; leaving it restores the
     limits. `blas_threads(1)` is `one_blas_thread()`."""
     return _blas_controller().limit(limits=int(n))
+
+
+def blas_thread_count() -> int:
+    """The threads BLAS may use now (the current limit; 1 when no BLAS library is found)."""
+    return max((lib.num_threads for lib in _blas_controller().lib_controllers), default=1)
+
+
+class FastestSchedule:
+    """The fastest of a few ways (`schedules`) to run the same kind of work, by measurement.
+
+    `choose()` names the schedule to run next: each one not yet timed, then the fastest,
+    except that every `retime_every`-th call re-times one of the others in turn (the
+    machine's load changes, and with it which is fastest). `timed(schedule, seconds)` folds
+    one run's time (per unit of work) into that schedule's running average.
+
+        schedule = choice.choose()
+        start = time.perf_counter()
+        ...  # run the work on `schedule`
+        choice.timed(schedule, time.perf_counter() - start)
+    """
+
+    def __init__(self, schedules: Sequence[str], retime_every: int) -> None:
+        if len(schedules) < 2 or len(set(schedules)) != len(schedules):
+            raise ValueError(f"expected two or more distinct schedules, got {schedules!r}")
+        if retime_every < 2:
+            raise ValueError(f"expected retime_every >= 2, got {retime_every!r}")
+        self.schedules = tuple(schedules)
+        self.retime_every = int(retime_every)
+        self.seconds: dict[str, float] = {}  # each schedule's measured time per unit of work
+        self._calls = 0
+
+    def choose(self) -> str:
+        for schedule in self.schedules:
+            if schedule not in self.seconds:
+                return schedule  # not timed yet
+        self._calls += 1
+        ranked = sorted(self.schedules, key=self.seconds.__getitem__)
+        turn, due = divmod(self._calls, self.retime_every)
+        return ranked[1 + turn % (len(ranked) - 1)] if due == 0 else ranked[0]
+
+    def timed(self, schedule: str, seconds: float) -> None:
+        if schedule not in self.schedules:
+            raise ValueError(f"expected one of {self.schedules}, got {schedule!r}")
+        old = self.seconds.get(schedule)
+        self.seconds[schedule] = seconds if old is None else (old + seconds) / 2
+
+    def __repr__(self) -> str:
+        return f"FastestSchedule({self.schedules!r}, retime_every={self.retime_every}, seconds={self.seconds!r})"
 
 
 # ----------------------------------------------------------------------------- optional packages

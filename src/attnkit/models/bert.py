@@ -60,7 +60,7 @@ from attnkit.models.sentence import (
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
 from attnkit.nn.interface import AttentionModule, record_attention
 from attnkit.nn.layers import gelu
-from attnkit.runtime import blas_threads, cpu_count
+from attnkit.runtime import FastestSchedule, blas_threads, cpu_count
 
 # ----------------------------------------------------------------------------- model
 
@@ -491,8 +491,7 @@ class SentenceEncoder:
         self.num_threads = num_threads or cpu_count()
         self.path = path
         self._pool: ThreadPoolExecutor | None = None
-        self._seconds_per_token: dict[str, float] = {}  # each schedule's measured speed
-        self._batches = 0
+        self._choice = FastestSchedule(self.SCHEDULES, self.RETIME_EVERY)  # seconds per token of each
 
     @classmethod
     def from_pretrained(
@@ -626,29 +625,16 @@ class SentenceEncoder:
             begin = time.perf_counter()
             out[batch] = self._run_batch(schedule, [ids[i] for i in batch], [types[i] for i in batch], lengths)
             if self.num_threads > 1 and tokens >= self.num_threads * self.MIN_TOKENS_PER_THREAD:
-                self._timed(schedule, (time.perf_counter() - begin) / tokens)
+                self._choice.timed(schedule, (time.perf_counter() - begin) / tokens)
             if progress is not None:
                 progress(len(batch))
         return out
 
     def _schedule(self, tokens: int) -> str:
         """Which of SCHEDULES runs a batch of `tokens` tokens (see `encode`)."""
-        threads = self.num_threads
-        if threads == 1 or tokens < threads * self.MIN_TOKENS_PER_THREAD:
+        if self.num_threads == 1 or tokens < self.num_threads * self.MIN_TOKENS_PER_THREAD:
             return "one thread"
-        speeds = self._seconds_per_token
-        for schedule in self.SCHEDULES:
-            if schedule not in speeds:
-                return schedule  # not timed yet
-        self._batches += 1
-        ranked = sorted(self.SCHEDULES, key=speeds.__getitem__)
-        turn, due = divmod(self._batches, self.RETIME_EVERY)
-        return ranked[1 + turn % (len(ranked) - 1)] if due == 0 else ranked[0]
-
-    def _timed(self, schedule: str, seconds_per_token: float) -> None:
-        """Fold one batch's time into the schedule's speed (a running average)."""
-        old = self._seconds_per_token.get(schedule)
-        self._seconds_per_token[schedule] = seconds_per_token if old is None else (old + seconds_per_token) / 2
+        return self._choice.choose()
 
     def _run_batch(self, schedule: str, ids: list[np.ndarray], types: list[np.ndarray], lengths: np.ndarray):
         """Embeddings (n, dim) of one batch on `schedule`. BLAS settings are process-wide:

@@ -25,6 +25,7 @@ picks the subclass for a checkpoint (this base class never imports its subclasse
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -34,7 +35,7 @@ import numpy as np
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import record_attention
 from attnkit.nn.module import Module
-from attnkit.runtime import one_blas_thread
+from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads, one_blas_thread
 
 __all__ = ["AttentionMap", "CausalLM", "apply_repetition_penalty", "sample_next_token", "prepare_prompts"]
 
@@ -190,23 +191,29 @@ class CausalLM(Module):
     `eos_token_id`), optionally `tokenizer` (an `attnkit.models.chat.DecoderTokenizer`), and
     implement `new_cache`, `_hidden_states` and `_logits`.
 
-    `single_thread_decode` (default True): a decode step (one new token per sequence) runs
-    its matrix-vector products on one BLAS thread. They are memory-bound, and a second
-    OpenBLAS thread saves little on an idle CPU but costs a lot on a busy one (its threads
-    spin while they wait for each other): on the shared 2-core machine attnkit is
-    benchmarked on, two threads made decoding 2-5x slower. So does a short prompt: a
-    forward pass over at most `single_thread_rows` (default 64) token rows in all (B * T)
-    also runs on one thread. Its products are too small to split: the 50-token prefill of
-    `attnkit bench decoder` took 0.6 s on one thread and 4-12 s on two on that machine
-    under load, and two threads would save about 0.1 s of it on an idle one. Longer
-    prompts keep every thread. Set `single_thread_decode` to False to let BLAS use its
-    threads everywhere.
+    Threads. A decode step (one new token per sequence) is a chain of memory-bound
+    matrix-vector products: a second OpenBLAS thread reads the weights faster on an idle
+    CPU, but costs a lot on a busy one (its threads spin while they wait for each other;
+    on a shared 2-core machine two threads made decoding 2-5x slower). So with more than
+    one BLAS thread allowed (`attnkit.runtime.blas_thread_count()`), decode steps time one
+    BLAS thread against all of them as they go (`attnkit.runtime.FastestSchedule`: each on
+    the first steps, then the faster one, re-timing the other every
+    `DECODE_RETIME_EVERY` steps) and run the faster: more threads never make decoding
+    slower for long. `single_thread_decode` (default None: choose by timing) fixes the
+    choice: True, one thread; False, every thread. A short prompt, a forward pass over at
+    most `single_thread_rows` (default 64) token rows in all (B * T), runs on one thread
+    unless `single_thread_decode` is False: its products are too small to split (the
+    50-token prefill of `attnkit bench decoder` took 0.6 s on one thread and 4-12 s on two
+    under load, and two threads would save about 0.1 s of it on an idle machine). Longer
+    prompts keep every thread.
     """
 
     config: Any
     tokenizer: Any = None
-    single_thread_decode: bool = True
+    single_thread_decode: bool | None = None
     single_thread_rows: int = 64
+    DECODE_SCHEDULES = ("one thread", "BLAS threads")
+    DECODE_RETIME_EVERY = 32  # decode steps between re-timings of the schedule not in use
 
     # -- what subclasses implement ---------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -261,16 +268,35 @@ class CausalLM(Module):
                 f"{self.context_length} tokens"
             )
         positions = self._positions(cache, mask)
-        if self.single_thread_decode and (T == 1 or B * T <= self.single_thread_rows):
+        threads = blas_thread_count()
+        if threads > 1 and T == 1 and self.single_thread_decode is None:  # a decode step: time the choice
+            choice = self._decode_choice(B, threads)
+            schedule = choice.choose()
+            start = time.perf_counter()
+            with blas_threads(1 if schedule == "one thread" else threads):
+                logits = self._run(ids, positions, cache, last_only)
+            choice.timed(schedule, time.perf_counter() - start)
+        elif self.single_thread_decode is not False and (T == 1 or B * T <= self.single_thread_rows):
             with one_blas_thread():  # too little work per product to split (see the class docstring)
-                hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
-                logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
+                logits = self._run(ids, positions, cache, last_only)
         else:
-            hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
-            logits = self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
+            logits = self._run(ids, positions, cache, last_only)
         if was_1d:
             logits = logits[0]
         return logits
+
+    def _run(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, last_only: bool) -> np.ndarray:
+        hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
+        return self._logits(hidden[:, -1:] if last_only else hidden)  # (B, T, V)
+
+    def _decode_choice(self, batch_size: int, threads: int) -> FastestSchedule:
+        """The thread choice for decode steps of `batch_size` sequences with `threads` BLAS
+        threads allowed (each pair timed on its own: their step times differ)."""
+        choices = self.__dict__.setdefault("_decode_choices", {})
+        key = (batch_size, threads)
+        if key not in choices:
+            choices[key] = FastestSchedule(self.DECODE_SCHEDULES, self.DECODE_RETIME_EVERY)
+        return choices[key]
 
     def _pad_id(self) -> int:
         if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:

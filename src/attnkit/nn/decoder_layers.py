@@ -197,7 +197,7 @@ class SwiGLU(Module):
         self._fused_from: tuple = ()
 
     def _fused(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """(gate_up_t (d_model, 2*d_ff), gate_up_bias (2*d_ff,) or None, down_t (d_ff, d_model)),
+        """(gate_up_t (d_model, 2*d_ff), gate_up_bias (2*d_ff,) or None, down_t (d_ff, d_model), a view),
         rebuilt when a weight is replaced."""
         modules = self.__dict__["_modules"]  # (attribute lookup through Module.__getattr__ is slow)
         params = [modules[name]._parameters for name in ("gate_proj", "up_proj", "down_proj")]
@@ -206,7 +206,11 @@ class SwiGLU(Module):
             gate, up, down = self.gate_proj, self.up_proj, self.down_proj
             self._gate_up_t = np.ascontiguousarray(np.concatenate([gate.weight, up.weight], axis=0).T)
             self._gate_up_bias = None if gate.bias is None else np.concatenate([gate.bias, up.bias])
-            self._down_t = np.ascontiguousarray(down.weight.T)
+            # down.weight (d_model, d_ff) kept row-major and read as its transpose: a decode
+            # step's vector-matrix product then runs BLAS's transposed gemv, a dot product per
+            # row of 1536, which reads memory 13-30% faster than over a (d_ff, d_model) copy
+            # (AMD EPYC, OpenBLAS 0.3.31, 1-2 threads)
+            self._down_t = np.ascontiguousarray(down.weight).T
             self._fused_from = sources
         return self._gate_up_t, self._gate_up_bias, self._down_t
 

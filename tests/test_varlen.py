@@ -87,6 +87,9 @@ CASES = [
     (3, [20, 0, 33], [7, 0, 33], 8, 1, 16, 8, None),
     (4, [0, 0], [0, 5], 2, 2, 4, 4, None),
     (5, [64, 100, 13], [64, 37, 200], 4, 2, 24, 24, 1.7),
+    # shapes that repeat, run as one batch: back to back, apart, and all alike
+    (6, [5, 5, 3, 5, 0, 3], [5, 5, 7, 5, 2, 7], 4, 2, 8, 8, None),
+    (7, [4, 4, 4, 4], [4, 4, 4, 4], 2, 1, 16, 16, None),
 ]
 
 
@@ -122,6 +125,35 @@ def test_varlen_matches_per_sequence_reference_and_torch(case, causal, backend):
     if finite.any():
         assert_within_budget(res.lse[finite], oracle_lse[finite], truth_lse[finite], what="lse",
                              scale=score_conditioning(q.transpose(1, 0, 2), k.transpose(1, 0, 2), scale, group))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequences_of_one_shape_run_as_one_batch_with_the_same_arithmetic(monkeypatch, causal):
+    """Sequences of one (L, S) shape go through the backend in one call, and each gets
+    bitwise what a call of its own gives (the batched products and row-wise softmax do
+    the same arithmetic per sequence)."""
+    import attnkit.functional.varlen as varlen_module
+
+    lens_q, lens_k = [5, 5, 3, 5, 0, 3, 2], [5, 5, 7, 5, 2, 7, 2]
+    q, k, v, cu_q, cu_k = _batch(11, lens_q, lens_k, 4, 2, 8, 8)
+    calls = []
+    real = varlen_module.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.shape)
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_module, "scaled_dot_product_attention", spy)
+    res = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
+    assert sorted(calls) == sorted([(3, 4, 5, 8), (2, 4, 3, 8), (1, 4, 2, 8)])  # (n, H, L, E) per shape
+
+    def alone(qb, kb, vb, mask):
+        one = real(qb, kb, vb, mask, enable_gqa=True, return_lse=True)
+        return one.output, one.lse
+
+    out, lse = _per_sequence(q, k, v, cu_q, cu_k, causal, None, alone)
+    np.testing.assert_array_equal(res.output, out.astype(np.float32))
+    np.testing.assert_array_equal(res.lse, lse.astype(np.float32))
 
 
 def test_backends_agree_and_default_returns_one_array():

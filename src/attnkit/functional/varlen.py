@@ -4,7 +4,9 @@ A batch of sequences of different lengths is packed along one token axis,
 without padding: `q` is (total_q, H, E), `k` and `v` are (total_k, Hkv, ·), and
 `cu_seqlens_q` / `cu_seqlens_k` hold the cumulative offsets (batch + 1 entries,
 starting at 0), so sequence `b` is rows `cu_seqlens[b] : cu_seqlens[b + 1]`.
-Each sequence attends to its own keys only.
+Each sequence attends to its own keys only. Sequences of one shape (L, S) go
+through the backend together, as one batch: one call per shape rather than per
+sequence, the same arithmetic per sequence.
 """
 
 from __future__ import annotations
@@ -75,6 +77,30 @@ def _check_max_seqlen(value, name: str, actual: int) -> None:
         raise ValueError(f"expected {name} >= the longest sequence ({actual}), got {value}")
 
 
+def _shape_groups(lens_q: np.ndarray, lens_k: np.ndarray, separate: bool):
+    """(L, S, sequence indices) for every (L, S) shape with a query and a key, the
+    sequences of one shape together (in order), or each alone when `separate`
+    (dropout: each sequence draws its weights from the Generator in turn)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, (L, S) in enumerate(zip(lens_q.tolist(), lens_k.tolist())):
+        if L and S:  # no query, or no key: zeros and lse -inf, as the output starts
+            if separate:
+                yield L, S, [b]
+            else:
+                groups.setdefault((L, S), []).append(b)
+    for (L, S), seqs in groups.items():
+        yield L, S, seqs
+
+
+def _rows(cu: np.ndarray, seqs: list[int], length: int) -> slice | np.ndarray:
+    """The packed rows of sequences `seqs` (each `length` long): a slice when they lie
+    back to back (length-sorted batches), else an index array."""
+    starts = cu[seqs]
+    if len(seqs) == 1 or bool((np.diff(starts) == length).all()):
+        return slice(int(starts[0]), int(starts[0]) + len(seqs) * length)
+    return (starts[:, None] + np.arange(length)).reshape(-1)
+
+
 def varlen_attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -112,7 +138,9 @@ def varlen_attention(
         dropout_p: dropout on the weights ("naive" backend only), drawn from `rng`.
         rng: numpy Generator or integer seed for dropout.
         backend: "naive" (`scaled_dot_product_attention`) or "flash"
-            (`flash_attention`), run on each sequence.
+            (`flash_attention`), called once per sequence shape (L, S) with
+            the sequences of that shape as one batch (a length-sorted batch
+            has few shapes), or once per sequence with dropout.
         return_lse: also return the logsumexp of each score row.
 
     Grouped-query attention as in the rest of attnkit: query head h reads
@@ -170,14 +198,13 @@ def varlen_attention(
     out = np.zeros((total_q, H, Ev), dtype=q.dtype)
     lse_dtype = compute_dtype_of(q.dtype)
     lse = np.full((H, total_q), -np.inf, dtype=lse_dtype) if return_lse else None
-    for b in range(cu_q.shape[0] - 1):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        L, S = q1 - q0, k1 - k0
-        if L == 0 or S == 0:  # no query, or no key: zeros and lse -inf, as set above
-            continue
-        qb = q[q0:q1].transpose(1, 0, 2)  # (H, L, E)
-        kb = k[k0:k1].transpose(1, 0, 2)  # (Hkv, S, E)
-        vb = v[k0:k1].transpose(1, 0, 2)  # (Hkv, S, Ev)
+    for L, S, seqs in _shape_groups(lens_q, lens_k, separate=bool(dropout_p)):
+        # the group's sequences as one batch (n, H, L, E): one backend call per shape
+        rows_q = _rows(cu_q, seqs, L)
+        rows_k = _rows(cu_k, seqs, S)
+        qb = q[rows_q].reshape(len(seqs), L, H, E).transpose(0, 2, 1, 3)  # (n, H, L, E)
+        kb = k[rows_k].reshape(len(seqs), S, Hkv, E).transpose(0, 2, 1, 3)  # (n, Hkv, S, E)
+        vb = v[rows_k].reshape(len(seqs), S, Hkv, Ev).transpose(0, 2, 1, 3)  # (n, Hkv, S, Ev)
         if backend == "flash":
             res = flash_attention(qb, kb, vb, is_causal=causal, scale=scale, enable_gqa=True,
                                   causal_align="bottom_right", return_lse=True)
@@ -185,7 +212,7 @@ def varlen_attention(
             mask = causal_mask(L, S, align="bottom_right") if causal and L != S else None
             res = scaled_dot_product_attention(qb, kb, vb, mask, dropout_p, causal and L == S, scale, True,
                                                rng=rng, return_lse=True)
-        out[q0:q1] = res.output.transpose(1, 0, 2)
+        out[rows_q] = res.output.transpose(0, 2, 1, 3).reshape(len(seqs) * L, H, Ev)
         if return_lse:
-            lse[:, q0:q1] = res.lse
+            lse[:, rows_q] = res.lse.transpose(1, 0, 2).reshape(H, len(seqs) * L)
     return VarlenOutput(out, lse) if return_lse else out

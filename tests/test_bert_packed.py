@@ -15,6 +15,7 @@ from conftest import F32_EPS, assert_within_budget
 import attnkit
 from attnkit.functional import ATTENTION_BACKENDS, scaled_dot_product_attention
 from attnkit.models.bert import BertModel, SentenceEncoder, load_bert
+from attnkit.runtime import FastestSchedule
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "##s", "big", ".", ",", "!", "?", "red"]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + [f"w{i}" for i in range(40)]
@@ -154,20 +155,18 @@ def test_packed_input_is_checked(tiny):
 def test_encode_times_each_schedule_and_agrees(tiny):
     folder = tiny[0]
     rng = np.random.default_rng(3)
-    texts = [" ".join(rng.choice(WORDS[:8], size=24)) for _ in range(48)]  # batches of one size
+    texts = [" ".join(rng.choice(WORDS[:8], size=rng.integers(16, 31))) for _ in range(48)]
     one = SentenceEncoder.from_pretrained(folder, num_threads=1)
     two = SentenceEncoder(one.model, one.tokenizer, head=one.head, num_threads=2)
     expected = one.encode(texts, batch_size=8)
-    assert one._choices == {}  # one thread: nothing to choose
+    assert one._choice.seconds == {}  # one thread: nothing to choose
     got = two.encode(texts, batch_size=8)  # 6 batches of >= 128 tokens: every schedule is timed
-    (choice,) = two._choices.values()
-    assert set(choice.seconds) == set(SentenceEncoder.SCHEDULES)
+    assert set(two._choice.seconds) == set(SentenceEncoder.SCHEDULES)
     np.testing.assert_allclose(got, expected, rtol=0, atol=64 * F32_EPS)
     assert two._schedule(2 * SentenceEncoder.MIN_TOKENS_PER_THREAD - 1) == "one thread"
-    # batches within a power of two share a choice; others are timed on their own
-    assert two._choice(600) is two._choice(1000) and two._choice(1024) is not two._choice(1000)
     # the fastest runs; every RETIME_EVERY-th batch re-times another
-    two._choice(1000).seconds = {"one thread": 3.0, "BLAS threads": 1.0, "worker threads": 2.0}
+    two._choice = FastestSchedule(SentenceEncoder.SCHEDULES, SentenceEncoder.RETIME_EVERY)
+    two._choice.seconds = {"one thread": 3.0, "BLAS threads": 1.0, "worker threads": 2.0}
     chosen = [two._schedule(1000) for _ in range(2 * SentenceEncoder.RETIME_EVERY)]
     assert chosen.count("BLAS threads") == len(chosen) - 2
     assert {c for c in chosen if c != "BLAS threads"} == {"one thread", "worker threads"}

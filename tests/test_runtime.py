@@ -19,18 +19,36 @@ def test_blas_thread_count_follows_the_limits():
 
 def test_fastest_schedule_times_each_then_runs_the_fastest_and_retimes_the_others():
     choice = FastestSchedule(("a", "b", "c"), retime_every=4)
-    order = []
-    for seconds in (3.0, 1.0, 2.0):  # every schedule is timed once, in order
-        order.append(choice.choose())
-        choice.timed(order[-1], seconds)
-    assert order == ["a", "b", "c"]
-    runs = [choice.choose() for _ in range(16)]
-    # every 4th call re-times a slower schedule, taking turns; the rest run the fastest
-    assert runs.count("b") == 12
-    assert [r for r in runs if r != "b"] == ["a", "c", "a", "c"]
+    times = {"a": 3.0, "b": 1.0, "c": 2.0}
+    runs = []
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            runs.append(choice.choose())
+            choice.timed(runs[-1], times[runs[-1]])
+
+    run(5)
+    # every schedule timed in order; after a switch the first run is a warm-up, not kept
+    assert runs == ["a", "b", "b", "c", "c"]
+    assert choice.seconds == times
+    runs.clear()
+    run(24)
+    # the fastest runs (after one warm-up); every 4th choice re-times a slower one, taking
+    # turns, each a warm-up and a timed run
+    assert "".join(runs) == "bbbb" "aa" "bbbb" "cc" "bbbb" "aa" "bbbb" "cc"
+    choice.timed("b", 5.0)  # after c: a warm-up
     choice.timed("b", 5.0)  # running average: (1 + 5) / 2 = 3, now slower than c (2)
     assert choice.seconds["b"] == pytest.approx(3.0)
     assert choice.choose() == "c"
+
+
+def test_fastest_schedule_keeps_no_time_from_the_first_run_after_a_switch():
+    choice = FastestSchedule(("one", "two"), retime_every=8)
+    choice.timed("one", 1.0)  # the first run of all: nothing ran before it, kept
+    choice.timed("two", 9.0)  # just after "one": a warm-up
+    assert choice.seconds == {"one": 1.0} and choice.choose() == "two"
+    choice.timed("two", 2.0)
+    assert choice.seconds == {"one": 1.0, "two": 2.0}
 
 
 @pytest.mark.parametrize(

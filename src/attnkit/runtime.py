@@ -86,6 +86,11 @@ class FastestSchedule:
     machine's load changes, and with it which is fastest). `timed(schedule, seconds)` folds
     one run's time (per unit of work) into that schedule's running average.
 
+    The first run of a schedule after another one ran is a warm-up: its time is not kept
+    and `choose()` names the same schedule again. Switching leaves the previous schedule's
+    threads busy for a while (OpenBLAS's spin about 0.1 s after a threaded call before they
+    sleep, taking a core from whatever runs next), so that run would be timed slow.
+
         schedule = choice.choose()
         start = time.perf_counter()
         ...  # run the work on `schedule`
@@ -101,8 +106,12 @@ class FastestSchedule:
         self.retime_every = int(retime_every)
         self.seconds: dict[str, float] = {}  # each schedule's measured time per unit of work
         self._calls = 0
+        self._last: str | None = None  # the schedule timed last (warm after its first run)
+        self._again: str | None = None  # a schedule whose warm-up just ran: run it again
 
     def choose(self) -> str:
+        if self._again is not None:
+            return self._again
         for schedule in self.schedules:
             if schedule not in self.seconds:
                 return schedule  # not timed yet
@@ -114,6 +123,10 @@ class FastestSchedule:
     def timed(self, schedule: str, seconds: float) -> None:
         if schedule not in self.schedules:
             raise ValueError(f"expected one of {self.schedules}, got {schedule!r}")
+        if schedule != self._last and self._last is not None:  # a warm-up after a switch: not kept
+            self._last, self._again = schedule, schedule
+            return
+        self._last, self._again = schedule, None
         old = self.seconds.get(schedule)
         self.seconds[schedule] = seconds if old is None else (old + seconds) / 2
 

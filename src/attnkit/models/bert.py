@@ -468,7 +468,7 @@ class SentenceEncoder:
     # tokens over num_threads worker threads of one BLAS thread each.
     SCHEDULES = ("one thread", "BLAS threads", "worker threads")
     MIN_TOKENS_PER_THREAD = 64  # a smaller batch runs on one thread: too little work to split
-    RETIME_EVERY = 16  # batches between re-timings of a schedule not in use (the load changes)
+    RETIME_EVERY = 32  # batches between re-timings of a schedule not in use (the load changes)
 
     def __init__(
         self,
@@ -491,7 +491,7 @@ class SentenceEncoder:
         self.num_threads = num_threads or cpu_count()
         self.path = path
         self._pool: ThreadPoolExecutor | None = None
-        self._choices: dict[int, FastestSchedule] = {}  # per batch size class: seconds per token of each
+        self._choice = FastestSchedule(self.SCHEDULES, self.RETIME_EVERY)  # seconds per token of each
 
     @classmethod
     def from_pretrained(
@@ -598,13 +598,14 @@ class SentenceEncoder:
         Threads: with num_threads > 1, a batch of fewer than MIN_TOKENS_PER_THREAD
         tokens per thread runs on one thread. Otherwise the encoder times each of
         its SCHEDULES (one thread, BLAS threads, worker threads) on the first
-        batches of each size (token counts within a power of two), runs the
-        fastest, and re-times the others every RETIME_EVERY batches of that size:
-        which is fastest depends on the CPU, the BLAS, the machine's load and the
-        batch's size (BLAS threads synchronize in every matrix product and stall
-        when a core is busy elsewhere; worker threads contend for the GIL between
-        small NumPy calls, which weighs most on small batches), and one thread is
-        among them, so more threads never make encode slower for long. Results agree across schedules to float32
+        batches, runs the fastest, and re-times the others every RETIME_EVERY
+        batches (`attnkit.runtime.FastestSchedule`; the first batch after a
+        switch is a warm-up, not timed: the previous schedule's BLAS threads
+        still spin for ~0.1 s): which is fastest depends on the CPU, the BLAS and
+        the machine's load (BLAS threads synchronize in every matrix product and
+        stall when a core is busy elsewhere; worker threads contend for the GIL
+        between small NumPy calls), and one thread is among them, so more
+        threads never make encode slower for long. Results agree across schedules to float32
         rounding (the BLAS sums in an order that depends on the rows it gets),
         not bit for bit.
         """
@@ -626,7 +627,7 @@ class SentenceEncoder:
             begin = time.perf_counter()
             out[batch] = self._run_batch(schedule, [ids[i] for i in batch], [types[i] for i in batch], lengths)
             if self.num_threads > 1 and tokens >= self.num_threads * self.MIN_TOKENS_PER_THREAD:
-                self._choice(tokens).timed(schedule, (time.perf_counter() - begin) / tokens)
+                self._choice.timed(schedule, (time.perf_counter() - begin) / tokens)
             if progress is not None:
                 progress(len(batch))
         return out
@@ -635,18 +636,7 @@ class SentenceEncoder:
         """Which of SCHEDULES runs a batch of `tokens` tokens (see `encode`)."""
         if self.num_threads == 1 or tokens < self.num_threads * self.MIN_TOKENS_PER_THREAD:
             return "one thread"
-        return self._choice(tokens).choose()
-
-    def _choice(self, tokens: int) -> FastestSchedule:
-        """The timed choice for batches of about `tokens` tokens: one per power of two.
-        Which schedule wins depends on the batch's size (worker threads split a small
-        batch into parts too small to keep both cores busy between the GIL's hand-offs,
-        and a large one well), and a batch's time per token does too, so batches of
-        another size are neither compared nor timed together."""
-        size = int(tokens).bit_length()
-        if size not in self._choices:
-            self._choices[size] = FastestSchedule(self.SCHEDULES, self.RETIME_EVERY)
-        return self._choices[size]
+        return self._choice.choose()
 
     def _run_batch(self, schedule: str, ids: list[np.ndarray], types: list[np.ndarray], lengths: np.ndarray):
         """Embeddings (n, dim) of one batch on `schedule`. BLAS settings are process-wide:

@@ -605,9 +605,9 @@ class SentenceEncoder:
         the machine's load (BLAS threads synchronize in every matrix product and
         stall when a core is busy elsewhere; worker threads contend for the GIL
         between small NumPy calls), and one thread is among them, so more
-        threads never make encode slower for long. Results agree across schedules to float32
-        rounding (the BLAS sums in an order that depends on the rows it gets),
-        not bit for bit.
+        threads never make encode slower for long. Results agree across
+        schedules to float32 rounding (the BLAS sums in an order that depends on
+        the rows it gets), not bit for bit.
         """
         texts = check_texts(texts)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

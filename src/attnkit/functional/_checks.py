@@ -42,7 +42,7 @@ def require_float_tensor(x, name: str, min_ndim: int) -> np.ndarray:
             x = np.asarray(x)
         else:
             raise TypeError(f"expected {name} to be a numpy array, got {type(x).__name__}")
-    if not np.issubdtype(x.dtype, np.floating):
+    if x.dtype.kind != "f":  # np.issubdtype(x.dtype, np.floating), without its cost on every call
         raise TypeError(
             f"expected {name} to be a floating array (float16, float32 or float64), got dtype {x.dtype}"
         )
@@ -86,6 +86,8 @@ class AttentionShapes:
 
 
 def _broadcast_or_fail(shapes: list[tuple[int, ...]], what: str, arrays: tuple) -> tuple[int, ...]:
+    if all(shape == shapes[0] for shape in shapes):  # the usual case, without np.broadcast_shapes' cost
+        return tuple(shapes[0])
     try:
         return tuple(np.broadcast_shapes(*shapes))
     except ValueError:
@@ -159,7 +161,7 @@ def check_qkv(query, key, value, enable_gqa: bool) -> tuple[np.ndarray, np.ndarr
 
 def output_ndim(*arrays) -> int:
     """The rank of attention's output for these inputs: the largest input rank."""
-    return max(np.ndim(a) for a in arrays)
+    return max(a.ndim if isinstance(a, np.ndarray) else np.ndim(a) for a in arrays)
 
 
 def sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -146,16 +146,19 @@ def _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype):
         else:
             scores += attn_mask
 
-    # Stable softmax in place: shift by the row max (0 for an all -inf row, so
-    # its exponentials are exactly 0), exponentiate, normalize.
-    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # -inf also when S = 0
-    row_max[np.isneginf(row_max)] = 0
+    # Stable softmax in place: shift by the row max, exponentiate, normalize. An
+    # all -inf row (fully masked) is shifted by the dtype's lowest finite value
+    # instead, so its exponentials are exactly 0, its lse -inf and its weights 0.
+    # (Ufuncs called directly: a decode step makes these calls on tiny arrays,
+    # where np.max's and np.sum's Python wrappers cost more than the work.)
+    row_max = np.maximum.reduce(scores, axis=-1, keepdims=True)  # S >= 1: no key is nothing_to_do
+    np.maximum(row_max, np.finfo(dtype).min, out=row_max)
     scores -= row_max
     np.exp(scores, out=scores)
-    total = np.sum(scores, axis=-1, keepdims=True)
+    total = np.add.reduce(scores, axis=-1, keepdims=True)  # >= 1 (the max's term is 1) unless the row is empty
     with np.errstate(divide="ignore"):
         lse = (np.log(total) + row_max)[..., 0]  # -inf for a fully masked row
-    total[total == 0] = 1
+    np.maximum(total, 1, out=total)  # 0 -> 1 for a fully masked row, whose weights stay 0
     scores /= total
     return scores, lse
 

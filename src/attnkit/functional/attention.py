@@ -156,8 +156,7 @@ def _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype):
     scores -= row_max
     np.exp(scores, out=scores)
     total = np.add.reduce(scores, axis=-1, keepdims=True)  # >= 1 (the max's term is 1) unless the row is empty
-    with np.errstate(divide="ignore"):
-        lse = (np.log(total) + row_max)[..., 0]  # -inf for a fully masked row
+    lse = (np.log(total) + row_max)[..., 0]  # -inf for a fully masked row (callers ignore divide by zero)
     np.maximum(total, 1, out=total)  # 0 -> 1 for a fully masked row, whose weights stay 0
     scores /= total
     return scores, lse
@@ -169,11 +168,13 @@ def _weights(query, key, shapes, scale, attn_mask, score_mod):
     TINY_SCALE, or scores beyond float32's range: then the result is torch's
     math backend's in float64). Finite inputs never give NaN this way."""
     dtype = start_dtype(shapes.compute_dtype, scale)
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
+    # an overflow is redone below; log(0) is a fully masked row's lse, -inf
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype)
     if needs_float64(query, key, scale, dtype, lse):
         dtype = np.dtype(np.float64)
-        weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype)
+        with np.errstate(divide="ignore"):
+            weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype)
     return weights, lse, dtype
 
 
@@ -391,7 +392,8 @@ def scaled_dot_product_attention_backward(
     if dtype != np.float64 and not all_finite(*grads) and all_finite(q, k, v, d_out):
         # a gradient beyond the compute dtype's range on the way: torch's float64 answer
         wide = np.dtype(np.float64)
-        P, _ = _attention_weights(q, k, shapes, scale, mask, score_mod, wide)
+        with np.errstate(divide="ignore"):
+            P, _ = _attention_weights(q, k, shapes, scale, mask, score_mod, wide)
         mod_grad = _mod_grad(score_mod, q, k, shapes, scale, wide)
         grads = _attention_grads(P, d_out, q, k, v, shapes, scale, wide, mod_grad)
 

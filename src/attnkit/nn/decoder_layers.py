@@ -316,13 +316,13 @@ class CausalSelfAttention(AttentionModule):
         qkv = x @ qkv_t  # (B, T, (Hq + 2 Hkv) E)
         if qkv_bias is not None:
             qkv += qkv_bias
-        q = qkv[..., : Hq * E].reshape(B, T, Hq, E).transpose(0, 2, 1, 3)  # (B, Hq, T, E)
-        k = qkv[..., Hq * E : (Hq + Hkv) * E].reshape(B, T, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
-        v = qkv[..., (Hq + Hkv) * E :].reshape(B, T, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
-        if cos is not None:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, E)
-            q = RotaryEmbedding.apply(q, cos, sin)
-            k = RotaryEmbedding.apply(k, cos, sin)
+        qkv = qkv.reshape(B, T, Hq + 2 * Hkv, E)  # the query heads, then the key heads, then the value heads
+        qk = qkv[:, :, : Hq + Hkv]
+        if cos is not None:  # queries and keys rotated together: half the calls of a decode step's rotation
+            qk = RotaryEmbedding.apply(qk, cos[:, :, None], sin[:, :, None])  # cos, sin (B, T, 1, E)
+        q = qk[:, :, :Hq].transpose(0, 2, 1, 3)  # (B, Hq, T, E)
+        k = qk[:, :, Hq:].transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
+        v = qkv[:, :, Hq + Hkv :].transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
         result = cache.attend(layer, q, k, v, scale=self.scale, attention=self.attend)  # (B, Hq, T, E)
         out = result.transpose(0, 2, 1, 3).reshape(B, T, Hq * E)  # (B, T, Hq*E)
         out = out @ out_t  # (B, T, d)

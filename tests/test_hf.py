@@ -349,6 +349,10 @@ def test_flash_refuses_what_the_flash_interface_cannot_carry():
         flash_api.flash_attn_func(qf[0], kvf, kvf)
     with pytest.raises(ValueError, match="expected cu_seqlens_q and cu_seqlens_k of one length"):
         flash_api.flash_attn_varlen_func(qf[0], kvf[0], kvf[0], torch.tensor([0, 5]), torch.tensor([0, 2, 5]))
+    # offsets that fall or skip rows would leave output rows uncomputed or computed twice: refused
+    for bad_q, bad_k in (([0, 3, 2, 5], [0, 2, 4, 5]), ([1, 5], [0, 5]), ([0, 5], [0, 6]), ([0, 5], [-1, 5])):
+        with pytest.raises(ValueError, match=r"each rising from 0 \(never falling\) to total_q=5 and total_k=5"):
+            flash_api.flash_attn_varlen_func(qf[0], kvf[0], kvf[0], torch.tensor(bad_q), torch.tensor(bad_k))
 
 
 def _dense(q, k, v, *, causal, window, scale, softcap, dtype):

@@ -142,10 +142,15 @@ def flash_attn_varlen_func(
             raise ValueError(f"expected {name} of shape (total, H, E), got {shape}")
     starts_q = [int(c) for c in torch.as_tensor(cu_seqlens_q).tolist()]
     starts_k = [int(c) for c in torch.as_tensor(cu_seqlens_k).tolist()]
-    if len(starts_q) != len(starts_k) or len(starts_q) < 1 or starts_q[-1] != q.shape[0] or starts_k[-1] != k.shape[0]:
+    def rising(starts: list[int], total: int) -> bool:  # 0, never falling, ending at the packed total
+        return starts[0] == 0 and starts[-1] == total and all(a <= b for a, b in zip(starts, starts[1:]))
+
+    if len(starts_q) != len(starts_k) or len(starts_q) < 1 or not (
+        rising(starts_q, q.shape[0]) and rising(starts_k, k.shape[0])
+    ):
         raise ValueError(
-            f"expected cu_seqlens_q and cu_seqlens_k of one length N + 1 ending at total_q={q.shape[0]} and "
-            f"total_k={k.shape[0]}, got {starts_q} and {starts_k}"
+            f"expected cu_seqlens_q and cu_seqlens_k of one length N + 1, each rising from 0 (never falling) "
+            f"to total_q={q.shape[0]} and total_k={k.shape[0]}, got {starts_q} and {starts_k}"
         )
     window = _window(window_size)
     outputs = []

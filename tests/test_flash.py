@@ -773,13 +773,13 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     # a window keeps whole query blocks: its edges are followed by pieces of PIECE_ROWS rows
     res = attnkit.flash_attention(q, q, q, window=(8, 0), return_lse=True, num_threads=1)
     assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (256, 256, flash.PIECE_ROWS)
-    # query blocks shrink (to PIECE_ROWS at least) until every thread has two forward tasks
+    # query blocks shrink (to PIECE_ROWS at least) until every thread the work can use (one per
+    # 2^21 scores) has two forward tasks
     q = np.ones((1, 1, 4096, 8), np.float32)
-    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=1).plan.block_q == 256
-    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=8).plan.block_q == 256
-    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=16).plan.block_q == 128
-    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=32).plan.block_q == 128
-    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=64).plan.block_q == 128
+    kv = np.ones((1, 1, 16384, 8), np.float32)  # 2^26 scores: work for 32 threads
+    for threads, block_q in ((1, 256), (8, 256), (16, 128), (32, 128), (64, 128)):
+        assert attnkit.flash_attention(q, kv, kv, return_lse=True, num_threads=threads).plan.block_q == block_q
+    assert attnkit.flash_attention(q, q, q, return_lse=True, num_threads=64).plan.block_q == 256  # work for 8
 
 
 def test_small_calls_stay_on_the_calling_thread():
@@ -795,6 +795,38 @@ def test_small_calls_stay_on_the_calling_thread():
     q = np.ones((1, 4, 64, 8), np.float32)
     attnkit.flash_attention(q, q, q, mask_mod=spy, num_threads=2, block_q=16, block_k=16)
     assert seen == {threading.current_thread().name}
+
+
+def test_work_one_thread_runs_is_planned_for_one_thread(monkeypatch):
+    """Threads never hurt: a call too small to split (a decode step over a 4096-key
+    cache, GQA) runs the same tasks at num_threads=2 as at 1, the three query heads
+    of a kv head side by side, not one task per head cut for a second thread that
+    never runs (that made it 1.5x slower at 2 threads than at 1); forward and
+    backward give bitwise the same answer at both counts."""
+    from attnkit.functional import flash
+
+    calls = []
+    real = flash._run
+
+    def spy(tasks, fn, num_threads, work):
+        calls.append((len(tasks), num_threads))
+        return real(tasks, fn, num_threads, work)
+
+    monkeypatch.setattr(flash, "_run", spy)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 9, 1, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 3, 4096, 16)).astype(np.float32) for _ in range(2))
+    d_out = rng.standard_normal((1, 9, 1, 16)).astype(np.float32)
+    results = {}
+    for threads in (1, 2):
+        calls.clear()
+        res = attnkit.flash_attention(q, k, v, enable_gqa=True, num_threads=threads, return_lse=True)
+        grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
+        results[threads] = (res.output, *grads)
+        assert calls[0] == (3, 1)  # forward: 3 tasks (one per kv head) on one thread
+        assert calls[1][1] == 1  # backward: one thread
+    for one, two in zip(results[1], results[2]):
+        np.testing.assert_array_equal(one, two)
 
 
 def test_mods_are_read_through_their_protocols():

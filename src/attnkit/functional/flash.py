@@ -173,6 +173,15 @@ def _tile(name: str, rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
 _SERIAL_BELOW = 1 << 21  # score elements per thread (~10 ms of tiles): below, a second thread costs more than it saves
 
 
+def _useful_threads(num_threads: int, work: int) -> int:
+    """The threads a call of `work` score elements can use: one per _SERIAL_BELOW
+    elements, at most num_threads, at least 1. Plans are made for this count, not
+    for num_threads: work that runs on one thread anyway keeps one thread's tiles
+    and heads per task (cut for threads it would never use, a decode step over a
+    4096-key cache ran 1.5x slower at num_threads=2 than at 1)."""
+    return max(1, min(num_threads, work // _SERIAL_BELOW))
+
+
 def _run(tasks: list, fn: Callable, num_threads: int, work: int) -> list:
     """fn(task) for every task, on the pool unless there is too little work to
     split: threads never make a call slower than one thread would."""
@@ -564,7 +573,8 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
     # edges are followed by the pieces alone (plan.pieces)
     auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, hi is not None and lo is None)
     heads = math.prod(shapes.batch) * shapes.q_heads
-    while auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * num_threads:
+    threads = _useful_threads(num_threads, heads * L * S)  # the forward's work (see _flash_forward)
+    while auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * threads:
         auto_q = max(PIECE_ROWS, auto_q // 2)  # two forward tasks per thread, where blocks can shrink
     plan = FlashPlan(
         shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
@@ -834,7 +844,7 @@ def flash_attention(
     return AttentionState(out, lse, plan, shift, rel) if return_lse else out
 
 
-def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> int:
+def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threads: int) -> int:
     """How many heads a forward task takes side by side: as many (block_q,
     block_k) score tiles as fit the L2 cache together (each call then works on
     all of them, so small tiles along a causal diagonal cost fewer calls), but
@@ -842,7 +852,7 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int) -> in
     Hq = plan.shapes.q_heads
     tile = plan.block_q * plan.block_k * itemsize
     heads = max(1, min(Hq, l2_cache_bytes() // max(tile, 1)))
-    while heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * plan.num_threads:
+    while heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * threads:
         heads = -(-heads // 2)
     g = plan.shapes.group
     if g > 1:  # GQA: a task's heads share one kv head (no copy of K and V per query head)
@@ -879,21 +889,22 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
         if k_end > k_start:
             blocks.append((q0, q1, k_start, k_end))
     blocks.sort(key=lambda t: t[1] - t[0] if plan.lo is None and plan.hi is None else t[3] - t[2], reverse=True)
+    threads = _useful_threads(plan.num_threads, B * Hq * L * S)
     splits = 1
-    if B * Hq * len(blocks) < plan.num_threads and len(blocks) >= 1:
+    if B * Hq * len(blocks) < threads and len(blocks) >= 1:
         widest = max(t[3] - t[2] for t in blocks)
-        splits = max(1, min(plan.num_threads, widest // plan.block_k))
+        splits = max(1, min(threads, widest // plan.block_k))
 
     def task(rows: _Rows) -> None:
         _forward_rows(plan, inputs, rows)
 
     if splits == 1:
-        nh = _heads_per_task(plan, len(blocks), B, cd.itemsize)
+        nh = _heads_per_task(plan, len(blocks), B, cd.itemsize, threads)
         tasks = [_Rows(b, h, min(h + nh, Hq), q0, q1, k_start, k_end,
                        out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1], shift[b, h:h + nh, q0:q1],
                        rel[b, h:h + nh, q0:q1])
                  for q0, q1, k_start, k_end in blocks for b in range(B) for h in range(0, Hq, nh)]
-        _run(tasks, task, plan.num_threads, B * Hq * L * S)
+        _run(tasks, task, threads, B * Hq * L * S)
         return out, lse, shift.astype(np.float64), rel
 
     tasks, parts = [], []
@@ -910,7 +921,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
                     if edges[i + 1] > edges[i]:
                         tasks.append(_Rows(b, h, h + 1, q0, q1, int(edges[i]), int(edges[i + 1]),
                                            o_parts[i], l_parts[i], None, None))
-    _run(tasks, task, plan.num_threads, B * Hq * L * S)
+    _run(tasks, task, threads, B * Hq * L * S)
     for b, h, q0, q1, o_parts, l_parts in parts:
         merged = merge_attention_states(o_parts[:, 0], l_parts[:, 0])
         out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
@@ -1133,7 +1144,8 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, c
             blocks.append((k0, k1, q_end - q_start))
     blocks.sort(key=lambda t: t[2], reverse=True)
     tasks = [_Cols(b, h, k0, k1) for k0, k1, _ in blocks for b in range(B) for h in range(Hkv)]
-    n_dq = max(1, min(plan.num_threads, len(tasks)))  # at most one dQ buffer per thread that runs tasks
+    threads = _useful_threads(plan.num_threads, 3 * B * Hq * L * S)
+    n_dq = max(1, min(threads, len(tasks)))  # at most one dQ buffer per thread that runs tasks
 
     # the temporaries, from one block (see _arena); dQ sums into grad_q itself and n_dq - 1 more buffers
     ks, ka, va, do_a, qa, qs_f, do_f, *dq_more = _arena(
@@ -1185,7 +1197,7 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, c
         b, h_kv, k0, k1 = cols
         _backward_cols(plan, inputs, cols, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
-    _run(tasks, task, plan.num_threads, 3 * B * Hq * L * S)
+    _run(tasks, task, threads, 3 * B * Hq * L * S)
     for buf in dq_buffers.values():
         if buf is not grad_q:
             grad_q += buf

@@ -747,32 +747,38 @@ def test_flash_broadcasts_like_sdpa_forward_and_backward():
 
 
 def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
-    """Tiles keep a (block_q, block_k) score tile within the L2 the OS reports, and
-    along a causal band the query blocks are cut: to L / 4 (at least 256) over
-    256-key tiles when the diagonal crosses most keys, to L / 8 (at least 64)
-    otherwise; a window's are not."""
+    """Key tiles are MAX_BLOCK wide (never 256: an sgemm inner side that runs 3x
+    slower on some CPUs) and query blocks fill a tile of twice the L2 the OS
+    reports; along a causal band the query blocks are cut: to L / 4 (at least
+    256) when the diagonal crosses most keys, to L / 8 (at least 64) otherwise;
+    a window's are not."""
     from attnkit.functional import flash
 
     assert flash.l2_cache_bytes() >= 1 << 14
     monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 1 << 20)
-    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (1024, 256)  # tall when L has the rows
-    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (512, 256)
-    assert flash.choose_blocks(512, 512, 4, banded=False) == (512, 512)
-    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (256, 256)  # square causal: L / 4, narrower keys
-    assert flash.choose_blocks(4096, 4096, 4, banded=True) == (512, 256)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
+    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (512, 512)
+    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (256, 512)  # square causal: L / 4
+    assert flash.choose_blocks(4096, 4096, 4, banded=True) == (512, 512)
     assert flash.choose_blocks(64, 1024, 4, banded=True) == (64, 512)  # a chunk of rows over a long cache
     assert flash.choose_blocks(1024, 4096, 4, banded=True) == (128, 512)
     assert flash.choose_blocks(100, 30, 4, banded=False) == (100, 30)
+    monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 512 << 10)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
+    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (256, 512)
     monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 256 << 10)
-    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (256, 256)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (256, 512)
+    assert flash.choose_blocks(4096, 4096, 8, banded=False) == (128, 512)
+    for L, S, itemsize, banded in ((4096, 4096, 4, False), (2048, 2048, 4, True), (8192, 8192, 8, False)):
+        assert flash.choose_blocks(L, S, itemsize, banded)[1] != 256
     q = np.ones((1, 2, 300, 8), np.float32)
     res = attnkit.flash_attention(q, q, q, is_causal=True, return_lse=True, num_threads=1)
-    assert (res.plan.block_q, res.plan.block_k) == (256, 256)
+    assert (res.plan.block_q, res.plan.block_k) == (256, 300)
     res = attnkit.flash_attention(q[..., :50, :], q, q, is_causal=True, return_lse=True, num_threads=1)
     assert (res.plan.block_q, res.plan.block_k) == (50, 300)
     # a window keeps whole query blocks: its edges are followed by pieces of PIECE_ROWS rows
     res = attnkit.flash_attention(q, q, q, window=(8, 0), return_lse=True, num_threads=1)
-    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (256, 256, flash.PIECE_ROWS)
+    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (300, 300, flash.PIECE_ROWS)
     # query blocks shrink (to PIECE_ROWS at least) until every thread the work can use (one per
     # 2^21 scores) has two forward tasks
     q = np.ones((1, 1, 4096, 8), np.float32)

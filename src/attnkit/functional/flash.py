@@ -83,7 +83,7 @@ from attnkit.functional.attention import AttentionGrads, AttentionOutput, scaled
 from attnkit.functional.mods import BandedMaskMod, DifferentiableScoreMod, and_mods, bound
 from attnkit.runtime import cpu_count, one_blas_thread
 
-MAX_BLOCK = 512  # the largest tile side: beyond it a tile stops fitting the L2 caches of today's CPUs
+MAX_BLOCK = 512  # the largest tile side, and the key tiles' width (see choose_blocks)
 PIECE_ROWS = 128  # rows per piece where a band's edge crosses a tile: smaller products run slower than they save
 
 
@@ -231,33 +231,31 @@ def l2_cache_bytes() -> int:
 
 
 def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int]:
-    """Tile sizes (block_q, block_k) for L queries over S keys: as many scores
-    as the L2 cache holds (each pass over the tile then streams from L2), in a
-    tall tile when the problem has the rows for it: keys in blocks of
-    MAX_BLOCK // 2 and up to 2 MAX_BLOCK query rows (on a 1 MiB L2, 1024 x 256
-    tiles made full forwards 4-8% faster than 512 x 512 at L = 1024 ... 2048 and
-    forward + backward up to 7% faster at 4096; 512 x 512 had beaten 256 x 512
-    by 5%); otherwise keys in blocks of up to MAX_BLOCK and up to MAX_BLOCK rows.
+    """Tile sizes (block_q, block_k) for L queries over S keys: key blocks of
+    MAX_BLOCK and as many query rows (up to MAX_BLOCK) as make a tile of twice
+    the L2 cache the OS reports (512 x 512 float32 scores from a 512 KiB L2).
+
+    Key blocks are never 256 wide: that is the inner side of the P [V, 1] and
+    dS K products, and on a first-generation Zen EPYC (OpenBLAS's Haswell
+    kernel) single-thread sgemm with an inner side of 256 ran at 9-11 GFLOP/s
+    against 33-35 for 384 or 512, so 512 x 256 tiles made the forward 1.6-1.7x
+    and the backward 2.0-2.3x slower than 512 x 512 (L = 1024 ... 4096, fresh
+    processes). A tile of twice the L2 beat one the L2 holds (256 x 512) by
+    about 5% there: each pass streams it once and the products reuse it by rows.
 
     Along a causal band (`banded`: no left edge) the query blocks are cut
     finer: a diagonal tile costs its full width, (n + 1) / 2n of the full
     matrix for n query blocks. When the diagonal crosses most keys (2L >= S)
-    the key tiles are 256 wide and the query blocks L / 4 (at least 2
-    PIECE_ROWS, at most MAX_BLOCK), so that the pieces follow the diagonal in
-    128 x 256 steps (5-8% faster causal forwards at L = 1024 ... 8192 than 128
-    x 512 tiles, the backward unchanged); otherwise (a chunk of rows over a
-    long cache) they are cut to L / 8 (at least 64). Tiles a band's edge
-    crosses are further cut into pieces of PIECE_ROWS rows
+    the query blocks are L / 4 (at least 2 PIECE_ROWS, at most MAX_BLOCK);
+    otherwise (a chunk of rows over a long cache) L / 8 (at least 64). Tiles a
+    band's edge crosses are further cut into pieces of PIECE_ROWS rows
     (`FlashPlan.pieces`), which is all a window needs. The forward puts several
     heads side by side in each call when the tiles are small
     (`_heads_per_task`)."""
-    budget = max(1, l2_cache_bytes() // itemsize)  # scores per tile
-    square = banded and 2 * L >= S  # a causal diagonal across most of the keys
-    tall = square or (not banded and L * (MAX_BLOCK // 2) >= budget)
-    block_k = max(1, min(S, MAX_BLOCK // 2 if tall else MAX_BLOCK))
-    cap = 2 * MAX_BLOCK if tall and not square else MAX_BLOCK
-    block_q = max(32, min(cap, budget // block_k // 32 * 32))
-    if square:
+    budget = max(1, 2 * l2_cache_bytes() // itemsize)  # scores per tile
+    block_k = max(1, min(S, MAX_BLOCK))
+    block_q = max(32, min(MAX_BLOCK, budget // block_k // 32 * 32))
+    if banded and 2 * L >= S:  # a causal diagonal across most of the keys
         block_q = min(block_q, max(2 * PIECE_ROWS, -(-L // 4)))
     elif banded:
         block_q = min(block_q, max(64, -(-L // 8)))

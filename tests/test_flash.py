@@ -749,16 +749,16 @@ def test_flash_broadcasts_like_sdpa_forward_and_backward():
 def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     """Key tiles are MAX_BLOCK wide (never 256: an sgemm inner side that runs 3x
     slower on some CPUs) and query blocks fill a tile of twice the L2 the OS
-    reports; along a causal band the query blocks are cut: to L / 4 (at least
-    256) when the diagonal crosses most keys, to L / 8 (at least 64) otherwise;
-    a window's are not."""
+    reports; a chunk of rows over a longer cache (a causal band, 2L < S) cuts
+    its query blocks to L / 8 (at least 64); a causal self-attention and a
+    window keep whole tiles (their edges are followed by pieces)."""
     from attnkit.functional import flash
 
     assert flash.l2_cache_bytes() >= 1 << 14
     monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 1 << 20)
     assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
     assert flash.choose_blocks(4096, 4096, 8, banded=False) == (512, 512)
-    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (256, 512)  # square causal: L / 4
+    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (512, 512)  # causal self-attention: whole tiles
     assert flash.choose_blocks(4096, 4096, 4, banded=True) == (512, 512)
     assert flash.choose_blocks(64, 1024, 4, banded=True) == (64, 512)  # a chunk of rows over a long cache
     assert flash.choose_blocks(1024, 4096, 4, banded=True) == (128, 512)
@@ -773,7 +773,7 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
         assert flash.choose_blocks(L, S, itemsize, banded)[1] != 256
     q = np.ones((1, 2, 300, 8), np.float32)
     res = attnkit.flash_attention(q, q, q, is_causal=True, return_lse=True, num_threads=1)
-    assert (res.plan.block_q, res.plan.block_k) == (256, 300)
+    assert (res.plan.block_q, res.plan.block_k) == (300, 300)
     res = attnkit.flash_attention(q[..., :50, :], q, q, is_causal=True, return_lse=True, num_threads=1)
     assert (res.plan.block_q, res.plan.block_k) == (50, 300)
     # a window keeps whole query blocks: its edges are followed by pieces of PIECE_ROWS rows

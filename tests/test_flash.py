@@ -565,6 +565,37 @@ def test_peaked_rows_keep_gradients_as_exact_as_the_plain_path(torch):
                 assert_within_budget(ours, base, ref, f"grad_{name} {bq}x{bk}", factor=3.0, ulps=0.0)
 
 
+def test_few_query_rows_take_keys_as_they_are_in_wide_tiles(torch):
+    """A decode step (fewer than ONES_MIN_ROWS query rows per kv head) runs on the
+    keys and values as they are, without the ones-column copy, in key tiles of
+    FEW_ROWS_KEYS; answers and gradients stay within the plain path's error of
+    the float64 truth, and the backward rebuilds the forward's scores (peaked
+    rows keep exact gradients). More rows keep the ones column."""
+    from attnkit.functional import flash
+
+    rng = np.random.default_rng(21)
+    S = flash.FEW_ROWS_KEYS + 1000  # two key tiles, the second partial
+    k, v = (rng.standard_normal((1, 2, S, 16)).astype(np.float32) for _ in range(2))
+    for L, causal in ((1, False), (3, True)):
+        q = (rng.standard_normal((1, 6, L, 16)) * 2.5).astype(np.float32)  # peaked rows
+        d_out = rng.standard_normal((1, 6, L, 16)).astype(np.float32)
+        mask = masks.causal_mask(L, S, align="bottom_right") if causal else None
+        kw = dict(enable_gqa=True, is_causal=causal, causal_align="bottom_right")
+        res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+        assert (res.plan.key_ones, res.plan.block_k) == (False, flash.FEW_ROWS_KEYS)
+        plain = attnkit.scaled_dot_product_attention(q, k, v, **kw)
+        ref = reference_attention(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), mask)[0]
+        assert_within_budget(res.output, plain, ref, f"few rows L={L}")
+        grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
+        base = attnkit.scaled_dot_product_attention_backward(d_out, q, k, v, **kw)
+        expected = _ref_grads(q, k, v, d_out, mask, None, 3)
+        for name, ours, b, e in zip(("query", "key", "value"), grads, base, expected):
+            assert_within_budget(ours, b, e, f"few rows grad_{name} L={L}", factor=3.0)
+    q = rng.standard_normal((1, 6, -(-flash.ONES_MIN_ROWS // 3), 16)).astype(np.float32)  # L x group >= it
+    res = attnkit.flash_attention(q, k[..., :600, :], v[..., :600, :], enable_gqa=True, return_lse=True)
+    assert res.plan.key_ones and res.plan.block_k == 512
+
+
 def test_threads_do_not_change_results_and_default_tiles_work():
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((2, 3, 1025, 32)).astype(np.float32) for _ in range(3))

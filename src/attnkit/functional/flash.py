@@ -85,6 +85,8 @@ from attnkit.runtime import cpu_count, one_blas_thread
 
 MAX_BLOCK = 512  # the largest tile side, and the key tiles' width (see choose_blocks)
 PIECE_ROWS = 128  # rows per piece where a band's edge crosses a tile: smaller products run slower than they save
+ONES_MIN_ROWS = 64  # query rows per kv head from which keys and values are copied with a ones column (see FlashPlan)
+FEW_ROWS_KEYS = 8192  # key tile width below ONES_MIN_ROWS rows: amortizes each tile's calls (see _make_plan)
 
 
 @dataclass(frozen=True, eq=False)
@@ -325,6 +327,14 @@ class FlashPlan:
     block_k: int
     num_threads: int
     piece_q: int  # rows per piece where a band's edge crosses a tile (see pieces)
+    # Keys and values carry a ones column ([K, 1], [V, 1]: BLAS subtracts the row's
+    # shift and sums its weights inside the two products) when each kv head meets
+    # at least ONES_MIN_ROWS query rows (L x group). With fewer (a decode step) the
+    # copy of the whole cache with the column cost more than the passes it saves
+    # (1 query over 32768 keys: 2.5x naive attention's time): the shift and the row
+    # sums are then separate passes over the few scores, in the forward and in the
+    # backward's rebuild alike (`_tile_scores`), so both still form the same bits.
+    key_ones: bool = True
     _band_cache: dict = field(default_factory=dict, repr=False)
 
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
@@ -568,6 +578,12 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
     # a causal band (no left edge) also cuts query blocks finer; a window's two
     # edges are followed by the pieces alone (plan.pieces)
     auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, hi is not None and lo is None)
+    key_ones = L * shapes.group >= ONES_MIN_ROWS
+    if not key_ones:
+        # A few query rows (a decode step) make a tile of MAX_BLOCK keys too small for
+        # its NumPy calls: 1 query, 9 heads over 3 kv heads, S = 32768, one thread,
+        # key tiles of 512: 18.2 ms, 2048: 12.5, 8192: 11.0, 32768: 14.6.
+        auto_k = min(S, max(auto_k, FEW_ROWS_KEYS))
     heads = math.prod(shapes.batch) * shapes.q_heads
     threads = _useful_threads(num_threads, heads * L * S)  # the forward's work (see _flash_forward)
     while auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * threads:
@@ -576,7 +592,7 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
         shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
         mask_mod=mask_mod, score_mod=score_mod,
         block_q=min(block_q or auto_q, max(L, 1)), block_k=min(block_k or auto_k, max(S, 1)),
-        num_threads=num_threads, piece_q=PIECE_ROWS,
+        num_threads=num_threads, piece_q=PIECE_ROWS, key_ones=key_ones,
     )
     return q, k, v, plan
 
@@ -596,6 +612,18 @@ def _with_ones(x: np.ndarray, n: int = 1, out: np.ndarray | None = None) -> np.n
     return out
 
 
+def _weights_times_values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
+    """out <- [p v, p 1] (heads, rows, Ev + 1): with values carrying a ones column
+    one product gives both; without it (few rows, FlashPlan.key_ones) the row
+    sums are a separate reduction."""
+    Ev = out.shape[-1] - 1
+    if v.shape[-1] > Ev:
+        np.matmul(p, v, out=out)  # the row sums come out of BLAS
+    else:
+        out[..., :Ev] = np.matmul(p, v)
+        np.add.reduce(p, axis=-1, out=out[..., Ev])
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -608,8 +636,15 @@ def _tile_scores(plan: FlashPlan, q_rows, k, s, tile: _Tile, adds) -> None:
     Tiles sit on the same (block_q, block_k) grid in both and BLAS runs
     single-threaded, so the backward rebuilds bitwise the numbers whose sum the
     forward saved: a near-one-hot row then gets exp(s - lse) = 1 to rounding, as
-    the plain path's normalized softmax does."""
-    np.matmul(q_rows, k[:, tile.k0:tile.k1].swapaxes(-1, -2), out=s)  # (heads, rows, cols)
+    the plain path's normalized softmax does. Without the ones column (k
+    (heads, S, E), `FlashPlan.key_ones`) the shift is subtracted after the
+    product, in both passes alike."""
+    E = k.shape[-1]
+    if q_rows.shape[-1] == E:  # [q * scale, -c] . [k, 1]
+        np.matmul(q_rows, k[:, tile.k0:tile.k1].swapaxes(-1, -2), out=s)  # (heads, rows, cols)
+    else:
+        np.matmul(q_rows[..., :E], k[:, tile.k0:tile.k1].swapaxes(-1, -2), out=s)
+        s += q_rows[..., E:]  # - c, per row
     if plan.score_mod is not None:
         plan.modded(s, tile)
     for add in adds:
@@ -623,8 +658,8 @@ class _ForwardInputs(NamedTuple):
     """What every forward task reads: compute-dtype arrays with the batch dims flattened."""
 
     q: np.ndarray  # (B, Hq, L, E)
-    ka: np.ndarray  # (B, Hkv, S, E+1) keys with a ones column
-    va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
+    ka: np.ndarray  # (B, Hkv, S, E+1) keys with a ones column; (B, Hkv, S, E) without (FlashPlan.key_ones)
+    va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column; (B, Hkv, S, Ev) without
 
 
 class _Rows(NamedTuple):
@@ -667,7 +702,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
     kv = slice(h0, h1) if g == 1 else slice(h0 // g, h0 // g + 1)
     ka, va = inputs.ka[b, kv], inputs.va[b, kv]
     cd = ka.dtype
-    E, Ev = ka.shape[-1] - 1, va.shape[-1] - 1
+    E, Ev = inputs.q.shape[-1], rows.out.shape[-1]
     nh, r = h1 - h0, q1 - q0
     qa = _buffer("qa", nh * r * (E + 1), cd)[: nh * r * (E + 1)].reshape(nh, r, E + 1)  # [q * scale, -c]
     np.multiply(inputs.q[b, h0:h1, q0:q1], cd.type(plan.scale), out=qa[..., :E])
@@ -680,7 +715,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below (per thread)
             for tile, s, at in _score_tiles(plan, inputs, rows, qa, ka):
                 np.exp(s, out=s)
-                np.matmul(s, va[:, tile.k0:tile.k1], out=part[:, at])  # [P V, P 1]: the row sums come out of BLAS
+                _weights_times_values(s, va[:, tile.k0:tile.k1], part[:, at])  # [P V, P 1]
                 acc[:, at] += part[:, at]
         total = acc[..., Ev]
         # c is a score the row sees, so its sum is >= 1 up to rounding. Far below
@@ -711,7 +746,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         # backward's exp(s - lse) reproduces these weights to rounding.
         s -= shift[..., None]
         np.exp(s, out=s)
-        np.matmul(s, va[:, tile.k0:tile.k1], out=part_at)
+        _weights_times_values(s, va[:, tile.k0:tile.k1], part_at)
         acc[:, at] *= alpha_at[..., None]
         acc[:, at] += part_at
         m_at[...] = new_at
@@ -864,12 +899,15 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
     shapes = plan.shapes
     B, Hq, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.L, shapes.S
     Hkv = shapes.kv_heads
-    ka, va = _arena([(B, Hkv, S, shapes.E + 1), (B, Hkv, S, shapes.Ev + 1)], cd)
-    inputs = _ForwardInputs(
-        _flat(q, shapes, Hq, cd),  # (B, Hq, L, E)
-        _with_ones(_flat(k, shapes, Hkv, cd), out=ka),  # (B, Hkv, S, E+1)
-        _with_ones(_flat(v, shapes, Hkv, cd), out=va),  # (B, Hkv, S, Ev+1)
-    )
+    if plan.key_ones:
+        ka, va = _arena([(B, Hkv, S, shapes.E + 1), (B, Hkv, S, shapes.Ev + 1)], cd)
+        inputs = _ForwardInputs(
+            _flat(q, shapes, Hq, cd),  # (B, Hq, L, E)
+            _with_ones(_flat(k, shapes, Hkv, cd), out=ka),  # (B, Hkv, S, E+1)
+            _with_ones(_flat(v, shapes, Hkv, cd), out=va),  # (B, Hkv, S, Ev+1)
+        )
+    else:  # few query rows: no copy of the keys and values (see FlashPlan.key_ones)
+        inputs = _ForwardInputs(_flat(q, shapes, Hq, cd), _flat(k, shapes, Hkv, cd), _flat(v, shapes, Hkv, cd))
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
     lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
     shift = np.zeros((B, Hq, L), dtype=cd)
@@ -934,7 +972,7 @@ class _BackwardInputs(NamedTuple):
     qa: np.ndarray  # (B, Hq, L, E+1) [query * scale, -shift]: the forward's scores, less its shift
     qs_f: np.ndarray  # (B, Hq, L, E) query * scale * f: dK = dS^T (q * scale)
     k: np.ndarray  # (B, Hkv, S, E)
-    ka: np.ndarray  # (B, Hkv, S, E+1) keys with a ones column
+    ka: np.ndarray  # (B, Hkv, S, E+1) keys with a ones column, as the forward's (or k: FlashPlan.key_ones)
     ks: np.ndarray  # (B, Hkv, S, E) key * scale: dQ = dS (K * scale), the scale before the product
     va: np.ndarray  # (B, Hkv, S, Ev+1) values with a ones column
     do_a: np.ndarray  # (B, Hq, L, Ev+1) [dO, -D]
@@ -960,7 +998,7 @@ def _backward_cols(plan: FlashPlan, inputs: _BackwardInputs, cols: _Cols, dq_acc
     b, h_kv, k0, k1 = cols
     do_a, lse_hi, row_f = inputs.do_a, inputs.lse_hi, inputs.row_f
     k, ks, va = inputs.k[b, h_kv], inputs.ks[b, h_kv], inputs.va[b, h_kv]  # (S, E), (S, E), (S, Ev+1)
-    k3 = inputs.ka[b, h_kv:h_kv + 1]  # (1, S, E+1): _tile_scores takes heads
+    k3 = inputs.ka[b, h_kv:h_kv + 1]  # (1, S, E+1) or (1, S, E): _tile_scores takes heads
     cd = k.dtype
     E, Ev = k.shape[-1], do_a.shape[-1] - 1
     g, bq = plan.shapes.group, plan.block_q
@@ -1144,13 +1182,14 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, c
     n_dq = max(1, min(threads, len(tasks)))  # at most one dQ buffer per thread that runs tasks
 
     # the temporaries, from one block (see _arena); dQ sums into grad_q itself and n_dq - 1 more buffers
+    ones = E + 1 if plan.key_ones else 0  # the forward's keys: with a ones column or as they are
     ks, ka, va, do_a, qa, qs_f, do_f, *dq_more = _arena(
-        [(B, Hkv, S, E), (B, Hkv, S, E + 1), (B, Hkv, S, Ev + 1), (B, Hq, L, Ev + 1), (B, Hq, L, E + 1),
+        [(B, Hkv, S, E), (B, Hkv, S, ones), (B, Hkv, S, Ev + 1), (B, Hq, L, Ev + 1), (B, Hq, L, E + 1),
          (B, Hq, L, E), (B, Hq, L, Ev)] + [(B, Hq, L, E)] * (n_dq - 1), cd)
     q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
     k = _flat(k, shapes, Hkv, cd)  # (B, Hkv, S, E)
     np.multiply(k, cd.type(plan.scale), out=ks)  # (B, Hkv, S, E)
-    _with_ones(k, out=ka)
+    ka = _with_ones(k, out=ka) if plan.key_ones else k
     _with_ones(_flat(v, shapes, Hkv, cd), out=va)  # (B, Hkv, S, Ev+1)
     d_out = np.asarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
     o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)

@@ -248,7 +248,7 @@ def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int
     Tiles a band's edge crosses (a causal diagonal, a window's edges) are cut
     into pieces of PIECE_ROWS rows (`FlashPlan.pieces`), each as wide as its
     rows see, so a causal self-attention keeps the full tiles (query blocks of
-    L / 4 along its diagonal had made L = 1024 7% slower than 512 x 512). A
+    L / 4 along its diagonal made its L = 1024 forward ~10% slower). A
     chunk of rows over a longer cache (`banded`, no left edge, 2L < S) cuts
     its query blocks to L / 8 (at least 64): a tile the band crosses costs its
     full width, (n + 1) / 2n of the full matrix for n query blocks. The forward

@@ -565,7 +565,7 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
         lo = offset - left
     mask_mod = None if mask_mod is None else bound(mask_mod, L, S)
     score_mod = None if score_mod is None else bound(score_mod, L, S)
-    if isinstance(mask_mod, BandedMaskMod) and mask_mod.band is not None:
+    if mask_mod is not None and isinstance(mask_mod, BandedMaskMod) and mask_mod.band is not None:
         mlo, mhi, exact = mask_mod.band  # a ready-made mod that implies lo <= kv - q <= hi
         if mlo is not None:
             lo = mlo if lo is None else max(lo, mlo)
@@ -586,7 +586,7 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
         auto_k = min(S, max(auto_k, FEW_ROWS_KEYS))
     heads = math.prod(shapes.batch) * shapes.q_heads
     threads = _useful_threads(num_threads, heads * L * S)  # the forward's work (see _flash_forward)
-    while auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * threads:
+    while threads > 1 and auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * threads:
         auto_q = max(PIECE_ROWS, auto_q // 2)  # two forward tasks per thread, where blocks can shrink
     plan = FlashPlan(
         shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
@@ -883,7 +883,7 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threa
     Hq = plan.shapes.q_heads
     tile = plan.block_q * plan.block_k * itemsize
     heads = max(1, min(Hq, l2_cache_bytes() // max(tile, 1)))
-    while heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * threads:
+    while threads > 1 and heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * threads:
         heads = -(-heads // 2)
     g = plan.shapes.group
     if g > 1:  # GQA: a task's heads share one kv head (no copy of K and V per query head)

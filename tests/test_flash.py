@@ -845,9 +845,9 @@ def test_work_one_thread_runs_is_planned_for_one_thread(monkeypatch):
     calls = []
     real = flash._run
 
-    def spy(tasks, fn, num_threads, work):
-        calls.append((len(tasks), num_threads))
-        return real(tasks, fn, num_threads, work)
+    def spy(tasks, fn, threads):
+        calls.append((len(tasks), threads))
+        return real(tasks, fn, threads)
 
     monkeypatch.setattr(flash, "_run", spy)
     rng = np.random.default_rng(4)

@@ -184,13 +184,14 @@ def _useful_threads(num_threads: int, work: int) -> int:
     return max(1, min(num_threads, work // _SERIAL_BELOW))
 
 
-def _run(tasks: list, fn: Callable, num_threads: int, work: int) -> list:
-    """fn(task) for every task, on the pool unless there is too little work to
-    split: threads never make a call slower than one thread would."""
+def _run(tasks: list, fn: Callable, threads: int) -> list:
+    """fn(task) for every task, on a pool of `threads` (the count `_useful_threads`
+    gives the call's work, so too little work to split stays on the calling
+    thread: threads never make a call slower than one thread would)."""
     with one_blas_thread():  # our threads do the spreading
-        if num_threads == 1 or len(tasks) <= 1 or work < _SERIAL_BELOW * min(num_threads, len(tasks)):
+        if threads == 1 or len(tasks) <= 1:
             return [fn(t) for t in tasks]
-        return list(_pool(num_threads).map(fn, tasks))
+        return list(_pool(threads).map(fn, tasks))
 
 
 # ----------------------------------------------------------------------------- tile sizes
@@ -899,15 +900,11 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
     shapes = plan.shapes
     B, Hq, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.L, shapes.S
     Hkv = shapes.kv_heads
-    if plan.key_ones:
+    k, v = _flat(k, shapes, Hkv, cd), _flat(v, shapes, Hkv, cd)  # (B, Hkv, S, E), (B, Hkv, S, Ev)
+    if plan.key_ones:  # with a ones column each (few query rows take them as they are: FlashPlan.key_ones)
         ka, va = _arena([(B, Hkv, S, shapes.E + 1), (B, Hkv, S, shapes.Ev + 1)], cd)
-        inputs = _ForwardInputs(
-            _flat(q, shapes, Hq, cd),  # (B, Hq, L, E)
-            _with_ones(_flat(k, shapes, Hkv, cd), out=ka),  # (B, Hkv, S, E+1)
-            _with_ones(_flat(v, shapes, Hkv, cd), out=va),  # (B, Hkv, S, Ev+1)
-        )
-    else:  # few query rows: no copy of the keys and values (see FlashPlan.key_ones)
-        inputs = _ForwardInputs(_flat(q, shapes, Hq, cd), _flat(k, shapes, Hkv, cd), _flat(v, shapes, Hkv, cd))
+        k, v = _with_ones(k, out=ka), _with_ones(v, out=va)
+    inputs = _ForwardInputs(_flat(q, shapes, Hq, cd), k, v)
     out = np.zeros((B, Hq, L, shapes.Ev), dtype=cd)
     lse = np.full((B, Hq, L), -np.inf, dtype=np.float64)
     shift = np.zeros((B, Hq, L), dtype=cd)
@@ -938,7 +935,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
                        out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1], shift[b, h:h + nh, q0:q1],
                        rel[b, h:h + nh, q0:q1])
                  for q0, q1, k_start, k_end in blocks for b in range(B) for h in range(0, Hq, nh)]
-        _run(tasks, task, threads, B * Hq * L * S)
+        _run(tasks, task, threads)
         return out, lse, shift.astype(np.float64), rel
 
     tasks, parts = [], []
@@ -955,7 +952,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
                     if edges[i + 1] > edges[i]:
                         tasks.append(_Rows(b, h, h + 1, q0, q1, int(edges[i]), int(edges[i + 1]),
                                            o_parts[i], l_parts[i], None, None))
-    _run(tasks, task, threads, B * Hq * L * S)
+    _run(tasks, task, threads)
     for b, h, q0, q1, o_parts, l_parts in parts:
         merged = merge_attention_states(o_parts[:, 0], l_parts[:, 0])
         out[b, h, q0:q1], lse[b, h, q0:q1] = merged.output, merged.lse
@@ -1232,7 +1229,7 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, rel, c
         b, h_kv, k0, k1 = cols
         _backward_cols(plan, inputs, cols, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
-    _run(tasks, task, threads, 3 * B * Hq * L * S)
+    _run(tasks, task, threads)
     for buf in dq_buffers.values():
         if buf is not grad_q:
             grad_q += buf

@@ -445,6 +445,48 @@ def test_gqa_maps_query_head_to_kv_head_h_div_group_with_masks_over_heads(torch)
 
 # ================================================================ dropout
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, kw",
+    [
+        ((1, 9, 1, 64), (1, 3, 90, 64), dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)),  # decode
+        ((2, 4, 1, 16), (2, 1, 7, 16), dict(is_causal=True, causal_align="bottom_right")),  # one kv head stretches
+        ((3, 5, 8), (3, 11, 8), dict(scale=0.3)),  # rank 3, not causal
+        ((2, 2, 4, 6, 8), (2, 2, 4, 1, 8), dict(is_causal=True)),  # top-left over a single key
+    ],
+)
+def test_calls_that_mask_nothing_give_the_general_paths_bits(dtype, q_shape, kv_shape, kw):
+    """A call with no mask of any kind (a decode step's) takes a short path; it must
+    give exactly the bits of the general path, which an all-True padding mask forces."""
+    from attnkit.functional.attention import _unmasked
+
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal(q_shape).astype(dtype) * 3
+    cache = rng.standard_normal((*kv_shape[:-2], kv_shape[-2] + 5, kv_shape[-1])).astype(dtype)  # a cache's view
+    k, v = cache[..., : kv_shape[-2], :], cache[..., 5:, :]
+    args = (kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False), kw.get("causal_align", "top_left"))
+    assert _unmasked(q, k, v, 0.0, *args) is not None  # the short path is taken
+    everything = np.ones(kv_shape[-2], dtype=bool)
+    short, general = sdpa(q, k, v, **kw), sdpa(q, k, v, key_padding_mask=everything, **kw)
+    assert short.dtype == dtype and short.shape == general.shape
+    np.testing.assert_array_equal(short, general)
+    # and, as a sanity check on top of the general path's own tests, the float64 truth (no key is masked)
+    truth = reference_attention(q, k, v, scale=kw.get("scale"), gqa_group=q_shape[-3] // kv_shape[-3])[0]
+    assert_close(short, truth, rtol=2e-5 if dtype == np.float32 else 1e-13, what="unmasked call")
+
+
+def test_calls_that_mask_nothing_leave_overflow_to_the_general_path(torch):
+    """Scores beyond float32's range: the short path declines (no NaN, no warning) and the
+    answer is the general path's float64 one, torch's math backend's."""
+    from attnkit.functional.attention import _unmasked
+
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((1, 2, 1, 8)).astype(np.float32) * 3e19 for _ in range(3))
+    assert _unmasked(q, k, v, 0.0, True, None, False, "bottom_right") is None
+    out = sdpa(q, k, v, is_causal=True, causal_align="bottom_right")
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, torch_sdpa(q, k, v), rtol=1e-6)
+
 
 def test_dropout_is_reproducible_rescaled_and_drawn_from_the_given_generator():
     rng = np.random.default_rng(6)

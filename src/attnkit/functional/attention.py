@@ -41,11 +41,13 @@ Semantics follow torch's `F.scaled_dot_product_attention`:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import numpy as np
 
 from attnkit.functional._checks import (
+    TINY_SCALE,
     AttentionShapes,
     all_finite,
     check_align,
@@ -290,6 +292,11 @@ def scaled_dot_product_attention(
         not asked for set to None. A query whose keys are all masked gets
         output 0, weights 0 and lse -inf.
     """
+    if (attn_mask is None and window is None and key_padding_mask is None and score_mod is None
+            and mask_mod is None and rng is None and not return_weights and not return_lse):
+        out = _unmasked(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_align)
+        if out is not None:
+            return out
     dropout_p = check_dropout(dropout_p)
     if rng is not None:
         check_rng(rng)  # a bad rng is an error even when dropout is off
@@ -320,6 +327,55 @@ def scaled_dot_product_attention(
         weights=weights.astype(shapes.dtype, copy=False) if return_weights else None,
         lse=lse.astype(shapes.dtype, copy=False) if return_lse else None,
     )
+
+
+def _unmasked(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_align) -> np.ndarray | None:
+    """The output of a call that masks nothing, or None when the call needs the
+    general path (or is an error, which that path reports).
+
+    A decode step calls attention 30 times a token with one query row over the
+    cache, where the general path's checks and mask plumbing cost several times
+    the arithmetic. This takes only calls that need none of it: arrays of one
+    float32/float64 dtype and rank >= 3 with the same leading dims and no
+    broadcasting, no mask of any kind (is_causal only where it excludes no key:
+    one bottom-right row, or a single key), no dropout, a scale the compute dtype
+    holds. It makes the general path's own operations in the same order, so its
+    output is the same bits; where a score row's maximum is not finite (an
+    overflow or NaN) it returns None and the general path decides.
+    """
+    if not (type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray):
+        return None
+    dtype = query.dtype
+    if not (dtype == key.dtype == value.dtype and dtype.char in "fd" and query.ndim == key.ndim == value.ndim >= 3):
+        return None
+    *batch, Hq, L, E = query.shape
+    *kv_batch, Hkv, S, Ek = key.shape
+    if not (kv_batch == batch == list(value.shape[:-3]) and value.shape[-3:-1] == (Hkv, S) and Ek == E
+            and query.size and key.size and value.size and Hq % Hkv == 0
+            and (Hq == Hkv or Hkv == 1 or enable_gqa is True)):
+        return None
+    if type(dropout_p) not in (float, int) or dropout_p != 0:
+        return None
+    if causal_align != "top_left" and causal_align != "bottom_right":
+        return None
+    if is_causal is not False and not (is_causal is True and (L == 1 if causal_align == "bottom_right" else S == 1)):
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif type(scale) is not float or not math.isfinite(scale):
+        return None
+    if dtype.char == "f" and 0 < abs(scale) < TINY_SCALE:  # start_dtype would say float64
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow goes to the general path
+        q = np.multiply(query, scale, dtype=dtype).reshape(*batch, Hkv, Hq // Hkv * L, E)
+        scores = np.matmul(q, np.swapaxes(key, -1, -2))  # (..., Hkv, g*L, S)
+        row_max = np.maximum.reduce(scores, axis=-1, keepdims=True)
+        if not math.isfinite(np.add.reduce(row_max, axis=None)):  # (a sum too large to hold also goes)
+            return None
+        scores -= row_max
+        np.exp(scores, out=scores)
+        scores /= np.add.reduce(scores, axis=-1, keepdims=True)  # >= 1: the maximum's term is 1
+        return np.matmul(scores, value).reshape(*batch, Hq, L, value.shape[-1])
 
 
 def scaled_dot_product_attention_backward(

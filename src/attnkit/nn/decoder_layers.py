@@ -84,8 +84,9 @@ class RMSNorm(Module):
         mean_square += x32.dtype.type(self.eps)
         np.sqrt(mean_square, out=mean_square)
         y = x32 / mean_square
-        y *= self.weight
-        return y.astype(x.dtype if out_dtype is None else out_dtype, copy=False)
+        # times the weight, rounded once into the output dtype (as y * weight, then astype)
+        out = np.empty(y.shape, x.dtype if out_dtype is None else out_dtype)
+        return np.multiply(y, self.__dict__["_parameters"]["weight"], out=out, casting="same_kind")
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"

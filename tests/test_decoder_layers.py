@@ -28,6 +28,17 @@ def test_rms_norm_matches_transformers(torch, transformers):
     plain = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * weight  # the float64 truth
     assert_within_budget(ours(x), expected, plain, what="RMSNorm float32")
     np.testing.assert_allclose(ours.astype(np.float64)(x64), plain, atol=1e-12)
+    # one vector (a decode step's) takes a shorter path: the same budget, row by row, and the
+    # float64 residual stream a Llama block feeds it, rounded into float32
+    for row in x.reshape(-1, 1, 1, 40)[:6]:
+        with torch.no_grad():
+            one = ref(torch.from_numpy(row)).numpy()
+        truth = row.astype(np.float64) / np.sqrt((row.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * weight
+        assert_within_budget(ours(row), one, truth, what="RMSNorm float32, one vector")
+        got = ours(row.astype(np.float64), np.float32)
+        assert got.dtype == np.float32 and got.shape == (1, 1, 40)
+        np.testing.assert_allclose(got, truth, rtol=F32_EPS, atol=F32_EPS * np.abs(truth).max())
+    assert ours(np.zeros((1, 40), np.float32)).tolist() == [[0.0] * 40]  # eps keeps zeros finite
 
 
 def _rotate_float64(x, positions, head_dim, base):

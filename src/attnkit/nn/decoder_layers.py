@@ -18,6 +18,7 @@ The copies are rebuilt whenever a weight array is replaced.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -77,13 +78,18 @@ class RMSNorm(Module):
         if x.shape[-1] != self.d:
             raise ValueError(f"expected x of shape (..., {self.d}), got {x.shape}")
         x32 = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
-        # np.mean's arithmetic (sum, then divide by d) without its Python overhead: a decode
-        # step normalizes 2 vectors per layer, and the wrapper cost more than the sums.
-        mean_square = np.add.reduce(np.square(x32), axis=-1, keepdims=True)  # (..., 1)
-        mean_square /= self.d
-        mean_square += x32.dtype.type(self.eps)
-        np.sqrt(mean_square, out=mean_square)
-        y = x32 / mean_square
+        if x.size == self.d:  # one vector, as a decode step normalizes twice a layer
+            # its mean square is one dot product, and the scale a Python float: three calls
+            # where the rows' path below makes seven (each costs more than its arithmetic here)
+            flat = x32.reshape(-1)
+            y = np.multiply(x32, 1.0 / math.sqrt(float(np.dot(flat, flat)) / self.d + self.eps))
+        else:
+            # np.mean's arithmetic (sum, then divide by d) without its Python overhead
+            mean_square = np.add.reduce(np.square(x32), axis=-1, keepdims=True)  # (..., 1)
+            mean_square /= self.d
+            mean_square += x32.dtype.type(self.eps)
+            np.sqrt(mean_square, out=mean_square)
+            y = x32 / mean_square
         # times the weight, rounded once into the output dtype (as y * weight, then astype)
         out = np.empty(y.shape, x.dtype if out_dtype is None else out_dtype)
         return np.multiply(y, self.__dict__["_parameters"]["weight"], out=out, casting="same_kind")

@@ -39,6 +39,10 @@ def test_rms_norm_matches_transformers(torch, transformers):
         assert got.dtype == np.float32 and got.shape == (1, 1, 40)
         np.testing.assert_allclose(got, truth, rtol=F32_EPS, atol=F32_EPS * np.abs(truth).max())
     assert ours(np.zeros((1, 40), np.float32)).tolist() == [[0.0] * 40]  # eps keeps zeros finite
+    # without eps a zero vector is 0 / 0 on both paths, as in torch: no Python ZeroDivisionError
+    no_eps = RMSNorm(40, eps=0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        np.testing.assert_array_equal(no_eps(np.zeros((1, 40))), no_eps(np.zeros((2, 40)))[:1])
 
 
 def _rotate_float64(x, positions, head_dim, base):

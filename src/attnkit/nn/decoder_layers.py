@@ -79,10 +79,10 @@ class RMSNorm(Module):
             raise ValueError(f"expected x of shape (..., {self.d}), got {x.shape}")
         x32 = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
         if x.size == self.d:  # one vector, as a decode step normalizes twice a layer
-            # its mean square is one dot product, and the scale a Python float: three calls
+            # its mean square is one dot product, and the root a Python float: three calls
             # where the rows' path below makes seven (each costs more than its arithmetic here)
             flat = x32.reshape(-1)
-            y = np.multiply(x32, 1.0 / math.sqrt(float(np.dot(flat, flat)) / self.d + self.eps))
+            y = np.divide(x32, math.sqrt(float(np.dot(flat, flat)) / self.d + self.eps))
         else:
             # np.mean's arithmetic (sum, then divide by d) without its Python overhead
             mean_square = np.add.reduce(np.square(x32), axis=-1, keepdims=True)  # (..., 1)

@@ -1,0 +1,298 @@
+"""How far can issue 15's speed goals go on this machine? Floors, and the ceilings they set.
+
+Each goal compares attnkit with a peer doing the same arithmetic. Part of attnkit's
+time is work no float32 NumPy implementation can skip: the matrix products (BLAS),
+and in attention the exp of every score (one NumPy call per tile). This script
+times that work alone, round-robin with attnkit and its peers in one process, and
+prints the best ratio attnkit could reach if everything else it does were free:
+
+    ceiling = peer's time / floor's time
+
+A goal whose ceiling is below it cannot pass on this machine with this NumPy and
+BLAS, whatever attnkit's code does; one whose ceiling is above it is a question of
+the rest (the "budget" column: what the non-floor work may cost at most).
+
+- encoder: all-MiniLM-L6-v2's linear products over the tokens of `attnkit bench
+  encoder`'s goal row (256 varied sentences, batches of 32 sorted by length and
+  packed without padding, as `SentenceEncoder.encode` runs them; the faster of the
+  two weight layouts per shape), against sentence-transformers and ONNX Runtime
+  (when installed). Goals: 1.5x and 1.2x.
+- flash: `flash_attention`'s forward floor (per tile of its grid: q kᵀ, exp, P V)
+  and backward floor (per tile: q kᵀ, exp, dO Vᵀ, Pᵀ dO, dS K, dSᵀ q: the five
+  products and the exp any tiled backward makes), B=1, H=8, E=64, float32, against
+  torch SDPA (no_grad forward; forward + backward through autograd). Goals: forward
+  0.8x, forward + backward 1.0x.
+- decoder: SmolLM2's weight products of a decode step, back to back in decode
+  order on the model's own arrays, against the bandwidth probe of `attnkit bench
+  decoder`, and attnkit's decode step from `generate`. Goal: decode at 60% of the
+  probe's float32 weight-bandwidth bound.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/floors.py \\
+        [--part encoder flash decoder] [--threads 1] [--rounds 5] [--json out.json]
+
+Threads: one by default, the per-core question. The floors run on the thread count
+given (BLAS threads for the products).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from threadpoolctl import threadpool_limits
+
+from attnkit.bench.measure import blas_summary, system_info
+from attnkit.bench.torch_modules import time_round_robin
+
+
+def _best(timed: dict, name: str) -> float:
+    return timed[name]["best_s"]
+
+
+# ----------------------------------------------------------------------------- encoder
+
+
+def encoder(threads: int, rounds: int) -> list[dict]:
+    import torch
+
+    from attnkit.bench.encoder import (
+        GOAL_VS_ORT, GOAL_VS_REFERENCE, GOAL_WORKLOAD, OnnxRuntimeEncoder, _load_contenders, benchmark_sentences,
+        onnxruntime_available,
+    )
+
+    _, sentences, batch_size = GOAL_WORKLOAD
+    ours, reference = _load_contenders(None, threads)
+    texts = benchmark_sentences(sentences)
+    lengths = sorted(len(e.ids) for e in ours.tokenizer.encode(texts))
+    batches = [sum(lengths[i : i + batch_size]) for i in range(0, len(lengths), batch_size)]
+    c = ours.model.config
+    d, ff = c.hidden_size, c.intermediate_size
+    shapes = [(d, 3 * d), (d, d), (d, ff), (ff, d)]  # fused q/k/v, attention output, FFN in, FFN out
+    rng = np.random.default_rng(0)
+    weights = [(rng.standard_normal(s, dtype=np.float32), rng.standard_normal(s[::-1], dtype=np.float32).T)
+               for s in shapes]  # each shape in both layouts: (in, out) row-major, and its transpose
+    inputs = {(n, s[0]): rng.standard_normal((n, s[0]), dtype=np.float32) for n in set(batches) for s in shapes}
+    with threadpool_limits(threads, user_api="blas"):
+        layout = []  # the faster layout for each shape, on the largest batch
+        for pair, shape in zip(weights, shapes):
+            x = inputs[(max(batches), shape[0])]
+            timed = time_round_robin({i: (lambda w=w: x @ w) for i, w in enumerate(pair)}, rounds=7)
+            layout.append(pair[min(timed, key=lambda i: timed[i]["best_s"])])
+
+    def products() -> None:
+        for n in batches:
+            for _ in range(c.num_hidden_layers):
+                for w, shape in zip(layout, shapes):
+                    inputs[(n, shape[0])] @ w
+
+    def run_reference() -> None:
+        with torch.inference_mode():
+            reference.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fns = {"linear products alone": lambda: _with_blas(threads, products),
+               "attnkit": lambda: ours.encode(texts, batch_size=batch_size),
+               "sentence-transformers": run_reference}
+        goals = {"sentence-transformers": GOAL_VS_REFERENCE}
+        if onnxruntime_available():
+            ort = OnnxRuntimeEncoder(reference, threads)
+            fns["ONNX Runtime"] = lambda: ort.encode(texts, batch_size)
+            goals["ONNX Runtime"] = GOAL_VS_ORT
+        timed = time_round_robin(fns, rounds)
+    finally:
+        torch.set_num_threads(previous)
+    floor = _best(timed, "linear products alone")
+    flops = 2 * sum(batches) * c.num_hidden_layers * sum(a * b for a, b in shapes)
+    rows = []
+    for peer, goal in goals.items():
+        rows.append(dict(part="encoder", goal=f"attnkit >= {goal}x {peer} (256 varied, batch 32)",
+                         floor_s=floor, floor_note=f"{flops / floor / 1e9:.1f} GFLOP/s, {sum(batches)} tokens",
+                         attnkit_s=_best(timed, "attnkit"), peer=peer, peer_s=_best(timed, peer), goal_ratio=goal))
+    return rows
+
+
+def _with_blas(threads: int, fn) -> None:
+    with threadpool_limits(threads, user_api="blas"):
+        fn()
+
+
+# ----------------------------------------------------------------------------- flash
+
+
+def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
+    import attnkit
+    from attnkit.bench.attention import _torch_contenders
+    from attnkit.functional.flash import choose_blocks
+
+    import torch
+
+    H, E = 8, 64
+    rows = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for L in lengths:
+            rng = np.random.default_rng(L)
+            q, k, v, d_out = (rng.standard_normal((1, H, L, E), dtype=np.float32) for _ in range(4))
+            block_q, block_k = choose_blocks(L, L, 4, banded=False)
+            qs = (q[0] * np.float32(1 / math.sqrt(E)))
+            kt = np.ascontiguousarray(np.swapaxes(k[0], -1, -2))  # (H, E, S)
+            vt = np.ascontiguousarray(np.swapaxes(v[0], -1, -2))
+            dq, dk, dv = np.zeros_like(q[0]), np.zeros_like(k[0]), np.zeros_like(v[0])
+            tiles = [(h, q0, k0) for h in range(H) for q0 in range(0, L, block_q) for k0 in range(0, L, block_k)]
+
+            scores = np.empty((block_q, block_k), np.float32)  # one tile's buffers, reused as flash does
+            grad_p = np.empty_like(scores)
+            small = {n: np.empty((n, E), np.float32) for n in (block_q, block_k)}
+
+            def forward_floor() -> None:
+                for h, q0, k0 in tiles:
+                    s = np.matmul(qs[h, q0 : q0 + block_q], kt[h, :, k0 : k0 + block_k], out=scores)
+                    np.exp(s, out=s)
+                    np.matmul(s, v[0, h, k0 : k0 + block_k], out=small[block_q])
+
+            def backward_floor() -> None:
+                for h, q0, k0 in tiles:
+                    r, c = slice(q0, q0 + block_q), slice(k0, k0 + block_k)
+                    p = np.matmul(qs[h, r], kt[h, :, c], out=scores)
+                    np.exp(p, out=p)
+                    d_p = np.matmul(d_out[0, h, r], vt[h, :, c], out=grad_p)  # dS = P (dP - D): not counted
+                    dv[h, c] += np.matmul(p.T, d_out[0, h, r], out=small[block_k])
+                    dq[h, r] += np.matmul(d_p, k[0, h, c], out=small[block_q])
+                    dk[h, c] += np.matmul(d_p.T, qs[h, r], out=small[block_k])
+
+            torch_fns = _torch_contenders(q, k, v, d_out, False)
+            fns = {
+                "forward floor": lambda: _with_blas(threads, forward_floor),
+                "flash forward": lambda: attnkit.flash_attention(q, k, v, num_threads=threads),
+                "torch SDPA forward": torch_fns[("torch SDPA", "fwd")],
+                "fwd+bwd floor": lambda: _with_blas(threads, lambda: (forward_floor(), backward_floor())),
+                "flash fwd+bwd": lambda: _flash_fwd_bwd(q, k, v, d_out, threads),
+                "torch SDPA fwd+bwd": torch_fns[("torch SDPA", "fwd+bwd")],
+            }
+            timed = time_round_robin(fns, rounds)
+            for passes, goal in (("forward", 0.8), ("fwd+bwd", 1.0)):
+                rows.append(dict(part="flash", goal=f"flash {passes} >= {goal}x torch SDPA, L=S={L}",
+                                 floor_s=_best(timed, f"{passes} floor"),
+                                 floor_note=f"{len(tiles)} tiles of {block_q} x {block_k}",
+                                 attnkit_s=_best(timed, f"flash {passes}"), peer="torch SDPA",
+                                 peer_s=_best(timed, f"torch SDPA {passes}"), goal_ratio=goal))
+    finally:
+        torch.set_num_threads(previous)
+    return rows
+
+
+def _flash_fwd_bwd(q, k, v, d_out, threads):
+    import attnkit
+
+    res = attnkit.flash_attention(q, k, v, num_threads=threads, return_lse=True)
+    return attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+def decoder(threads: int, rounds: int) -> list[dict]:
+    from attnkit.bench.decoder import GOAL_BOUND_FRACTION, BandwidthProbe, weight_bytes
+    from attnkit.models.embedded import smollm2_gguf_path
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(smollm2_gguf_path())
+    ids = np.arange(100, 150)
+    model.generate(ids, 2, stop=())  # builds the fused arrays and the head's transpose
+    matrices = []
+    for block in model.layers:
+        qkv_t, _, out_t, _ = block.attn._fused()
+        gate_up_t, _, down_t = block.mlp._fused()
+        matrices += [qkv_t, out_t, gate_up_t, down_t]
+    matrices.append(model._head_t)
+    x = {m.shape[0]: np.ones((1, 1, m.shape[0]), np.float32) for m in matrices}
+    probe = BandwidthProbe()
+    steps = 16
+    nbytes = weight_bytes(model)
+
+    def products() -> None:
+        for _ in range(steps):
+            for m in matrices:
+                x[m.shape[0]] @ m
+
+    stamps: list[float] = []
+
+    def decode() -> None:
+        stamps.clear()
+        model.generate(ids, steps + 1, stop=(), on_token=lambda _: stamps.append(time.perf_counter()))
+
+    step_times: list[float] = []
+
+    def timed_decode() -> None:
+        decode()
+        step_times.append((stamps[-1] - stamps[0]) / steps)
+
+    with threadpool_limits(threads, user_api="blas"):
+        bandwidth: list[float] = []
+        timed = time_round_robin({"products": products, "decode": timed_decode,
+                                  "probe": lambda: bandwidth.append(probe.measure(steps * nbytes))}, rounds)
+    floor = _best(timed, "products") / steps
+    bound_step = nbytes / max(bandwidth)  # seconds a step at the probe's best bandwidth
+    return [dict(part="decoder", goal=f"decode >= {GOAL_BOUND_FRACTION:.0%} of the float32 bound "
+                                      f"({max(bandwidth) / 1e9:.1f} GB/s)",
+                 floor_s=floor, floor_note=f"{nbytes / floor / 1e9:.1f} GB/s, {len(matrices)} products a step",
+                 attnkit_s=min(step_times), peer="bound", peer_s=bound_step, goal_ratio=GOAL_BOUND_FRACTION)]
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", nargs="+", choices=("encoder", "flash", "decoder"),
+                        default=["encoder", "flash", "decoder"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="flash: L = S")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if any(L < 1 or L % 512 for L in args.lengths):
+        parser.error(f"expected --lengths to be multiples of 512 (whole tiles), got {args.lengths}")
+    rows: list[dict] = []
+    if "encoder" in args.part:
+        rows += encoder(args.threads, args.rounds)
+    if "flash" in args.part:
+        rows += flash(args.threads, args.rounds, args.lengths)
+    if "decoder" in args.part:
+        rows += decoder(args.threads, args.rounds)
+    table = Table(title=f"How far each goal can go: floors and ceilings, {args.threads} thread(s), "
+                        f"best of {args.rounds} round-robin rounds")
+    for col in ("goal", "floor ms", "floor", "attnkit ms", "peer ms", "ratio now", "ceiling", "budget ms",
+                "verdict"):
+        table.add_column(col, justify="left" if col in ("goal", "floor", "verdict") else "right")
+    for r in rows:
+        floor, ours, peer, goal = r["floor_s"], r["attnkit_s"], r["peer_s"], r["goal_ratio"]
+        # ratios are peer / attnkit, so attnkit's time may be at most peer / goal; the decoder's
+        # "peer" is the bound's step time, and its ratio the fraction of the bound
+        r.update(ratio=peer / ours, ceiling=peer / floor, budget_s=peer / goal - floor)
+        r["verdict"] = ("PASS now" if r["ratio"] >= goal else
+                        "unreachable here" if r["ceiling"] < goal else "reachable: the rest must shrink")
+        table.add_row(r["goal"], f"{floor * 1e3:,.1f}", r["floor_note"], f"{ours * 1e3:,.1f}", f"{peer * 1e3:,.1f}",
+                      f"{r['ratio']:.2f}", f"{r['ceiling']:.2f}", f"{r['budget_s'] * 1e3:,.1f}", r["verdict"])
+    console = Console()
+    console.print(table)
+    info = system_info()
+    console.print(f"CPU: {info.get('cpu_model', info['processor'])}; BLAS: {blas_summary()}; NumPy {np.__version__}")
+    console.print("ratio now = peer / attnkit (decoder: bound's step / attnkit's step); ceiling = peer / floor; "
+                  "budget = what everything beside the floor may cost for the goal to pass (negative: nothing can)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "rounds": args.rounds, "rows": rows, "system": info}, f,
+                      indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -250,6 +250,19 @@ def decoder(threads: int, rounds: int) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
+def assess(row: dict) -> dict:
+    """Adds ratio (peer / attnkit), ceiling (peer / floor), budget_s (what the work beside the
+    floor may cost for the goal to pass) and a verdict to a row of floor_s, attnkit_s, peer_s
+    and goal_ratio; returns it. Ratios are peer time over attnkit time, so attnkit may take at
+    most peer / goal. (The decoder's "peer" is the bound's step time: its ratio is the
+    fraction of the bound.)"""
+    floor, ours, peer, goal = row["floor_s"], row["attnkit_s"], row["peer_s"], row["goal_ratio"]
+    row.update(ratio=peer / ours, ceiling=peer / floor, budget_s=peer / goal - floor)
+    row["verdict"] = ("PASS now" if row["ratio"] >= goal else
+                      "unreachable here" if row["ceiling"] < goal else "reachable: the rest must shrink")
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", nargs="+", choices=("encoder", "flash", "decoder"),
@@ -274,12 +287,8 @@ def main() -> None:
                 "verdict"):
         table.add_column(col, justify="left" if col in ("goal", "floor", "verdict") else "right")
     for r in rows:
-        floor, ours, peer, goal = r["floor_s"], r["attnkit_s"], r["peer_s"], r["goal_ratio"]
-        # ratios are peer / attnkit, so attnkit's time may be at most peer / goal; the decoder's
-        # "peer" is the bound's step time, and its ratio the fraction of the bound
-        r.update(ratio=peer / ours, ceiling=peer / floor, budget_s=peer / goal - floor)
-        r["verdict"] = ("PASS now" if r["ratio"] >= goal else
-                        "unreachable here" if r["ceiling"] < goal else "reachable: the rest must shrink")
+        assess(r)
+        floor, ours, peer = r["floor_s"], r["attnkit_s"], r["peer_s"]
         table.add_row(r["goal"], f"{floor * 1e3:,.1f}", r["floor_note"], f"{ours * 1e3:,.1f}", f"{peer * 1e3:,.1f}",
                       f"{r['ratio']:.2f}", f"{r['ceiling']:.2f}", f"{r['budget_s'] * 1e3:,.1f}", r["verdict"])
     console = Console()

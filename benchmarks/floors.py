@@ -30,8 +30,11 @@ the rest (the "budget" column: what the non-floor work may cost at most).
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/floors.py \\
         [--part encoder flash decoder] [--threads 1] [--rounds 5] [--json out.json]
 
-Threads: one by default, the per-core question. The floors run on the thread count
-given (BLAS threads for the products).
+Threads: one by default, the per-core question. With more, every contender gets that
+many, and each floor splits its work the way attnkit can: flash's tiles by heads over
+worker threads with one BLAS thread each (as flash does); the encoder's products on
+BLAS threads or, rows split, on worker threads, whichever is faster; a decode step's
+products on BLAS threads (as decode steps run them when that is faster than one).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import argparse
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from rich.console import Console
@@ -90,6 +94,17 @@ def encoder(threads: int, rounds: int) -> list[dict]:
                 for w, shape in zip(layout, shapes):
                     inputs[(n, shape[0])] @ w
 
+    def products_share(share: int) -> None:  # one worker's share of every batch's rows
+        for n in batches:
+            rows = slice(n * share // threads, n * (share + 1) // threads)
+            for _ in range(c.num_hidden_layers):
+                for w, shape in zip(layout, shapes):
+                    inputs[(n, shape[0])][rows] @ w
+
+    def products_on_workers() -> None:  # as the encoder's "worker threads" schedule splits a batch
+        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
+            list(pool.map(products_share, range(threads)))
+
     def run_reference() -> None:
         with torch.inference_mode():
             reference.encode(texts, batch_size=batch_size, convert_to_numpy=True)
@@ -97,9 +112,11 @@ def encoder(threads: int, rounds: int) -> list[dict]:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fns = {"linear products alone": lambda: _with_blas(threads, products),
+        fns = {"products": lambda: _with_blas(threads, products),
                "attnkit": lambda: ours.encode(texts, batch_size=batch_size),
                "sentence-transformers": run_reference}
+        if threads > 1:  # the floor is the faster way to split them: BLAS threads, or worker threads
+            fns["products on workers"] = products_on_workers
         goals = {"sentence-transformers": GOAL_VS_REFERENCE}
         if onnxruntime_available():
             ort = OnnxRuntimeEncoder(reference, threads)
@@ -108,7 +125,7 @@ def encoder(threads: int, rounds: int) -> list[dict]:
         timed = time_round_robin(fns, rounds)
     finally:
         torch.set_num_threads(previous)
-    floor = _best(timed, "linear products alone")
+    floor = min(t["best_s"] for name, t in timed.items() if name.startswith("products"))
     flops = 2 * sum(batches) * c.num_hidden_layers * sum(a * b for a, b in shapes)
     rows = []
     for peer, goal in goals.items():
@@ -146,34 +163,36 @@ def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
             kt = np.ascontiguousarray(np.swapaxes(k[0], -1, -2))  # (H, E, S)
             vt = np.ascontiguousarray(np.swapaxes(v[0], -1, -2))
             dq, dk, dv = np.zeros_like(q[0]), np.zeros_like(k[0]), np.zeros_like(v[0])
-            tiles = [(h, q0, k0) for h in range(H) for q0 in range(0, L, block_q) for k0 in range(0, L, block_k)]
+            tiles = [(q0, k0) for q0 in range(0, L, block_q) for k0 in range(0, L, block_k)]  # per head
 
-            scores = np.empty((block_q, block_k), np.float32)  # one tile's buffers, reused as flash does
-            grad_p = np.empty_like(scores)
-            small = {n: np.empty((n, E), np.float32) for n in (block_q, block_k)}
+            def forward_floor(heads: range) -> None:
+                scores = np.empty((block_q, block_k), np.float32)  # a tile's buffers, reused as flash does
+                pv = np.empty((block_q, E), np.float32)
+                for h in heads:
+                    for q0, k0 in tiles:
+                        s = np.matmul(qs[h, q0 : q0 + block_q], kt[h, :, k0 : k0 + block_k], out=scores)
+                        np.exp(s, out=s)
+                        np.matmul(s, v[0, h, k0 : k0 + block_k], out=pv)
 
-            def forward_floor() -> None:
-                for h, q0, k0 in tiles:
-                    s = np.matmul(qs[h, q0 : q0 + block_q], kt[h, :, k0 : k0 + block_k], out=scores)
-                    np.exp(s, out=s)
-                    np.matmul(s, v[0, h, k0 : k0 + block_k], out=small[block_q])
-
-            def backward_floor() -> None:
-                for h, q0, k0 in tiles:
-                    r, c = slice(q0, q0 + block_q), slice(k0, k0 + block_k)
-                    p = np.matmul(qs[h, r], kt[h, :, c], out=scores)
-                    np.exp(p, out=p)
-                    d_p = np.matmul(d_out[0, h, r], vt[h, :, c], out=grad_p)  # dS = P (dP - D): not counted
-                    dv[h, c] += np.matmul(p.T, d_out[0, h, r], out=small[block_k])
-                    dq[h, r] += np.matmul(d_p, k[0, h, c], out=small[block_q])
-                    dk[h, c] += np.matmul(d_p.T, qs[h, r], out=small[block_k])
+            def backward_floor(heads: range) -> None:
+                p, d_p = np.empty((block_q, block_k), np.float32), np.empty((block_q, block_k), np.float32)
+                rows_e, cols_e = np.empty((block_q, E), np.float32), np.empty((block_k, E), np.float32)
+                for h in heads:
+                    for q0, k0 in tiles:
+                        r, c = slice(q0, q0 + block_q), slice(k0, k0 + block_k)
+                        np.matmul(qs[h, r], kt[h, :, c], out=p)
+                        np.exp(p, out=p)
+                        np.matmul(d_out[0, h, r], vt[h, :, c], out=d_p)  # dS = P (dP - D): not counted
+                        dv[h, c] += np.matmul(p.T, d_out[0, h, r], out=cols_e)
+                        dq[h, r] += np.matmul(d_p, k[0, h, c], out=rows_e)
+                        dk[h, c] += np.matmul(d_p.T, qs[h, r], out=cols_e)
 
             torch_fns = _torch_contenders(q, k, v, d_out, False)
             fns = {
-                "forward floor": lambda: _with_blas(threads, forward_floor),
+                "forward floor": lambda: _by_heads(threads, H, forward_floor),
                 "flash forward": lambda: attnkit.flash_attention(q, k, v, num_threads=threads),
                 "torch SDPA forward": torch_fns[("torch SDPA", "fwd")],
-                "fwd+bwd floor": lambda: _with_blas(threads, lambda: (forward_floor(), backward_floor())),
+                "fwd+bwd floor": lambda: (_by_heads(threads, H, forward_floor), _by_heads(threads, H, backward_floor)),
                 "flash fwd+bwd": lambda: _flash_fwd_bwd(q, k, v, d_out, threads),
                 "torch SDPA fwd+bwd": torch_fns[("torch SDPA", "fwd+bwd")],
             }
@@ -181,12 +200,24 @@ def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
             for passes, goal in (("forward", 0.8), ("fwd+bwd", 1.0)):
                 rows.append(dict(part="flash", goal=f"flash {passes} >= {goal}x torch SDPA, L=S={L}",
                                  floor_s=_best(timed, f"{passes} floor"),
-                                 floor_note=f"{len(tiles)} tiles of {block_q} x {block_k}",
+                                 floor_note=f"{H * len(tiles)} tiles of {block_q} x {block_k}",
                                  attnkit_s=_best(timed, f"flash {passes}"), peer="torch SDPA",
                                  peer_s=_best(timed, f"torch SDPA {passes}"), goal_ratio=goal))
     finally:
         torch.set_num_threads(previous)
     return rows
+
+
+def _by_heads(threads: int, heads: int, work) -> None:
+    """work(range of heads) over all heads: on `threads` worker threads, each with its own
+    share of the heads and one BLAS thread, as flash splits its work."""
+    with threadpool_limits(1, user_api="blas"):
+        if threads == 1:
+            work(range(heads))
+            return
+        shares = [range(heads * i // threads, heads * (i + 1) // threads) for i in range(threads)]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, shares))
 
 
 def _flash_fwd_bwd(q, k, v, d_out, threads):

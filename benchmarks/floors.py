@@ -49,10 +49,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from threadpoolctl import threadpool_limits
 
 from attnkit.bench.measure import blas_summary, system_info
 from attnkit.bench.torch_modules import time_round_robin
+from attnkit.runtime import blas_threads
 
 
 def _best(timed: dict, name: str) -> float:
@@ -82,29 +82,23 @@ def encoder(threads: int, rounds: int) -> list[dict]:
     weights = [(rng.standard_normal(s, dtype=np.float32), rng.standard_normal(s[::-1], dtype=np.float32).T)
                for s in shapes]  # each shape in both layouts: (in, out) row-major, and its transpose
     inputs = {(n, s[0]): rng.standard_normal((n, s[0]), dtype=np.float32) for n in set(batches) for s in shapes}
-    with threadpool_limits(threads, user_api="blas"):
+    with blas_threads(threads):
         layout = []  # the faster layout for each shape, on the largest batch
         for pair, shape in zip(weights, shapes):
             x = inputs[(max(batches), shape[0])]
             timed = time_round_robin({i: (lambda w=w: x @ w) for i, w in enumerate(pair)}, rounds=7)
             layout.append(pair[min(timed, key=lambda i: timed[i]["best_s"])])
 
-    def products() -> None:
+    def products(share: int = 0, parts: int = 1) -> None:  # every batch's rows, or one share of them
         for n in batches:
-            for _ in range(c.num_hidden_layers):
-                for w, shape in zip(layout, shapes):
-                    inputs[(n, shape[0])] @ w
-
-    def products_share(share: int) -> None:  # one worker's share of every batch's rows
-        for n in batches:
-            rows = slice(n * share // threads, n * (share + 1) // threads)
+            rows = slice(n * share // parts, n * (share + 1) // parts)
             for _ in range(c.num_hidden_layers):
                 for w, shape in zip(layout, shapes):
                     inputs[(n, shape[0])][rows] @ w
 
     def products_on_workers() -> None:  # as the encoder's "worker threads" schedule splits a batch
-        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
-            list(pool.map(products_share, range(threads)))
+        with blas_threads(1), ThreadPoolExecutor(threads) as pool:
+            list(pool.map(products, range(threads), [threads] * threads))
 
     def run_reference() -> None:
         with torch.inference_mode():
@@ -137,7 +131,7 @@ def encoder(threads: int, rounds: int) -> list[dict]:
 
 
 def _with_blas(threads: int, fn) -> None:
-    with threadpool_limits(threads, user_api="blas"):
+    with blas_threads(threads):
         fn()
 
 
@@ -233,7 +227,7 @@ def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles)
 def _by_heads(threads: int, heads: int, work) -> None:
     """work(range of heads) over all heads: on `threads` worker threads, each with its own
     share of the heads and one BLAS thread, as flash splits its work."""
-    with threadpool_limits(1, user_api="blas"):
+    with blas_threads(1):
         if threads == 1:
             work(range(heads))
             return
@@ -288,7 +282,7 @@ def decoder(threads: int, rounds: int) -> list[dict]:
         decode()
         step_times.append((stamps[-1] - stamps[0]) / steps)
 
-    with threadpool_limits(threads, user_api="blas"):
+    with blas_threads(threads):
         bandwidth: list[float] = []
         timed = time_round_robin({"products": products, "decode": timed_decode,
                                   "probe": lambda: bandwidth.append(probe.measure(steps * nbytes))}, rounds)

@@ -47,7 +47,6 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from attnkit.functional._checks import (
-    TINY_SCALE,
     AttentionShapes,
     all_finite,
     check_align,
@@ -364,7 +363,7 @@ def _unmasked(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal
         scale = 1.0 / math.sqrt(E)
     elif type(scale) is not float or not math.isfinite(scale):
         return None
-    if dtype.char == "f" and 0 < abs(scale) < TINY_SCALE:  # start_dtype would say float64
+    if start_dtype(dtype, scale) != dtype:  # a scale too small for float32: the general path runs float64
         return None
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow goes to the general path
         q = np.multiply(query, scale, dtype=dtype).reshape(*batch, Hkv, Hq // Hkv * L, E)

@@ -11,38 +11,59 @@ Importing attnkit never imports torch, matplotlib or a web framework.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from attnkit import masks
-from attnkit.functional import (
-    ATTENTION_BACKENDS,
-    AttentionGrads,
-    AttentionOutput,
-    AttentionState,
-    flash_attention,
-    flash_attention_backward,
-    get_attention,
-    merge_attention_states,
-    log_softmax,
-    register_attention,
-    logsumexp,
-    scaled_dot_product_attention,
-    scaled_dot_product_attention_backward,
-    softmax,
-    varlen_attention,
-)
-
+# Every public name loads on first use (PEP 562), so `import attnkit` costs nothing
+# until something is used: the command line can take Ctrl+C from its first line on.
+# public name -> the submodule (under attnkit) that defines it
+_LAZY = {
+    "ATTENTION_BACKENDS": "functional",
+    "AttentionGrads": "functional",
+    "AttentionOutput": "functional",
+    "AttentionState": "functional",
+    "flash_attention": "functional",
+    "flash_attention_backward": "functional",
+    "get_attention": "functional",
+    "merge_attention_states": "functional",
+    "log_softmax": "functional",
+    "register_attention": "functional",
+    "logsumexp": "functional",
+    "scaled_dot_product_attention": "functional",
+    "scaled_dot_product_attention_backward": "functional",
+    "softmax": "functional",
+    "varlen_attention": "functional",
+    "record_attention": "nn.interface",
+}
 # Subpackages reachable as attributes, imported on first access.
-_SUBMODULES = ("nn", "models", "viz")
-# Names from those subpackages, also imported on first access.
-_LAZY_NAMES = {"record_attention": "attnkit.nn.interface"}
+_SUBMODULES = ("functional", "masks", "nn", "models", "viz")
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ loads these
+    from attnkit import functional, masks, models, nn, viz  # noqa: F401
+    from attnkit.functional import (  # noqa: F401
+        ATTENTION_BACKENDS,
+        AttentionGrads,
+        AttentionOutput,
+        AttentionState,
+        flash_attention,
+        flash_attention_backward,
+        get_attention,
+        log_softmax,
+        logsumexp,
+        merge_attention_states,
+        register_attention,
+        scaled_dot_product_attention,
+        scaled_dot_product_attention_backward,
+        softmax,
+        varlen_attention,
+    )
+    from attnkit.nn.interface import record_attention  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"attnkit.{_LAZY[name]}"), name)
         globals()[name] = value
         return value
     if name not in _SUBMODULES:
@@ -51,7 +72,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_SUBMODULES) + list(_LAZY_NAMES))
+    return sorted(list(globals()) + list(_SUBMODULES) + list(_LAZY))
 
 
 __all__ = [

@@ -161,6 +161,18 @@ class _TidyHelp:
         return option
 
 
+def _interrupted(error: BaseException) -> bool:
+    """Whether `error` was caused by Ctrl+C: Python wraps a KeyboardInterrupt raised while a
+    class is built (`__set_name__`) in a RuntimeError, with the interrupt as its cause."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class _Group(_TidyHelp, TyperGroup):
     """attnkit's command group: every failure ends as one `error:` line and an exit code."""
 
@@ -196,9 +208,12 @@ class _Group(_TidyHelp, TyperGroup):
         except MissingExtraError as error:  # an optional package: the message says which extra
             print_error(str(error))
             code = USER
-        except Exception as error:  # a bug in attnkit: still one line, never a traceback
-            print_error(f"internal error: {type(error).__name__}: {error} (please report it)")
-            code = USER
+        except Exception as error:
+            if _interrupted(error):  # Ctrl+C, wrapped by Python (a class being built as it landed)
+                code = 130
+            else:  # a bug in attnkit: still one line, never a traceback
+                print_error(f"internal error: {type(error).__name__}: {error} (please report it)")
+                code = USER
         sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 from typing import Optional
 
 import typer
 
+from attnkit.cli import _interrupt
 from attnkit.cli._app import app, check_int, check_text, console, fail, say, usage, use_color, warn
 from attnkit.cli._output import Output, beside, plan, write_all
 from attnkit.cli.models import ANY, model_option
@@ -239,11 +241,40 @@ def _url_host(name: str) -> str:
 
 
 def _run_server(application, sock: socket.socket) -> None:
-    """Serve `application` on the bound socket until Ctrl+C."""
+    """Serve `application` on the bound socket until Ctrl+C, then raise KeyboardInterrupt
+    (the command line's exit 130).
+
+    The command owns SIGINT for the whole run instead of leaving the exit code to where
+    the signal lands: uvicorn stops gracefully on SIGINT and then re-raises it into
+    whatever handler it found (asyncio's, which turns it into a KeyboardInterrupt only if
+    its main task is still running; or SIG_IGN, inherited by a background job, which
+    swallows it, and the process exits 0). Here the handler it finds, before, during
+    and after serving, is ours: it asks the server to stop and notes the interrupt in the
+    command line's record (`attnkit.cli._interrupt`), which also holds any Ctrl+C that
+    landed while the commands loaded and that a library swallowed: then the server never
+    starts. A second Ctrl+C stops at once, without waiting for open requests.
+    """
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(application, log_level="warning"))
-    server.run(sockets=[sock])
+    # lifespan="off": the app has no startup or shutdown work, and a lifespan task cut short
+    # by a second Ctrl+C would log its CancelledError as a traceback.
+    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="off"))
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        _interrupt.note(signum)
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        if _interrupt.received():  # a Ctrl+C while loading that some library swallowed
+            return
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if _interrupt.received():
+            raise KeyboardInterrupt
 
 
 @app.command()

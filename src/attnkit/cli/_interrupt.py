@@ -1,0 +1,37 @@
+"""Ctrl+C, remembered: the record behind the command line's exit 130.
+
+Python turns SIGINT into a KeyboardInterrupt raised wherever the main thread happens
+to be, and a few places lose it: C code that clears errors (a dict lookup that calls a
+Python `__eq__`), a library's `except BaseException`, Python wrapping it in another
+error while a class is built. A command that must stop on Ctrl+C (a server) asks this
+record instead of trusting the exception to arrive.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+_received: list[int] = []
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Take SIGINT where Python's own handler has it: note it, then raise as Python does.
+    (A background job that inherited SIGINT ignored keeps ignoring it.)"""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def note(signum: int = signal.SIGINT) -> None:
+    """Record a Ctrl+C taken by another handler (the server's)."""
+    _received.append(signum)
+
+
+def received() -> bool:
+    """Whether Ctrl+C reached this process since the command line started."""
+    return bool(_received)

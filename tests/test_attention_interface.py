@@ -161,7 +161,7 @@ def test_sentence_encoder_backend_switch_reaches_the_packed_path(bert_folder, co
     [
         (nn.MultiHeadAttention(16, 4, seed=0), 1),
         (nn.SingleHeadSelfAttention(16, 8, seed=0), 1),
-        (nn.PerHeadMultiHeadAttention(16, 4, seed=0), 4),  # one call per head
+        (nn.PerHeadMultiHeadAttention(16, 4, seed=0), 1),  # its heads attend in one call
         (nn.TransformerBlock(16, 4, 32, seed=0), 1),
     ],
     ids=lambda value: type(value).__name__ if isinstance(value, nn.Module) else str(value),
@@ -174,6 +174,53 @@ def test_every_module_takes_the_switch(module, calls, counting):
     assert len(counting) == calls
     assert len(recording) == 1 and recording[0].shape[-2:] == (5, 5)  # one (B, H, L, S) map per module call
     module.set_attention_backend("naive")
+
+
+# Every module class that attends, built the same way each time (seed 0).
+MODULE_CLASSES = {
+    "MultiHeadAttention": lambda: nn.MultiHeadAttention(16, 4, seed=0),
+    "MultiHeadAttention-gqa": lambda: nn.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0),
+    "PerHeadMultiHeadAttention": lambda: nn.PerHeadMultiHeadAttention(16, 4, seed=0),
+    "TransformerBlock": lambda: nn.TransformerBlock(16, 4, 32, seed=0),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", [*sorted(ATTENTION_BACKENDS), "counting"])
+@pytest.mark.parametrize("name", sorted(MODULE_CLASSES))
+def test_every_module_runs_on_every_backend(name, backend, causal, counting):
+    """One route: each module class on each registered backend (a user's included), with
+    key padding and causality passed as keywords, agrees with naive within the budget."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 9, 16)).astype(np.float32)
+    key_mask = np.ones((3, 9), bool)
+    key_mask[1, 6:] = False
+    key_mask[2, :] = False  # a sequence with no real token: output 0 / bias, never NaN
+
+    def run(module, inputs):
+        out = module(inputs, key_mask=key_mask, is_causal=causal)
+        return out.output if isinstance(out, tuple) else out
+
+    reference = run(MODULE_CLASSES[name](), x)
+    truth = run(MODULE_CLASSES[name]().astype(np.float64), x.astype(np.float64))
+    module = MODULE_CLASSES[name]().set_attention_backend(backend)
+    out = run(module, x)
+    assert np.isfinite(out).all()
+    assert_within_budget(out, reference, truth, what=f"{name} on backend {backend!r}")
+    if backend == "counting":
+        assert counting and not any(counting)  # called, and never asked for weights it does not need
+
+
+def test_a_module_that_always_returns_weights_runs_naive_on_a_weightless_backend():
+    """SingleHeadSelfAttention returns its weights on every call: on "flash" (which forms
+    none) it computes them with "naive", as a recorded module does, instead of failing."""
+    x = np.random.default_rng(5).standard_normal((2, 7, 16)).astype(np.float32)
+    head = nn.SingleHeadSelfAttention(16, 8, seed=0)
+    reference = head(x, is_causal=True)
+    flash = head.set_attention_backend("flash")(x, is_causal=True)
+    assert head.backend == "flash"
+    np.testing.assert_array_equal(flash.output, reference.output)
+    np.testing.assert_array_equal(flash.weights, reference.weights)
 
 
 def test_an_unknown_backend_is_refused_by_name(decoder, bert_folder):

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import assert_within_budget, optional
 
+import attnkit
+
 torch = optional("torch")
 transformers_module = optional("transformers")
 hf = importlib.import_module("attnkit.hf") if torch and transformers_module else None
@@ -177,21 +179,20 @@ def test_output_attentions_match_eager():
         assert_within_budget(a.detach().numpy(), e.detach().numpy(), t.detach().numpy(), f"layer {layer} weights")
 
 
-def test_recorders_receive_the_weights_in_both_implementations():
-    """The views' contract: `module._attnkit_recorders`, a tuple of lists, gets each call's
-    (B, H, L, S) weights; the tiled implementation computes exactly while recording."""
+def test_recordings_receive_the_weights_in_every_implementation():
+    """The views' contract: every recording open in the calling thread gets each call's
+    (B, H, L, S) weights; the tiled and flash implementations compute exactly meanwhile."""
     ids = torch.randint(3, 90, (1, 7))
     reference = _llama("attnkit")(ids, output_attentions=True).attentions
     for implementation in ("attnkit", "attnkit_flash", "attnkit_tiled"):
         model = _llama(implementation)
-        first, second = [], []
-        for layer in model.model.layers:
-            layer.self_attn._attnkit_recorders = (first, second)
-        model(ids)
+        with attnkit.record_attention(model) as first, attnkit.record_attention(model) as second:
+            model(ids)
         assert len(first) == len(second) == 2
-        for recorded, want in zip(first, reference):
-            assert not recorded.requires_grad and torch.equal(recorded, want.detach())
-
+        for recorded, again, want in zip(first, second, reference):
+            np.testing.assert_array_equal(recorded, want.detach().to(torch.float32).numpy())
+            np.testing.assert_array_equal(again, recorded)
+        assert not any(hasattr(layer.self_attn, "_attnkit_recorders") for layer in model.model.layers)
 
 def test_unknown_keywords_with_values_are_refused_by_name():
     model = _llama("attnkit")

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from attnkit.nn.interface import active_recorders
 from attnkit.torch.flash import flash_attention
 
 __all__ = [
@@ -174,7 +175,7 @@ def _exact_attention(module, query, key, value, call: _Call) -> tuple[torch.Tens
 
 def _record(module: torch.nn.Module, weights: torch.Tensor) -> None:
     """Hand the (B, Hq, L, S) weights to every recorder attnkit's views set on the module."""
-    for recorder in getattr(module, "_attnkit_recorders", ()):
+    for recorder in active_recorders(module):
         recorder.append(weights.detach())
 
 
@@ -217,11 +218,12 @@ def attnkit_tiled_attention(
     """transformers' "attnkit_tiled": attnkit.torch's tiled kernel, never holding (L, S) weights.
 
     Same arguments as `attnkit_attention`. Returns (output (B, L, Hq, Ev), None).
-    While attnkit's views record the module's maps (`module._attnkit_recorders`
-    non-empty) it computes exactly instead, so that the maps exist.
+    While attnkit's views record the module's maps in the calling thread
+    (`attnkit.nn.active_recorders(module)` non-empty) it computes exactly instead, so that
+    the maps exist.
     """
     call = _read_call("attnkit_tiled", module, query, key, attention_mask, scaling, dropout, kwargs)
-    if getattr(module, "_attnkit_recorders", ()):
+    if active_recorders(module):
         output, weights = _exact_attention(module, query, key, value, call)
         _record(module, weights)
         return output.transpose(1, 2).contiguous(), None
@@ -284,8 +286,7 @@ def attnkit_flash_attention(
     Refused: attention sinks (s_aux) and position bias (T5), which the flash interface cannot carry.
     Returns (output (B, L, Hq, Ev), None).
     """
-    if getattr(module, "_attnkit_recorders", ()) or (isinstance(attention_mask, torch.Tensor)
-                                                     and attention_mask.dim() == 4):
+    if active_recorders(module) or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         return attnkit_tiled_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     for name, feature in (("s_aux", "attention sinks (s_aux)"), ("position_bias", "a position bias")):
         if kwargs.get(name) is not None:

@@ -10,10 +10,10 @@
 attnkit's recorder lives in `attnkit.nn`, which never imports torch or transformers;
 importing `attnkit.hf` adds `ADAPTER` to `attnkit.nn.interface.RECORDING_ADAPTERS`.
 The adapter finds the modules a transformers model hands to its attention function
-(`attention_modules`), and record_attention gives each a `_attnkit_recorders` tuple;
-the "attnkit" and "attnkit_flash" attention functions (`attnkit.hf.attention`) append
-their weights to it. A model loaded with another implementation (eager, sdpa) records
-nothing: its attention function does not know the recorders.
+(`attention_modules`); while a recording is open in the calling thread, the "attnkit"
+and "attnkit_flash" attention functions (`attnkit.hf.attention`) append their weights
+to the sinks `attnkit.nn.active_recorders(module)` returns. A model loaded with another
+implementation (eager, sdpa) records nothing: its attention function does not know them.
 """
 
 from __future__ import annotations

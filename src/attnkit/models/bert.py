@@ -29,6 +29,7 @@ the mean, L2-normalized), with inputs truncated to the folder's max_seq_length.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -58,7 +59,7 @@ from attnkit.models.sentence import (
     read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
-from attnkit.nn.interface import AttentionModule, record_attention
+from attnkit.nn.interface import AttentionModule, active_recorders, record_attention
 from attnkit.nn.layers import gelu
 from attnkit.runtime import FastestSchedule, blas_threads, cpu_count
 
@@ -221,11 +222,6 @@ def _layer_norm_inplace(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps
     x *= weight
     x += bias
     return x
-
-
-def _is_recorded(module: AttentionModule) -> bool:
-    """Whether a `record_attention` context is open on `module`."""
-    return bool(module._recorders)
 
 
 class BertModel(Module):
@@ -395,7 +391,7 @@ class BertModel(Module):
         H, E = self.config.num_attention_heads, self.config.head_dim
         N = qkv.shape[0]
         heads = qkv.reshape(N, 3, H, E)
-        if module.backend in VARLEN_BACKENDS and not _is_recorded(module):
+        if module.backend in VARLEN_BACKENDS and not active_recorders(module):
             out = varlen_attention(heads[:, 0], heads[:, 1], heads[:, 2], cu, cu, backend=module.backend)
             return out.reshape(N, H * E)
         # Through `attend` (recorded, or a backend varlen_attention does not know): pad
@@ -643,8 +639,13 @@ class SentenceEncoder:
         the limit holds while the batch runs and is restored after."""
         if schedule == "worker threads":
             parts = _split_by_tokens(lengths, self.num_threads)
+            # Each part runs in a copy of the caller's context, so a recording open in the
+            # calling thread sees its attention (record_attention is scoped to the call).
+            contexts = [contextvars.copy_context() for _ in parts]
             with blas_threads(1):  # our threads use the cores, BLAS does not start its own
-                results = self._executor().map(lambda part: self._embed_chunk(ids[part], types[part]), parts)
+                results = self._executor().map(
+                    lambda context, part: context.run(self._embed_chunk, ids[part], types[part]), contexts, parts
+                )
                 return np.concatenate(list(results))
         with blas_threads(self.num_threads if schedule == "BLAS threads" else 1):
             return self._embed_chunk(ids, types)

@@ -8,7 +8,7 @@ True = a real token. See docs/nn.md.
 
 from __future__ import annotations
 
-from attnkit.nn.interface import AttentionModule, AttentionRecording, record_attention
+from attnkit.nn.interface import AttentionModule, AttentionRecording, active_recorders, record_attention
 from attnkit.nn.attention import AttentionResult, MultiHeadAttention, SingleHeadSelfAttention
 from attnkit.nn.block import BlockOutput, TransformerBlock
 from attnkit.nn.layers import ACTIVATIONS, FeedForward, LayerNorm, dropout, gelu, gelu_tanh, layer_norm, relu
@@ -25,6 +25,7 @@ __all__ = [
     "ACTIVATIONS",
     "AttentionModule",
     "AttentionRecording",
+    "active_recorders",
     "AttentionResult",
     "BlockOutput",
     "CausalSelfAttention",

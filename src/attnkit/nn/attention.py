@@ -12,6 +12,7 @@ with `attnkit.masks.from_torch_mask` (or `~mask`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -77,6 +78,69 @@ def check_attention_dims(
     return AttentionDims(d_model, num_heads, num_kv_heads, d_model // num_heads, kdim, vdim)
 
 
+def attention_options(
+    attn_mask: np.ndarray | None,
+    key_mask: np.ndarray | None,
+    *,
+    is_causal: bool,
+    batch: int,
+    num_heads: int,
+    L: int,
+    S: int,
+    dtype: np.dtype,
+    causal_align: str = "top_left",
+    key_padding: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """A module call's masks as the keywords every attention backend takes.
+
+    Causality and key padding travel as keywords (`is_causal`, `causal_align`,
+    `key_padding_mask`), never as a dense mask, so a tiled backend can skip the tiles
+    they exclude. Only an explicit `attn_mask` together with `is_causal` (which the
+    backends take one at a time) is combined into one dense mask.
+
+    Arguments:
+        attn_mask: None, bool (True = may attend) or float (added), shaped (L, S) or
+            4-D broadcastable to (B, H, L, S), e.g. (B, 1, L, S).
+        key_mask: None or bool (B, S), True = a real token that may be attended.
+        is_causal: causal, aligned by `causal_align` ("bottom_right" for a KV cache).
+        dtype: the compute dtype, for float masks.
+        key_padding: None or bool (B, S), more padding to combine (a KV cache's).
+
+    Returns:
+        {"attn_mask", "is_causal", "causal_align", "key_padding_mask"} for `attend`.
+    """
+    check_is_causal(is_causal)
+    if key_mask is not None:
+        key_mask = np.asarray(key_mask)
+        if key_mask.dtype != np.bool_:
+            raise TypeError(
+                f"expected key_mask to be boolean (True = real token), got dtype {key_mask.dtype}; " + KEY_PADDING_HINT
+            )
+        check_key_mask_shape(key_mask.shape, batch, S)
+    if key_padding is not None:
+        key_mask = key_padding if key_mask is None else key_mask & key_padding
+    options = {"attn_mask": None, "is_causal": bool(is_causal), "causal_align": causal_align,
+               "key_padding_mask": key_mask}
+    if attn_mask is None:
+        return options
+    attn_mask = np.asarray(attn_mask)
+    if attn_mask.dtype != np.bool_ and not np.issubdtype(attn_mask.dtype, np.floating):
+        raise TypeError(
+            "expected attn_mask to be boolean (True = may attend) or floating (added to the scores), "
+            f"got dtype {attn_mask.dtype}"
+        )
+    check_attn_mask_shape(attn_mask.shape, batch, num_heads, L, S)
+    if attn_mask.dtype != np.bool_:
+        attn_mask = attn_mask.astype(dtype, copy=False)
+    if is_causal:  # the backends take attn_mask or is_causal: one dense mask here
+        allowed = causal_mask(L, S, align=causal_align)  # (L, S)
+        attn_mask = attn_mask & allowed if attn_mask.dtype == np.bool_ else np.where(allowed, attn_mask,
+                                                                                       dtype.type(-np.inf))
+        options["is_causal"] = False
+    options["attn_mask"] = attn_mask
+    return options
+
+
 def build_attention_mask(
     attn_mask: np.ndarray | None,
     key_mask: np.ndarray | None,
@@ -87,50 +151,27 @@ def build_attention_mask(
     S: int,
     dtype: np.dtype,
 ) -> tuple[np.ndarray | None, bool]:
-    """Combine a module call's masks into one mask for scaled_dot_product_attention.
+    """Deprecated (0.2.0; removed in 0.3.0): use `attention_options`, which passes
+    causality and key padding to the backend as keywords instead of a dense mask.
 
-    Arguments:
-        attn_mask: None, bool (True = may attend) or float (added), shaped (L, S)
-            or 4-D broadcastable to (B, H, L, S), e.g. (B, 1, L, S).
-        key_mask: None or bool (B, S), True = a real token that may be attended.
-        is_causal: add a top-left causal mask (alone it is passed through to SDPA).
-        dtype: the compute dtype, for float masks.
-
-    Returns:
-        (mask, is_causal) to pass on: mask is None, bool or float, broadcastable
-        to (B, H, L, S); is_causal is True only when no mask is needed.
+    Returns (mask, is_causal): one dense mask broadcastable to (B, H, L, S), or None
+    and is_causal when no mask is needed.
     """
-    check_is_causal(is_causal)
-    allowed: np.ndarray | None = None  # boolean part, broadcastable to (B, H, L, S)
-    if key_mask is not None:
-        key_mask = np.asarray(key_mask)
-        if key_mask.dtype != np.bool_:
-            raise TypeError(
-                f"expected key_mask to be boolean (True = real token), got dtype {key_mask.dtype}; " + KEY_PADDING_HINT
-            )
-        check_key_mask_shape(key_mask.shape, batch, S)
-        allowed = key_mask[:, None, None, :]  # (B, 1, 1, S)
-    if attn_mask is None and allowed is None:
-        return None, bool(is_causal)
-    if is_causal:
-        causal = np.tri(L, S, dtype=bool)  # (L, S), query i sees keys 0..i
-        allowed = causal if allowed is None else allowed & causal
-    if attn_mask is None:
+    warnings.warn("build_attention_mask is deprecated; use attention_options (keywords, no dense mask)",
+                  DeprecationWarning, stacklevel=2)
+    options = attention_options(attn_mask, key_mask, is_causal=is_causal and attn_mask is not None, batch=batch,
+                                num_heads=num_heads, L=L, S=S, dtype=dtype)
+    mask, padding = options["attn_mask"], options["key_padding_mask"]
+    if padding is None:
+        return mask, bool(is_causal) and mask is None
+    allowed = padding[:, None, None, :]  # (B, 1, 1, S)
+    if is_causal and mask is None:
+        allowed = allowed & causal_mask(L, S)
+    if mask is None:
         return allowed, False
-
-    attn_mask = np.asarray(attn_mask)
-    if attn_mask.dtype != np.bool_ and not np.issubdtype(attn_mask.dtype, np.floating):
-        raise TypeError(
-            "expected attn_mask to be boolean (True = may attend) or floating (added to the scores), "
-            f"got dtype {attn_mask.dtype}"
-        )
-    check_attn_mask_shape(attn_mask.shape, batch, num_heads, L, S)
-    if attn_mask.dtype == np.bool_:
-        return (attn_mask if allowed is None else attn_mask & allowed), False
-    attn_mask = attn_mask.astype(dtype, copy=False)
-    if allowed is None:
-        return attn_mask, False
-    return np.where(allowed, attn_mask, dtype.type(-np.inf)), False
+    if mask.dtype == np.bool_:
+        return mask & allowed, False
+    return np.where(allowed, mask, dtype.type(-np.inf)), False
 
 
 class SingleHeadSelfAttention(AttentionModule):
@@ -147,6 +188,8 @@ class SingleHeadSelfAttention(AttentionModule):
     Parameters: ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, each
     (d_head, d_model) (plus ``*.bias`` (d_head,) with bias=True).
     """
+
+    returns_weights = True  # forward returns (output, weights)
 
     def __init__(
         self, d_model: int, d_head: int, bias: bool = False, *, seed: int | np.random.Generator | None = None
@@ -335,25 +378,19 @@ class MultiHeadAttention(AttentionModule):
         q = q.reshape(B, L, H, E).transpose(0, 2, 1, 3)  # (B, H, L, E)
         k = k.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
         v = v.reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)  # (B, Hkv, S, E)
-        options: dict[str, Any] = {}
         if kv_cache is None:
-            mask, causal = build_attention_mask(attn_mask, key_mask, is_causal, B, H, L, S, dt)
+            options = attention_options(attn_mask, key_mask, is_causal=is_causal, batch=B, num_heads=H, L=L, S=S,
+                                        dtype=dt)
         else:
             k, v = (x.astype(dt, copy=False) for x in kv_cache.update(layer, k, v))  # (B, Hkv, past + L, E)
             S = k.shape[2]
-            # the call's masks over the S cached keys; causality and the cache's padding go to
-            # the backend as keywords (bottom-right, key_padding_mask), never as a dense mask
-            mask, _ = build_attention_mask(attn_mask, key_mask, False, B, H, L, S, dt)
-            causal = bool(is_causal)
-            if causal and mask is not None:  # the backend takes no attn_mask with is_causal
-                below = causal_mask(L, S, align="bottom_right")  # (L, S)
-                mask = mask & below if mask.dtype == np.bool_ else np.where(below, mask, dt.type(-np.inf))
-                causal = False
-            options = dict(causal_align="bottom_right",
-                           key_padding_mask=kv_cache.key_padding[:, :S] if kv_cache.has_padding else None)
+            # the call's masks over the S cached keys: causal bottom-right, with the cache's padding
+            options = attention_options(
+                attn_mask, key_mask, is_causal=is_causal, batch=B, num_heads=H, L=L, S=S, dtype=dt,
+                causal_align="bottom_right", key_padding=kv_cache.key_padding[:, :S] if kv_cache.has_padding else None,
+            )
         result = self.attend(
-            q, k, v, attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=Hkv != H, rng=self.rng, return_weights=need_weights, **options,
         )
         heads = result.output if need_weights else result  # (B, H, L, E)

@@ -18,12 +18,19 @@ attention module in a model, encoder or decoder alike.
 
 Outside the context nothing extra is computed: a backend is asked for weights
 only while a module is recorded, or when a caller asks (need_weights).
+
+A recording belongs to the call that opened it, not to the model: it lives in a
+context variable, so it sees the attention calls made by the thread (or asyncio task)
+that opened it, and the work that thread hands to attnkit's own worker threads. Another
+thread running the same model at the same time records nothing into it, and leaves
+nothing behind when it ends: `record_attention` never writes to a module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,7 +38,37 @@ import numpy as np
 from attnkit.functional import WEIGHTLESS_BACKENDS, AttentionOutput, get_attention
 from attnkit.nn.module import Module
 
-__all__ = ["AttentionModule", "AttentionRecording", "RECORDING_ADAPTERS", "RecordingAdapter", "record_attention"]
+__all__ = [
+    "AttentionModule",
+    "AttentionRecording",
+    "RECORDING_ADAPTERS",
+    "RecordingAdapter",
+    "active_recorders",
+    "record_attention",
+]
+
+
+class _Open(NamedTuple):
+    """A recording open in this context: the modules it records (by identity, and held so
+    that an identity cannot be reused while it is open) and where their weights go."""
+
+    ids: frozenset[int]
+    modules: tuple[Any, ...]
+    sink: Any  # a list, or anything with append(weights)
+
+
+_OPEN: ContextVar[tuple[_Open, ...]] = ContextVar("attnkit_open_recordings", default=())
+
+
+def active_recorders(module: Any) -> tuple[Any, ...]:
+    """The sinks of the recordings open on `module` in the calling context (thread or asyncio
+    task): each takes `append(weights)`. Empty outside `record_attention`, and in every other
+    thread. An attention implementation calls this to know whether to form the weights."""
+    open_recordings = _OPEN.get()
+    if not open_recordings:
+        return ()
+    key = id(module)
+    return tuple(entry.sink for entry in open_recordings if key in entry.ids)
 
 
 class AttentionModule(Module):
@@ -40,10 +77,13 @@ class AttentionModule(Module):
     Subclasses call `super().__init__()` and compute attention with `self.attend`.
     """
 
+    returns_weights = False
+    """Whether every forward returns the weights (SingleHeadSelfAttention): then a backend
+    that forms none gives way to "naive", as while recording."""
+
     def __init__(self) -> None:
         super().__init__()
         self.backend = "naive"
-        object.__setattr__(self, "_recorders", ())
 
     @property
     def backend(self) -> str:
@@ -66,21 +106,19 @@ class AttentionModule(Module):
 
         While the module is recorded (`record_attention`), the (..., H, L, S) weights are
         formed and appended to each recording; a backend that never forms them
-        (`WEIGHTLESS_BACKENDS`, e.g. "flash") gives way to "naive" for that call.
-        `return_weights=True` asks the module's own backend for them (flash refuses).
+        (`WEIGHTLESS_BACKENDS`, e.g. "flash") gives way to "naive" for that call, as it
+        does for a module whose every result holds its weights (`returns_weights`).
+        Otherwise `return_weights=True` asks the module's own backend for them (flash refuses).
         """
-        recorders = self._recorders
+        recorders = active_recorders(self)
         if not (return_weights or recorders):
             return get_attention(self.backend)(query, key, value, **options)
-        name = self.backend if return_weights or self.backend not in WEIGHTLESS_BACKENDS else "naive"
+        asked = return_weights and not self.returns_weights  # a caller asks this backend for weights
+        name = "naive" if self.backend in WEIGHTLESS_BACKENDS and not asked else self.backend
         result = get_attention(name)(query, key, value, return_weights=True, **options)
-        self._record(result.weights)
+        for maps in recorders:
+            maps.append(result.weights)
         return result if return_weights else result.output
-
-    def _record(self, weights: np.ndarray) -> None:
-        """Append (B, H, L, S) `weights` to every recording open on this module."""
-        for maps in self._recorders:
-            maps.append(weights)
 
 
 class AttentionRecording:
@@ -128,29 +166,29 @@ def record_attention(model: Any) -> Iterator[AttentionRecording]:
 
     Yields:
         An `AttentionRecording`; `.maps` fills with one (B, H, L, S) array per attention
-        call, in call order. Recordings may nest; each sees every call made while it is open.
+        call, in call order. Recordings may nest; each sees every call the opening thread
+        (or asyncio task) makes while it is open, and none made by other threads.
 
     Raises:
         TypeError: `model` is not a module; ValueError: it has no attention module.
     """
     recording = AttentionRecording()
-    modules, attribute, sink = _recorded_modules(model, recording)
-    for module in modules:
-        object.__setattr__(module, attribute, getattr(module, attribute, ()) + (sink,))
+    modules, sink = _recorded_modules(model, recording)
+    entry = _Open(frozenset(id(module) for module in modules), tuple(modules), sink)
+    _OPEN.set(_OPEN.get() + (entry,))
     try:
         yield recording
-    finally:
-        for module in modules:
-            kept = tuple(maps for maps in getattr(module, attribute, ()) if maps is not sink)
-            object.__setattr__(module, attribute, kept)
+    finally:  # by identity, not by token: a generator may close it in another order
+        _OPEN.set(tuple(other for other in _OPEN.get() if other is not entry))
 
 
 class RecordingAdapter(NamedTuple):
     """How `record_attention` records a model that is not made of attnkit modules.
 
     find(model): the modules of `model` that compute attention, in call order, or None
-        when `model` is not of this adapter's kind. While recorded, each such module
-        appends its (B, H, L, S) weights to every sink in its `_attnkit_recorders` tuple.
+        when `model` is not of this adapter's kind. While recorded, each such module's
+        attention function appends its (B, H, L, S) weights to every sink
+        `active_recorders(module)` returns.
     to_numpy(weights): those weights as a NumPy float32 array.
     """
 
@@ -175,14 +213,14 @@ class _ConvertingSink:
         self.maps.append(self.to_numpy(weights))
 
 
-def _recorded_modules(model: Any, recording: AttentionRecording) -> tuple[list[Any], str, Any]:
-    """The modules to record, the attribute holding their recorders, and what to add there."""
+def _recorded_modules(model: Any, recording: AttentionRecording) -> tuple[list[Any], Any]:
+    """The modules to record and where their weights go."""
     for adapter in RECORDING_ADAPTERS:
         found = adapter.find(model)
         if found is not None:
             if not found:
                 raise ValueError(f"{type(model).__name__} has no attention module to record")
-            return list(found), "_attnkit_recorders", _ConvertingSink(recording.maps, adapter.to_numpy)
+            return list(found), _ConvertingSink(recording.maps, adapter.to_numpy)
     modules = attention_modules(model)
     if not modules:
         hint = ""
@@ -190,4 +228,4 @@ def _recorded_modules(model: Any, recording: AttentionRecording) -> tuple[list[A
             hint = (" (a transformers model records after `import attnkit.hf`, "
                     "loaded with attn_implementation='attnkit')")
         raise ValueError(f"{type(model).__name__} has no attention module to record{hint}")
-    return modules, "_recorders", recording.maps
+    return modules, recording.maps

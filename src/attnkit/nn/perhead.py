@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.functional import get_attention
 from attnkit.nn.attention import (
     AttentionResult,
     MultiHeadAttention,
     SingleHeadSelfAttention,
     _positive_int,
-    build_attention_mask,
+    attention_options,
 )
 from attnkit.nn.layers import check_dropout
 from attnkit.nn.linear import Linear, linear
@@ -94,29 +93,23 @@ class PerHeadMultiHeadAttention(AttentionModule):
         B, L, _ = query.shape
         S = key.shape[1]
         dt = compute_dtype(np.result_type(query, key, value), self.out_proj.weight.dtype)
-        mask, causal = build_attention_mask(attn_mask, key_mask, is_causal, B, self.num_heads, L, S, dt)
+        options = attention_options(attn_mask, key_mask, is_causal=is_causal, batch=B, num_heads=self.num_heads,
+                                    L=L, S=S, dtype=dt)
         query, key, value = (x.astype(dt, copy=False) for x in (query, key, value))
 
-        outputs, weights = [], []
-        for h, head in enumerate(self.heads):
-            q = linear(query, head.q_proj.weight, head.q_proj.bias)[:, None]  # (B, 1, L, E)
-            k = linear(key, head.k_proj.weight, head.k_proj.bias)[:, None]  # (B, 1, S, E)
-            v = linear(value, head.v_proj.weight, head.v_proj.bias)[:, None]  # (B, 1, S, E)
-            head_mask = mask
-            if mask is not None and mask.ndim == 4 and mask.shape[1] > 1:
-                head_mask = mask[:, h : h + 1]  # (B or 1, 1, L, S)
-            result = get_attention(self.backend)(
-                q, k, v, attn_mask=head_mask, is_causal=causal,
-                dropout_p=self.dropout if self.training else 0.0, rng=self.rng, return_weights=True,
-            )
-            outputs.append(result.output[:, 0])  # (B, L, E)
-            weights.append(result.weights[:, 0])  # (B, L, S)
-        self._record(np.stack(weights, axis=1))  # (B, H, L, S), one map for all heads
-        concatenated = np.concatenate(outputs, axis=-1)  # (B, L, d_model)
+        # Each head projects with its own weights; the heads then attend in one call
+        # through this module's backend (`attend`: recorded, any backend).
+        q = np.stack([linear(query, h.q_proj.weight, h.q_proj.bias) for h in self.heads], axis=1)  # (B, H, L, E)
+        k = np.stack([linear(key, h.k_proj.weight, h.k_proj.bias) for h in self.heads], axis=1)  # (B, H, S, E)
+        v = np.stack([linear(value, h.v_proj.weight, h.v_proj.bias) for h in self.heads], axis=1)  # (B, H, S, E)
+        result = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0, rng=self.rng,
+                             return_weights=need_weights, **options)
+        heads = result.output if need_weights else result  # (B, H, L, E)
+        concatenated = heads.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, d_model)
         out = linear(concatenated, self.out_proj.weight, self.out_proj.bias).astype(query.dtype, copy=False)
         all_weights = None
         if need_weights:
-            all_weights = np.stack(weights, axis=1)  # (B, H, L, S)
+            all_weights = result.weights  # (B, H, L, S)
             if average_attn_weights:
                 all_weights = all_weights.mean(axis=1)  # (B, L, S)
         return AttentionResult(out, all_weights)

@@ -1,0 +1,129 @@
+"""A recording belongs to the call that opened it (record_attention is scoped to the
+calling thread): threads that record and threads that only compute, all on one model at
+once, each get exactly what a sequential run gives, and nothing is left on the model."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.models import GPT2Config, GPT2LMHeadModel
+from attnkit.nn import active_recorders
+from attnkit.nn.interface import attention_modules
+
+THREADS = 8
+
+
+@pytest.fixture(autouse=True)
+def short_switch_interval():
+    """Threads switch every 10 µs instead of 5 ms, so that calls really interleave."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _hammer(jobs):
+    """Run every job from THREADS threads at once (a barrier lines them up)."""
+    barrier = threading.Barrier(min(THREADS, len(jobs)))
+
+    def run(job):
+        barrier.wait()
+        return job()
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        return list(pool.map(run, jobs))
+
+
+def _decoder():
+    config = GPT2Config(vocab_size=50, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=64,
+                        max_position_embeddings=64, bos_token_id=None, eos_token_id=())
+    return GPT2LMHeadModel(config, seed=0)
+
+
+def test_recording_and_plain_calls_on_one_decoder_from_eight_threads():
+    model = _decoder()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 50, size=int(n)) for n in rng.integers(3, 20, size=4 * THREADS)]
+    # Sequential truth: each prompt's maps, and each prompt's greedy continuation.
+    maps = [model.attention(p).weights for p in prompts]
+    generated = [model.generate(p, 6) for p in prompts]
+
+    def record(i):
+        return lambda: ("maps", i, model.attention(prompts[i]).weights)
+
+    def compute(i):
+        return lambda: ("generated", i, model.generate(prompts[i], 6))
+
+    jobs = [record(i) if i % 2 == 0 else compute(i) for i in range(len(prompts))]
+    jobs += [compute(i) if i % 2 == 0 else record(i) for i in range(len(prompts))]
+    for kind, i, result in _hammer(jobs):
+        if kind == "maps":
+            np.testing.assert_array_equal(result, maps[i], err_msg=f"prompt {i}: maps differ from a sequential run")
+        else:
+            np.testing.assert_array_equal(result, generated[i], err_msg=f"prompt {i}: generation differs")
+    assert all(active_recorders(module) == () for module in attention_modules(model))
+
+
+def test_open_and_close_recordings_from_many_threads_leaves_nothing_behind():
+    """Four threads each entering and leaving record_attention 200 times: afterwards no
+    module is recorded anywhere, and a plain forward forms no weights."""
+    model = _decoder()
+    ids = np.arange(5)
+
+    def churn():
+        for _ in range(200):
+            with attnkit.record_attention(model) as recording:
+                pass
+            assert len(recording) == 0  # no other thread's calls reach it
+        return True
+
+    assert all(_hammer([churn] * 4))
+    for module in attention_modules(model):
+        assert active_recorders(module) == ()
+    with attnkit.record_attention(model) as recording:
+        model.forward(ids)
+    assert len(recording) == model.config.num_layers
+
+
+def test_nested_recordings_in_one_thread_each_see_every_call():
+    model = _decoder()
+    with attnkit.record_attention(model) as outer:
+        model.forward(np.arange(4))
+        with attnkit.record_attention(model) as inner:
+            model.forward(np.arange(6))
+    assert [m.shape[-1] for m in outer] == [4] * 3 + [6] * 3
+    assert [m.shape[-1] for m in inner] == [6] * 3
+
+
+@pytest.mark.slow
+def test_sentence_encoder_attention_beside_encode_in_other_threads(minilm_folder):
+    """The report: `SentenceEncoder.attention(text)` while `encode(texts)` runs elsewhere."""
+    from attnkit.models import SentenceEncoder
+
+    encoder = SentenceEncoder.from_pretrained(minilm_folder)
+    texts = ["The cat sat on the mat.", "A man is eating food.", "Attention is a soft lookup of keys.",
+             "Short.", "A somewhat longer sentence, so that lengths differ between the calls."]
+    maps = {t: encoder.attention(t) for t in texts}
+    embeddings = encoder.encode(texts)
+
+    def look(t):
+        return lambda: ("attention", t, encoder.attention(t))
+
+    def embed():
+        return ("encode", None, encoder.encode(texts))
+
+    jobs = [look(t) for t in texts] + [embed] * 3
+    for kind, text, result in _hammer(jobs):
+        if kind == "attention":
+            assert result[0] == maps[text][0]
+            np.testing.assert_array_equal(result[1], maps[text][1])
+        else:
+            # encode may pick another thread schedule (float32 rounding, ~1e-7); another
+            # text's embedding, which a mixed-up call would give, is off by 0.1 or more.
+            np.testing.assert_allclose(result, embeddings, rtol=0, atol=1e-4)

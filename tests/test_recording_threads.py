@@ -127,3 +127,25 @@ def test_sentence_encoder_attention_beside_encode_in_other_threads(minilm_folder
             # encode may pick another thread schedule (float32 rounding, ~1e-7); another
             # text's embedding, which a mixed-up call would give, is off by 0.1 or more.
             np.testing.assert_allclose(result, embeddings, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_attnkit_serve_answers_concurrent_requests_on_one_model(minilm_folder):
+    """`attnkit serve` runs each request's model in a worker thread, on one shared model:
+    eight requests at once each get the answer a request alone gets."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from attnkit.viz.server import create_app
+
+    client = TestClient(create_app(models=["minilm"], max_chars=400, max_tokens=64))
+    texts = [f"Sentence number {i} says {' and '.join(['more'] * i)} about the cat." for i in range(8)]
+
+    def ask(text):
+        response = client.post("/api/attention", json={"text": text, "model": "minilm", "layer": 2, "head": 3})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    alone = [ask(text) for text in texts]
+    together = _hammer([lambda text=text: ask(text) for text in texts] * 2)
+    assert together == alone + alone

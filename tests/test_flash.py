@@ -15,6 +15,7 @@ from hypothesis import given, strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.functional import mods
+from attnkit.functional.band import Band
 from conftest import F32_EPS, assert_close, assert_within_budget, max_rel_err, optional, reference_attention, score_conditioning
 from wide_range import row_natural_sizes
 
@@ -365,7 +366,7 @@ def test_pieces_cover_exactly_the_pairs_the_band_allows(band, piece):
     q = np.zeros((1, L, 4), np.float32)
     k = np.zeros((1, S, 4), np.float32)
     plan = flash._make_plan(q, k, k, flash.FlashOptions(block_q=bq, block_k=bk))[-1]
-    plan = dataclasses.replace(plan, lo=band[0], hi=band[1], piece_q=piece, _band_cache={})
+    plan = dataclasses.replace(plan, band=Band(*band), piece_q=piece, _band_cache={})
     rel = np.arange(S)[None, :] - np.arange(L)[:, None]
     allowed = np.ones((L, S), bool)
     if band[0] is not None:

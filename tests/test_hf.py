@@ -282,8 +282,8 @@ def test_fully_masked_rows_give_zero():
 
 
 def test_flash_route_unpads_into_varlen_and_never_builds_a_4d_mask(monkeypatch):
-    """A padded batch reaches flash_attn_varlen_func (one call per sequence and layer, no mask
-    beyond a window's tile); no padding reaches flash_attn_func with causal and no mask."""
+    """A padded batch reaches flash_attn_varlen_func (one call per sequence and layer, no mask:
+    a window goes as `window`); no padding reaches flash_attn_func with causal and no mask."""
     calls = []
     real = flash_api.flash_attention
 
@@ -384,8 +384,9 @@ def _dense(q, k, v, *, causal, window, scale, softcap, dtype):
 def test_flash_api_varlen_and_dense_match_attention_written_out(monkeypatch, causal, window, softcap):
     """flash_attn_varlen_func over three packed sequences (one with fewer queries than keys, one
     with more) and flash_attn_func on one batch, forward and gradients, against the formula in
-    float32 (oracle) and float64 (truth); 4-query blocks so that a window spans several."""
-    monkeypatch.setattr(flash_api, "BLOCK_Q", 4)
+    float32 (oracle) and float64 (truth); 4 x 3 tiles so that a window's band crosses several."""
+    real = flash_api.flash_attention
+    monkeypatch.setattr(flash_api, "flash_attention", lambda *args, **kwargs: real(*args, block_q=4, block_k=3, **kwargs))
     g = torch.Generator().manual_seed(11)
     lq, lk = [5, 9, 7], [5, 6, 11]
     Hq, Hkv, E = 4, 2, 8

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
+from attnkit.functional.band import Band
 from attnkit.functional.masks import causal_mask
 from conftest import assert_within_budget, optional, reference_attention
 from wide_range import EXPONENTS, SCALES, assert_like_truth, natural_sizes, torch_math, wide
@@ -91,11 +92,12 @@ def test_gradcheck_through_a_float_mask():
 # ----- against torch SDPA and the float64 reference --------------------------------------
 
 
-def _torch_mask(kind, Hq, L, S, causal, align):
+def _torch_mask(kind, Hq, L, S, causal, align, window=None):
     """The same masking as one bool/float mask for SDPA (None when plain)."""
     mask = _mask(kind, Hq, L, S)
-    if causal:
-        c = torch.from_numpy(causal_mask(L, S, align=align))
+    if causal or window is not None:
+        band = Band.from_options(is_causal=causal, causal_align=align, window=window, L=L, S=S)
+        c = torch.from_numpy(band.dense(L, S))
         if mask is None:
             mask = c
         elif mask.dtype == torch.bool:
@@ -105,17 +107,25 @@ def _torch_mask(kind, Hq, L, S, causal, align):
     return mask
 
 
-@pytest.mark.parametrize("Hq,Hkv,L,S,E,kind,causal,align", [
-    (8, 8, 97, 130, 59, None, False, "top_left"),
-    (8, 2, 130, 97, 16, "bool", True, "top_left"),
-    (4, 4, 64, 200, 32, "float", True, "bottom_right"),
-    (2, 2, 1, 1025, 8, None, True, "bottom_right"),  # one decoding query over a long cache
-])
-def test_forward_and_backward_match_sdpa(Hq, Hkv, L, S, E, kind, causal, align):
+@pytest.mark.parametrize("Hq,Hkv,L,S,E,kind,causal,align,window", [
+    (8, 8, 97, 130, 59, None, False, "top_left", None),
+    (8, 2, 130, 97, 16, "bool", True, "top_left", None),
+    (4, 4, 64, 200, 32, "float", True, "bottom_right", None),
+    (2, 2, 1, 1025, 8, None, True, "bottom_right", None),  # one decoding query over a long cache
+    # sliding windows (one band with is_causal): tiles outside are skipped, crossed ones masked
+    (4, 4, 97, 97, 16, None, True, "top_left", 20),
+    (4, 2, 70, 130, 32, "bool", True, "bottom_right", (33, 0)),
+    (2, 2, 130, 60, 8, "float", False, "bottom_right", (10, 7)),
+    (2, 1, 50, 50, 8, None, False, "top_left", (None, 3)),
+    (2, 2, 40, 90, 8, None, True, "top_left", 1),  # L < S top-left: keys after L never seen
+    (2, 2, 64, 64, 8, None, False, "top_left", (0, 0)),  # every row sees one key
+    (2, 2, 33, 20, 8, None, True, "bottom_right", 100),  # wider than S; the first rows see no key
+], ids=str)
+def test_forward_and_backward_match_sdpa(Hq, Hkv, L, S, E, kind, causal, align, window):
     """float32: error against the float64 reference at most 2x torch SDPA's own float32 error
     (forward) and 3x for gradients, FlashAttention's rule; float64 agrees to ~1e-10."""
     q64, k64, v64 = _qkv(2, Hq, Hkv, L, S, E, seed=3)
-    mask = _torch_mask(kind, Hq, L, S, causal, align)
+    mask = _torch_mask(kind, Hq, L, S, causal, align, window)
     gqa = Hq != Hkv
     d_out = torch.randn(2, Hq, L, E, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
 
@@ -129,7 +139,7 @@ def test_forward_and_backward_match_sdpa(Hq, Hkv, L, S, E, kind, causal, align):
         m = None if kind is None else _mask(kind, Hq, L, S)
         if m is not None and m.is_floating_point():
             m = m.to(q.dtype)
-        return flash_attention(q, k, v, m, is_causal=causal, causal_align=align, enable_gqa=gqa,
+        return flash_attention(q, k, v, m, is_causal=causal, causal_align=align, window=window, enable_gqa=gqa,
                                block_q=32, block_k=48)
 
     def sdpa(q, k, v):

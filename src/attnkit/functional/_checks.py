@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the alignment and window checks live with the band they describe (re-exported for old imports)
+from attnkit.functional.band import ALIGNMENTS, check_align, check_window  # noqa: F401
+
 
 def shape_str(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
@@ -240,39 +243,6 @@ def check_mask(attn_mask, shapes: AttentionShapes, is_causal: bool) -> np.ndarra
     if mask.dtype != np.bool_:
         mask = mask.astype(shapes.compute_dtype, copy=False)
     return mask
-
-
-ALIGNMENTS = ("top_left", "bottom_right")  # as attnkit.functional.masks.ALIGNMENTS
-
-
-def check_align(causal_align) -> str:
-    """"top_left" (torch's is_causal: query i sees keys 0..i) or "bottom_right"
-    (query i sees keys 0..i + S - L, the L new queries of a KV cache)."""
-    if not isinstance(causal_align, str) or causal_align not in ALIGNMENTS:
-        raise ValueError(f"expected causal_align to be one of {ALIGNMENTS}, got {causal_align!r}")
-    return causal_align
-
-
-def check_window(window) -> tuple[int | None, int | None]:
-    """(left, right) from window=w (left=w, right=0), a (left, right) pair (None =
-    unbounded) or None (no window), as in masks.sliding_window_mask."""
-    if window is None:
-        return None, None
-    if isinstance(window, (int, np.integer)) and not isinstance(window, (bool, np.bool_)):
-        window = (int(window), 0)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"expected window as an int (left) or a (left, right) pair, got {window!r}")
-    sides = []
-    for side, name in zip(window, ("left", "right")):
-        if side is None:
-            sides.append(None)
-            continue
-        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
-            raise TypeError(f"expected window {name} to be an integer or None, got {type(side).__name__}")
-        if side < 0:
-            raise ValueError(f"expected window {name} >= 0, got {side}")
-        sides.append(int(side))
-    return sides[0], sides[1]
 
 
 def check_mod(fn, name: str, arity: int, args: str):

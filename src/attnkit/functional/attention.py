@@ -49,7 +49,6 @@ import numpy as np
 from attnkit.functional._checks import (
     AttentionShapes,
     all_finite,
-    check_align,
     check_dropout,
     check_key_padding_mask,
     check_mask,
@@ -57,7 +56,6 @@ from attnkit.functional._checks import (
     check_qkv,
     check_rng,
     check_scale,
-    check_window,
     needs_float64,
     output_ndim,
     require_float_tensor,
@@ -65,6 +63,7 @@ from attnkit.functional._checks import (
     start_dtype,
     sum_to_shape,
 )
+from attnkit.functional.band import Band
 from attnkit.functional.mods import DifferentiableScoreMod, bound, create_mask
 
 
@@ -187,11 +186,8 @@ def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal
     every input was (L, E), which runs with a head axis of 1)."""
     drop = max(3 - output_ndim(query, key, value), 0)
     q, k, v, shapes = check_qkv(query, key, value, enable_gqa)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
+    band = Band.from_options(is_causal=is_causal, causal_align=causal_align, window=window, L=shapes.L, S=shapes.S)
     scale = check_scale(scale, shapes.E)
-    causal_align = check_align(causal_align)
-    left, right = check_window(window)
     mask = check_mask(attn_mask, shapes, bool(is_causal))
     padding = check_key_padding_mask(key_padding_mask, shapes)  # (*batch, S) or None
     score_mod = check_mod(score_mod, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
@@ -201,19 +197,10 @@ def _validate(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal
 
     # The structural masks as one boolean (..., Hq | 1, L | 1, S) array, True = may attend.
     allowed = None
-    # The band, on rel = kv - q - offset: -left <= rel <= hi (causal: hi <= 0), as flash's.
-    offset = 0 if causal_align == "top_left" else shapes.S - shapes.L
-    hi = 0 if is_causal else None
-    hi = right if hi is None else hi if right is None else min(hi, right)
-    # rel runs from -(L - 1) - offset to S - 1 - offset: a band that spans that excludes
-    # nothing (a decode step's one bottom-right row), and no mask is built for it
-    if not ((hi is None or shapes.S - 1 - offset <= hi) and (left is None or -(shapes.L - 1) - offset >= -left)):
-        rel = np.arange(shapes.S)[None, :] - np.arange(shapes.L)[:, None] - offset  # (L, S)
-        allowed = np.ones(rel.shape, dtype=bool)
-        if hi is not None:
-            allowed &= rel <= hi
-        if left is not None:
-            allowed &= rel >= -left
+    # The band (causal, window) as flash's; one that spans every pair (a decode step's one
+    # bottom-right row) excludes nothing, and no mask is built for it
+    if not band.excludes_nothing(shapes.L, shapes.S):
+        allowed = band.dense(shapes.L, shapes.S)  # (L, S)
     if padding is not None:
         allowed = _and(allowed, padding[..., None, None, :])  # (*batch, 1, 1, S)
     if mask_mod is not None:

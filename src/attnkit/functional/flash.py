@@ -63,12 +63,10 @@ import numpy as np
 
 from attnkit.functional._checks import (
     AttentionShapes,
-    check_align,
     check_key_padding_mask,
     check_mask,
     check_mod,
     check_qkv,
-    check_window,
     all_finite,
     check_scale,
     needs_float64,
@@ -80,6 +78,7 @@ from attnkit.functional._checks import (
     sum_to_shape,
 )
 from attnkit.functional.attention import AttentionGrads, AttentionOutput, scaled_dot_product_attention
+from attnkit.functional.band import Band, check_integer
 from attnkit.functional.mods import BandedMaskMod, DifferentiableScoreMod, and_mods, bound
 from attnkit.runtime import cpu_count, one_blas_thread
 
@@ -267,13 +266,7 @@ def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int
 
 
 def _check_block(value, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"expected {name} to be a positive integer or None, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"expected {name} >= 1, got {value}")
-    return int(value)
+    return None if value is None else check_integer(value, name, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -313,16 +306,15 @@ class _Columns(NamedTuple):
 @dataclass
 class FlashPlan:
     """Everything a tile needs, fixed once per forward call and reused by its
-    backward. Bands are on kv - q: a key kv is allowed for query q only if
-    lo <= kv - q <= hi."""
+    backward. `band` is on kv - q: a key kv is allowed for query q only if
+    band.lo <= kv - q <= band.hi."""
 
     shapes: AttentionShapes
     enable_gqa: bool
     scale: float
-    lo: int | None
-    hi: int | None
+    band: Band
     mask: np.ndarray | None  # broadcast view (*batch, Hq, L, S) or None
-    mask_mod: Callable | None  # evaluated per tile (a band-only mod is folded into lo/hi)
+    mask_mod: Callable | None  # evaluated per tile (a band-only mod is folded into band)
     score_mod: Callable | None
     block_q: int
     block_k: int
@@ -338,11 +330,17 @@ class FlashPlan:
     key_ones: bool = True
     _band_cache: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def lo(self) -> int | None:
+        return self.band.lo
+
+    @property
+    def hi(self) -> int | None:
+        return self.band.hi
+
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys any query in [q0, q1) may see: the band's reach, clipped to [0, S)."""
-        start = 0 if self.lo is None else max(0, q0 + self.lo)
-        end = self.shapes.S if self.hi is None else min(self.shapes.S, q1 - 1 + self.hi + 1)
-        return start, max(start, end)
+        return self.band.kv_range(q0, q1, self.shapes.S)
 
     def grid_kv_range(self, q0: int, q1: int) -> tuple[int, int]:
         """kv_range widened to whole tiles of the block_k grid."""
@@ -356,9 +354,7 @@ class FlashPlan:
         """The columns of grid tile (q0:q1, k0:k1) the band lets any of its rows
         see: a causal diagonal tile narrower than block_k is cut to its triangle's
         width. A function of the tile alone, so forward and backward cut alike."""
-        c0 = k0 if self.lo is None else max(k0, q0 + self.lo)
-        c1 = k1 if self.hi is None else min(k1, q1 + self.hi)
-        return c0, max(c0, c1)
+        return self.band.tile_cols(q0, q1, k0, k1)
 
     def pieces(self, q0: int, q1: int, k0: int, k1: int) -> tuple[tuple[int, int, int, int], ...]:
         """How grid tile (q0:q1, k0:k1) is computed: as (q0, q1, c0, c1) pieces,
@@ -374,8 +370,7 @@ class FlashPlan:
         found = self._band_cache.get(key)
         if found is None:
             runs: list[tuple[int, int, int, int]] = []
-            banded = self.lo is not None or self.hi is not None
-            step = self.piece_q if banded else q1 - q0
+            step = self.piece_q if self.band.bounded else q1 - q0
             for r0 in range(q0, q1, step):
                 r1 = min(r0 + step, q1)
                 c0, c1 = self.tile_cols(r0, r1, k0, k1)
@@ -398,15 +393,13 @@ class FlashPlan:
 
     def q_range(self, k0: int, k1: int) -> tuple[int, int]:
         """Queries that may see any key in [k0, k1)."""
-        start = 0 if self.hi is None else max(0, k0 - self.hi)
-        end = self.shapes.L if self.lo is None else min(self.shapes.L, k1 - 1 - self.lo + 1)
-        return start, max(start, end)
+        return self.band.q_range(k0, k1, self.shapes.L)
 
     def one_key_rows(self, q0: int, q1: int) -> slice | np.ndarray | None:
         """The rows of [q0, q1), as offsets (a slice when contiguous, as they are for
         every band), that the band lets see at most one key: row 0 of a causal mask,
         every row of a (0, 0) window, all rows when S = 1. None when there are none."""
-        if self.shapes.S > 1 and self.lo is None and self.hi is None:
+        if self.shapes.S > 1 and not self.band.bounded:
             return None
         key = ("one key", q0, q1)
         if key not in self._band_cache:
@@ -429,10 +422,10 @@ class FlashPlan:
         ~3x faster than np.copyto(where=); the tile depends only on the band
         relative to the tile and its shape, so it is cached across calls (a
         causal mask's diagonal tiles repeat for every head and every call)."""
-        d = k0 - q0  # kv - q at the tile's corner; kv - q = d + (j - i)
+        local = self.band.shifted(q0, k0)  # on the tile's own positions: j - i
         rows, cols = q1 - q0, k1 - k0
-        lo = None if self.lo is None or self.lo - d <= -(rows - 1) else max(self.lo - d, -rows)
-        hi = None if self.hi is None or self.hi - d >= cols - 1 else min(self.hi - d, cols)
+        lo = None if local.lo is None or local.lo <= -(rows - 1) else max(local.lo, -rows)
+        hi = None if local.hi is None or local.hi >= cols - 1 else min(local.hi, cols)
         if lo is None and hi is None:
             return None, False
         return _band_tile(lo, hi, rows, cols, np.dtype(dtype).str)
@@ -541,12 +534,11 @@ def _check_inputs(query, key, value, enable_gqa: bool):
 def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray, FlashPlan]:
     """Validate one call: query, key and value as (*batch, H, N, D) views, and its plan."""
     q, k, v, shapes = _check_inputs(query, key, value, options.enable_gqa)
-    is_causal = options.is_causal
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"expected is_causal to be a bool, got {type(is_causal).__name__}")
-    causal_align = check_align(options.causal_align)
+    L, S = shapes.L, shapes.S
+    band = Band.from_options(is_causal=options.is_causal, causal_align=options.causal_align,
+                             window=options.window, L=L, S=S)
     scale = check_scale(options.scale, shapes.E)
-    mask = check_mask(options.attn_mask, shapes, bool(is_causal))
+    mask = check_mask(options.attn_mask, shapes, bool(options.is_causal))
     if mask is not None:
         mask = np.broadcast_to(mask, shapes.scores_shape)
     score_mod = check_mod(options.score_mod, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
@@ -554,31 +546,18 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
     block_q, block_k = _check_block(options.block_q, "block_q"), _check_block(options.block_k, "block_k")
     num_threads = _check_block(cpu_count() if options.num_threads is None else options.num_threads, "num_threads")
 
-    L, S = shapes.L, shapes.S
-    offset = 0 if causal_align == "top_left" else S - L
-    lo = hi = None
-    if is_causal:
-        hi = offset
-    left, right = check_window(options.window)
-    if right is not None:
-        hi = offset + right if hi is None else min(hi, offset + right)
-    if left is not None:
-        lo = offset - left
     mask_mod = None if mask_mod is None else bound(mask_mod, L, S)
     score_mod = None if score_mod is None else bound(score_mod, L, S)
     if mask_mod is not None and isinstance(mask_mod, BandedMaskMod) and mask_mod.band is not None:
         mlo, mhi, exact = mask_mod.band  # a ready-made mod that implies lo <= kv - q <= hi
-        if mlo is not None:
-            lo = mlo if lo is None else max(lo, mlo)
-        if mhi is not None:
-            hi = mhi if hi is None else min(hi, mhi)
+        band = band.intersect(Band(mlo, mhi))
         if exact:
             mask_mod = None
         elif mask_mod.rest is not None:
             mask_mod = mask_mod.rest
     # a causal band (no left edge) also cuts query blocks finer; a window's two
     # edges are followed by the pieces alone (plan.pieces)
-    auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, hi is not None and lo is None)
+    auto_q, auto_k = choose_blocks(L, S, shapes.compute_dtype.itemsize, band.hi is not None and band.lo is None)
     key_ones = L * shapes.group >= ONES_MIN_ROWS
     if not key_ones:
         # A few query rows (a decode step) make a tile of MAX_BLOCK keys too small for
@@ -590,7 +569,7 @@ def _make_plan(query, key, value, options: FlashOptions) -> tuple[np.ndarray, np
     while threads > 1 and auto_q > PIECE_ROWS and heads * -(-L // auto_q) < 2 * threads:
         auto_q = max(PIECE_ROWS, auto_q // 2)  # two forward tasks per thread, where blocks can shrink
     plan = FlashPlan(
-        shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, lo=lo, hi=hi, mask=mask,
+        shapes=shapes, enable_gqa=bool(options.enable_gqa), scale=scale, band=band, mask=mask,
         mask_mod=mask_mod, score_mod=score_mod,
         block_q=min(block_q or auto_q, max(L, 1)), block_k=min(block_k or auto_k, max(S, 1)),
         num_threads=num_threads, piece_q=PIECE_ROWS, key_ones=key_ones,
@@ -767,8 +746,7 @@ def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) ->
     score_mod, whose scores the sample could not stand for)."""
     if plan.mask is not None or plan.mask_mod is not None or plan.score_mod is not None:
         return None
-    start = k_start if plan.lo is None else max(k_start, q1 - 1 + plan.lo)
-    end = k_end if plan.hi is None else min(k_end, q0 + plan.hi + 1)
+    start, end = plan.band.shared_kv_range(q0, q1, k_start, k_end)
     end = min(end, start + _SAMPLE_KEYS)
     return slice(start, end) if end > start else None
 
@@ -919,7 +897,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
         k_start, k_end = plan.grid_kv_range(q0, q1)
         if k_end > k_start:
             blocks.append((q0, q1, k_start, k_end))
-    blocks.sort(key=lambda t: t[1] - t[0] if plan.lo is None and plan.hi is None else t[3] - t[2], reverse=True)
+    blocks.sort(key=lambda t: t[3] - t[2] if plan.band.bounded else t[1] - t[0], reverse=True)
     threads = _useful_threads(plan.num_threads, B * Hq * L * S)
     splits = 1
     if B * Hq * len(blocks) < threads and len(blocks) >= 1:

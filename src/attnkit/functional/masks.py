@@ -20,30 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnkit.functional._checks import shape_str
-
-ALIGNMENTS = ("top_left", "bottom_right")
-
-
-def _check_length(value, name: str, allow_zero: bool = True) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"expected {name} to be an integer, got {type(value).__name__}")
-    value = int(value)
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"expected {name} >= {0 if allow_zero else 1}, got {value}")
-    return value
-
-
-def _alignment_offset(L: int, S: int, align: str) -> int:
-    """How far query i's diagonal sits to the right: 0 top-left, S - L bottom-right."""
-    if align not in ALIGNMENTS:
-        raise ValueError(f"expected align to be one of {ALIGNMENTS}, got {align!r}")
-    return 0 if align == "top_left" else S - L
-
-
-def _relative_positions(L: int, S: int, align: str) -> np.ndarray:
-    """(L, S) array of key position minus aligned query position."""
-    offset = _alignment_offset(L, S, align)
-    return np.arange(S)[None, :] - (np.arange(L)[:, None] + offset)
+from attnkit.functional.band import ALIGNMENTS, Band, check_integer  # noqa: F401  (ALIGNMENTS: re-exported)
 
 
 def causal_mask(L: int, S: int | None = None, *, align: str = "top_left") -> np.ndarray:
@@ -57,9 +34,9 @@ def causal_mask(L: int, S: int | None = None, *, align: str = "top_left") -> np.
     Returns:
         bool array (L, S), True = may attend.
     """
-    L = _check_length(L, "L")
-    S = L if S is None else _check_length(S, "S")
-    return _relative_positions(L, S, align) <= 0
+    L = check_integer(L, "L")
+    S = L if S is None else check_integer(S, "S")
+    return Band.aligned(None, 0, align=align, L=L, S=S).dense(L, S)
 
 
 def sliding_window_mask(
@@ -71,15 +48,11 @@ def sliding_window_mask(
     the left; `right=0` with any `left` is causal local attention (Mistral's
     sliding window is `left=window - 1, right=0`).
     """
-    L = _check_length(L, "L")
-    S = L if S is None else _check_length(S, "S")
-    right = _check_length(right, "right")
-    relative = _relative_positions(L, S, align)
-    allowed = relative <= right
-    if left is not None:
-        left = _check_length(left, "left")
-        allowed &= relative >= -left
-    return allowed
+    L = check_integer(L, "L")
+    S = L if S is None else check_integer(S, "S")
+    right = check_integer(right, "right")
+    left = None if left is None else check_integer(left, "left")
+    return Band.aligned(None if left is None else -left, right, align=align, L=L, S=S).dense(L, S)
 
 
 def padding_mask(lengths, max_len: int | None = None) -> np.ndarray:
@@ -104,7 +77,7 @@ def padding_mask(lengths, max_len: int | None = None) -> np.ndarray:
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"expected non-negative lengths, got {lengths.tolist()}")
     longest = int(lengths.max()) if lengths.size else 0
-    max_len = longest if max_len is None else _check_length(max_len, "max_len")
+    max_len = longest if max_len is None else check_integer(max_len, "max_len")
     if longest > max_len:
         raise ValueError(f"expected lengths <= max_len={max_len}, got a length of {longest}")
     return np.arange(max_len)[None, :] < lengths[:, None]

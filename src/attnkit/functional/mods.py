@@ -28,9 +28,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from attnkit.functional.masks import ALIGNMENTS
+from attnkit.functional.band import Band, alignment_offset, check_align, check_integer
 
-Band = tuple  # (lo | None, hi | None, exact: bool) on kv - q
+ModBand = tuple  # a mask mod's (lo | None, hi | None, exact: bool) on kv - q
 
 
 # ----------------------------------------------------------------------------- what flash reads from a mod
@@ -53,7 +53,7 @@ class BandedMaskMod(Protocol):
     `rest` the mod left to evaluate per tile once the band is applied (None: the
     whole mod). Flash skips tiles outside the band."""
 
-    band: Band | None
+    band: ModBand | None
     rest: Callable | None
 
     def __call__(self, b, h, q_idx, kv_idx) -> Any: ...
@@ -74,29 +74,13 @@ def bound(mod, L: int, S: int):
     return mod.bind(L, S) if isinstance(mod, BindsLengths) else mod
 
 
-def _check_align(align: str) -> str:
-    if align not in ALIGNMENTS:
-        raise ValueError(f"expected align to be one of {ALIGNMENTS}, got {align!r}")
-    return align
-
-
 def _offset(align: str, L: int | None, S: int | None) -> int:
-    if align == "top_left":
-        return 0
-    if L is None or S is None:
+    if align != "top_left" and (L is None or S is None):
         raise ValueError(
             "a bottom_right mod needs the lengths: call mod.bind(L, S) first "
             "(flash_attention, create_mask and score_bias do it for you)"
         )
-    return S - L
-
-
-def _nonneg_int(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"expected {name} to be an integer, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"expected {name} >= 0, got {value}")
-    return int(value)
+    return alignment_offset(L or 0, S or 0, align)
 
 
 def _per_batch(values, name: str, ndim_one: str) -> np.ndarray:
@@ -117,7 +101,7 @@ class MaskMod:
     tiles outside the band and, when exact, never evaluates the mod.
     """
 
-    band: Band | None = None
+    band: ModBand | None = None
     rest: Callable | None = None  # what remains per tile once the band is applied; None: the whole mod
 
     def __init__(self, fn: Callable | None = None, name: str = "mask_mod"):
@@ -135,47 +119,39 @@ class MaskMod:
         return f"{type(self).__name__}({self.name})"
 
 
-class _Band(MaskMod):
-    """lo <= kv - q - offset <= hi, offset 0 top-left or S - L bottom-right."""
+class _BandMod(MaskMod):
+    """lo <= kv - q - offset <= hi, aligned as `Band.aligned` (bottom_right needs bind(L, S))."""
 
-    def __init__(self, lo: int | None, hi: int | None, align: str, name: str, offset: int | None = None):
+    def __init__(self, lo: int | None, hi: int | None, align: str, name: str, lengths: tuple | None = None):
         super().__init__(name=name)
-        self.lo_rel, self.hi_rel, self.align = lo, hi, _check_align(align)
-        self.offset = 0 if align == "top_left" else offset
-        if self.offset is not None:
-            self.band = (
-                None if lo is None else self.offset + lo,
-                None if hi is None else self.offset + hi,
-                True,
-            )
+        self.lo_rel, self.hi_rel, self.align = lo, hi, check_align(align, "align")
+        self._band = None
+        if align == "top_left" or lengths is not None:
+            L, S = lengths or (0, 0)
+            self._band = Band.aligned(lo, hi, align=align, L=L, S=S)
+            self.band = (self._band.lo, self._band.hi, True)
 
-    def bind(self, L: int, S: int) -> "_Band":
-        return _Band(self.lo_rel, self.hi_rel, self.align, self.name, offset=_offset(self.align, L, S))
+    def bind(self, L: int, S: int) -> "_BandMod":
+        return _BandMod(self.lo_rel, self.hi_rel, self.align, self.name, lengths=(L, S))
 
     def __call__(self, b, h, q_idx, kv_idx):
-        if self.offset is None:
+        if self._band is None:
             _offset(self.align, None, None)  # raises: bottom_right needs bind(L, S)
-        rel = np.asarray(kv_idx) - np.asarray(q_idx) - self.offset
-        allowed = np.ones(np.broadcast_shapes(np.shape(rel)), dtype=bool)
-        if self.lo_rel is not None:
-            allowed &= rel >= self.lo_rel
-        if self.hi_rel is not None:
-            allowed &= rel <= self.hi_rel
-        return allowed
+        return self._band.allows(q_idx, kv_idx)
 
 
 def causal(align: str = "top_left") -> MaskMod:
     """Query i sees keys up to its own position (aligned "top_left" like torch's
     is_causal, or "bottom_right" for a KV cache). Tiles above the diagonal are skipped."""
-    return _Band(None, 0, align, f"causal, {align}")
+    return _BandMod(None, 0, align, f"causal, {align}")
 
 
 def sliding_window(left: int | None, right: int = 0, align: str = "top_left") -> MaskMod:
     """Query i sees keys i - left .. i + right (None = unbounded), as
     `masks.sliding_window_mask`. Costs O(L * (left + right)) in flash."""
-    left = None if left is None else _nonneg_int(left, "left")
-    right = _nonneg_int(right, "right")
-    return _Band(None if left is None else -left, right, align, f"window -{left}..+{right}, {align}")
+    left = None if left is None else check_integer(left, "left")
+    right = check_integer(right, "right")
+    return _BandMod(None if left is None else -left, right, align, f"window -{left}..+{right}, {align}")
 
 
 def prefix_lm(prefix_length) -> MaskMod:
@@ -290,9 +266,7 @@ class ScoreMod:
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """ALiBi's per-head slopes (Press et al.): 2^(-8 i / n) for a power of two n,
     with the paper's interleaving rule otherwise. float64 (num_heads,)."""
-    num_heads = _nonneg_int(num_heads, "num_heads")
-    if num_heads == 0:
-        raise ValueError("expected num_heads >= 1, got 0")
+    num_heads = check_integer(num_heads, "num_heads", minimum=1)
     closest = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-8.0 / closest)
     slopes = [base ** (i + 1) for i in range(closest)]
@@ -305,7 +279,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 class _Alibi(ScoreMod):
     def __init__(self, slopes: np.ndarray, align: str, offset: int | None = None):
         super().__init__(self._apply, grad=None, name=f"alibi, {align}")
-        self.slopes, self.align = slopes, _check_align(align)
+        self.slopes, self.align = slopes, check_align(align, "align")
         self.offset = 0 if align == "top_left" else offset
 
     def bind(self, L: int, S: int) -> "_Alibi":

@@ -17,10 +17,10 @@ trainable, the (L, S) weights never formed. The conventions are FlashAttention's
 
 - `causal` is aligned bottom-right (query i sees keys j <= i + S - L), as
   flash_attn >= 2.1; a query row with no key gets 0.
-- `window_size=(left, right)`: query i (at position i + S - L) sees keys
-  j in [pos - left, pos + right]; -1 is unbounded on that side. A window is cut
-  into blocks of `block_q` queries, each run over its own span of keys with a
-  (block_q, span) mask: no (L, S) mask is ever formed.
+- `window_size=(left, right)`: query i (at its bottom-right aligned position)
+  sees keys j in [pos - left, pos + right]; -1 is unbounded on that side. The
+  window goes to the kernel as attnkit's `window` (one band with `causal`):
+  tiles outside it are skipped, no mask is ever formed.
 - `softcap=0.0` is no softcapping; `softmax_scale=None` is 1/sqrt(E).
 - varlen runs sequence by sequence over `cu_seqlens` (one host sync to read them).
 - GQA: query head h reads key/value head h // (Hq // Hkv).
@@ -35,9 +35,7 @@ import torch
 
 from attnkit.torch.flash import flash_attention
 
-__all__ = ["BLOCK_Q", "flash_attn_func", "flash_attn_varlen_func"]
-
-BLOCK_Q = 128  # queries per block when a window cuts the keys
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 
 def _refuse(alibi_slopes, return_attn_probs, s_aux) -> None:
@@ -47,44 +45,25 @@ def _refuse(alibi_slopes, return_attn_probs, s_aux) -> None:
             raise ValueError(f"attnkit's flash_attn functions cannot compute {name}; expected it unset, got a value")
 
 
-def _window(window_size) -> tuple[int, int]:
+def _window(window_size) -> tuple[int | None, int | None] | None:
+    """FlashAttention's window_size (left, right), -1 = unbounded, as attnkit's window
+    (left, right), None = unbounded; None when neither side is bounded."""
     if window_size is None:
-        return -1, -1
+        return None
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
         raise ValueError(f"expected window_size as a pair (left, right) of ints, got {window_size!r}") from None
-    return left, right
+    if left < 0 and right < 0:
+        return None
+    return (None if left < 0 else left), (None if right < 0 else right)
 
 
-def _attend(q, k, v, *, causal: bool, window: tuple[int, int], scale: float | None, softcap, dropout_p: float):
+def _attend(q, k, v, *, causal: bool, window, scale: float | None, softcap, dropout_p: float):
     """q (..., Hq, L, E), k and v (..., Hkv, S, E): FlashAttention's causal and window semantics,
     bottom-right aligned, on attnkit.torch.flash_attention. Returns (..., Hq, L, Ev)."""
-    L, S = q.shape[-2], k.shape[-2]
-    left, right = window
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    kwargs = dict(scale=scale, enable_gqa=q.shape[-3] != k.shape[-3], softcap=softcap or None, dropout_p=dropout_p)
-    offset = S - L  # query i stands at key position i + offset
-    if left < 0 and right < 0:
-        return flash_attention(q, k, v, **kwargs)
-    if left < 0 and right == 0:
-        return flash_attention(q, k, v, is_causal=True, causal_align="bottom_right", **kwargs)
-    outputs = []
-    for i0 in range(0, L, BLOCK_Q):
-        i1 = min(i0 + BLOCK_Q, L)
-        lo = 0 if left < 0 else min(S, max(0, i0 + offset - left))
-        hi = S if right < 0 else max(lo, min(S, i1 - 1 + offset + right + 1))
-        position = torch.arange(i0, i1, device=q.device)[:, None] + offset  # (bq, 1)
-        j = torch.arange(lo, hi, device=q.device)[None, :]  # (1, span)
-        allowed = torch.ones(i1 - i0, hi - lo, dtype=torch.bool, device=q.device)
-        if left >= 0:
-            allowed &= j >= position - left
-        if right >= 0:
-            allowed &= j <= position + right
-        outputs.append(flash_attention(q[..., i0:i1, :], k[..., lo:hi, :], v[..., lo:hi, :], attn_mask=allowed,
-                                       **kwargs))
-    return torch.cat(outputs, dim=-2)
+    return flash_attention(q, k, v, is_causal=causal, causal_align="bottom_right", window=window, scale=scale,
+                           enable_gqa=q.shape[-3] != k.shape[-3], softcap=softcap or None, dropout_p=dropout_p)
 
 
 def flash_attn_func(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.functional.band import Band
+
 __all__ = ["KVCache"]
 
 
@@ -119,8 +121,8 @@ class KVCache:
         device = self.key_padding.device
         allowed = None
         if causal and L > 1:
-            rows = torch.arange(L, device=device)[:, None] + (S - L)
-            allowed = torch.arange(S, device=device)[None, :] <= rows  # (L, S)
+            band = Band.from_options(is_causal=True, causal_align="bottom_right", L=L, S=S)
+            allowed = torch.from_numpy(band.dense(L, S)).to(device)  # (L, S)
         if not self._padded:
             return allowed
         padding = self.key_padding[:, None, None, :S]  # (B, 1, 1, S)

@@ -20,7 +20,8 @@ refused: chunks differ by at most one position (the first `L mod n` chunks are
 one longer), and every rank checks that its shard is the one the layout gives.
 
 Masks are attnkit's: `causal` top-left, `window=(left, right)` (query p sees
-keys p - left .. p + right, None = unbounded), `mask_mod(b, h, q_idx, kv_idx)`
+keys p - left .. p + right, None = unbounded; an int w is (w, 0)), one
+`attnkit.functional.band.Band` over global positions, `mask_mod(b, h, q_idx, kv_idx)`
 (True = may attend) and `score_mod(score, b, h, q_idx, kv_idx)`, all called with
 global positions (and global head indices), so they mean what they mean in one
 process. score mods must be additive (an `attnkit.functional.mods.ScoreMod`
@@ -45,10 +46,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from attnkit.functional.band import Band, check_window
 from attnkit.torch.flash import (
     _accumulator_dtype,
     _forward_tiles,
     _lse_parts,
+    _outside,
     _scores,
     _Tiling,
     _weights_from_lse,
@@ -194,8 +197,7 @@ def _all_gather_ints(values: list[int], group, world: int) -> list[list[int]]:
 class _Spec:
     """What every (query chunk, key chunk) pair needs to build its mask."""
 
-    causal: bool
-    window: tuple | None  # (left | None, right | None) on kv - q
+    band: Band  # causal and window, on global kv - q
     mask_mod: Callable | None
     score_mod: Callable | None
     batch: tuple  # leading dims
@@ -214,17 +216,6 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"expected {name} to be a floating-point tensor, got {x.dtype}")
 
 
-def _check_window(window):
-    if window is None:
-        return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"expected window=(left, right) with ints or None, got {window!r}")
-    for side in window:
-        if side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 0):
-            raise ValueError(f"expected window=(left, right) with ints >= 0 or None, got {window!r}")
-    return tuple(window)
-
-
 def _check_inputs(fn: str, q, k, v, group, causal, layout, scale, enable_gqa, window, score_mod, mask_mod):
     """Local checks, then one all-gather of every rank's shapes: a disagreement
     raises the same ValueError on every rank. Returns (rank, world, segments of
@@ -234,7 +225,7 @@ def _check_inputs(fn: str, q, k, v, group, causal, layout, scale, enable_gqa, wi
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"expected query, key, value of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     _check_layout(layout)
-    window = _check_window(window)
+    left, right = check_window(window)  # attnkit.functional's check: the same errors
     *batch, Hq, L, E = q.shape
     if k.shape[:-3] != tuple(batch) or v.shape[:-3] != tuple(batch):
         raise ValueError(f"expected key and value with leading dims {tuple(batch)} like query, "
@@ -262,7 +253,7 @@ def _check_inputs(fn: str, q, k, v, group, causal, layout, scale, enable_gqa, wi
     dims = list(batch)[:6] + [-1] * (6 - min(6, len(batch)))
     code = lambda side: -1 if side is None else side  # noqa: E731
     row = [len(batch), *dims, Hq, Hkv, L, E, v.shape[-1], _DTYPES.index(q.dtype), int(bool(causal)),
-           LAYOUTS.index(layout), *(code(s) for s in (window or (None, None))), int(window is None),
+           LAYOUTS.index(layout), code(left), code(right), int(window is None),
            int(score_mod is None), int(mask_mod is None)]
     rows = _all_gather_ints(row, group, world)
     shared = [r[:9] + r[10:] for r in rows]
@@ -280,7 +271,8 @@ def _check_inputs(fn: str, q, k, v, group, causal, layout, scale, enable_gqa, wi
                          f"{world} ranks, which is {expected} (cut the sequence with shard_sequence)")
     mask_mod = mask_mod.bind(total, total) if hasattr(mask_mod, "bind") else mask_mod
     score_mod = score_mod.bind(total, total) if hasattr(score_mod, "bind") else score_mod
-    spec = _Spec(bool(causal), window, mask_mod, score_mod, tuple(batch), Hq, Hkv, 0, float(scale))
+    band = Band.from_options(is_causal=bool(causal), window=(left, right), L=total, S=total)
+    spec = _Spec(band, mask_mod, score_mod, tuple(batch), Hq, Hkv, 0, float(scale))
     return rank, world, bounds, total, spec
 
 
@@ -292,46 +284,24 @@ def _pair(spec: _Spec, q_seg, k_seg, dtype, device, local_heads: int):
     no pair may attend, else (tiling, mask or None). The mask is bool or float,
     shaped (*batch, Hkv, G, lq, lk), evaluated at global positions."""
     (qs, qe), (ks, ke) = q_seg, k_seg
-    if qe <= qs or ke <= ks:
+    if spec.band.tile(qs, qe, ks, ke) == "outside":  # (an empty segment too)
         return None
-    lo, hi = ks - (qe - 1), (ke - 1) - qs  # range of kv - q over the pair
-    causal, offset = False, 0
-    if spec.causal:
-        if lo > 0:
-            return None  # every key is after every query
-        if hi > 0:
-            causal, offset = True, qs - ks  # local j <= i + offset  <=>  global k <= q
-    band = None
-    if spec.window is not None:
-        left, right = spec.window
-        if (left is not None and hi < -left) or (right is not None and lo > right):
-            return None
-        if (left is not None and lo < -left) or (right is not None and hi > right):
-            band = (left, right)
-    tiling = _Tiling(causal, offset, _BLOCK, _BLOCK, spec.scale)
-    if band is None and spec.mask_mod is None and spec.score_mod is None:
+    # the band on the pair's local positions; the kernel skips or masks its tiles
+    tiling = _Tiling(spec.band.shifted(qs, ks), _BLOCK, _BLOCK, spec.scale)
+    if spec.mask_mod is None and spec.score_mod is None:
         return tiling, None
 
     q_pos = np.arange(qs, qe)[:, None]  # (lq, 1) global positions
     k_pos = np.arange(ks, ke)[None, :]  # (1, lk)
     B = int(np.prod(spec.batch)) if spec.batch else 1
     lq, lk = qe - qs, ke - ks
-    allowed = None
-    if band is not None:
-        rel = k_pos - q_pos
-        allowed = np.ones((lq, lk), dtype=bool)
-        if band[0] is not None:
-            allowed &= rel >= -band[0]
-        if band[1] is not None:
-            allowed &= rel <= band[1]
-        allowed = np.broadcast_to(allowed, (B, local_heads, lq, lk))
+    mask = None
     if spec.mask_mod is not None:
-        mods = np.empty((B, local_heads, lq, lk), dtype=bool)
+        allowed = np.empty((B, local_heads, lq, lk), dtype=bool)
         for b in range(B):
             for h in range(local_heads):
-                mods[b, h] = np.broadcast_to(spec.mask_mod(b, spec.head_offset + h, q_pos, k_pos), (lq, lk))
-        allowed = mods if allowed is None else allowed & mods
-    mask = None if allowed is None else torch.from_numpy(np.ascontiguousarray(allowed)).to(device)
+                allowed[b, h] = np.broadcast_to(spec.mask_mod(b, spec.head_offset + h, q_pos, k_pos), (lq, lk))
+        mask = torch.from_numpy(allowed).to(device)
     if spec.score_mod is not None:
         np_dtype = np.float64 if dtype == torch.float64 else np.float32
         bias = np.empty((B, local_heads, lq, lk), dtype=np_dtype)
@@ -354,23 +324,21 @@ def _pair_backward(q, k, v, mask, lse, delta, do, tiling: _Tiling, dq, dk, dv) -
     (attnkit.torch.flash's backward takes D from the tile for a row that sees a
     single key; here a row's other keys live in other pairs, so D is always the
     global one.)"""
-    block_q, block_k, is_causal, offset = tiling.block_q, tiling.block_k, tiling.is_causal, tiling.offset
+    block_q, block_k, band = tiling.block_q, tiling.block_k, tiling.band
     L, S = q.shape[-2], k.shape[-2]
     lse_hi, lse_lo = _lse_parts(lse, q.dtype)  # the float64 lse as float32 hi + lo
-    rows = torch.arange(L, device=q.device) + offset
-    cols = torch.arange(S, device=q.device)
     for j0 in range(0, S, block_k):
         j1 = min(j0 + block_k, S)
         k_tile, v_tile = k[..., j0:j1, :], v[..., j0:j1, :]
-        first_query = (max(0, j0 - offset) // block_q) * block_q if is_causal else 0
-        for i0 in range(first_query, L, block_q):
+        q_start, q_end = band.q_range(j0, j1, L)  # queries outside see none of these keys
+        for i0 in range(q_start // block_q * block_q, q_end, block_q):
             i1 = min(i0 + block_q, L)
+            if band.tile(i0, i1, j0, j1) == "outside":
+                continue
             q_tile = q[..., i0:i1, :]
             mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
-            on_diagonal = is_causal and j1 - 1 > i0 + offset
             # in the forward pass this was: p = exp(s - lse)
-            s = _scores(q_tile, k_tile, mask_tile,
-                        rows[i0:i1] if on_diagonal else None, cols[j0:j1] if on_diagonal else None)
+            s = _scores(q_tile, k_tile, mask_tile, _outside(band, i0, i1, j0, j1, q.device))
             p = _weights_from_lse(s, lse_hi[..., i0:i1], None if lse_lo is None else lse_lo[..., i0:i1])
             do_tile = do[..., i0:i1, :]
             # in the forward pass this was: out = p @ v
@@ -562,7 +530,7 @@ def ring_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     enable_gqa: bool = False,
-    window: tuple | None = None,
+    window: int | tuple | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
 ) -> torch.Tensor:
@@ -576,7 +544,8 @@ def ring_attention(
         layout: "zigzag" (rank r holds chunks r and 2W-1-r of 2W) or "contiguous".
         scale: score scale, default 1/sqrt(E).
         enable_gqa: allow Hkv dividing Hq; query head h uses key/value head h // (Hq // Hkv).
-        window: (left, right): query p sees keys p - left .. p + right (None = unbounded).
+        window: (left, right): query p sees keys p - left .. p + right (None = unbounded);
+            an int w is (w, 0). Checked as attnkit.functional checks it (same errors).
         score_mod: additive score mod `(score, b, h, q_idx, kv_idx) -> score` at global positions.
         mask_mod: `(b, h, q_idx, kv_idx) -> bool` (True = may attend) at global positions.
 
@@ -683,7 +652,7 @@ def ulysses_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     enable_gqa: bool = False,
-    window: tuple | None = None,
+    window: int | tuple | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
 ) -> torch.Tensor:
@@ -706,7 +675,7 @@ def ulysses_attention(
     segments = [segment for r in range(world) for segment in bounds[r]]  # the order of the gathered sequence
     qh, kh, vh = (_AllToAll.apply(x, True, group, world, lengths, rank) for x in (q, k, v))
     local_heads = Hq // world
-    local = _Spec(spec.causal, spec.window, spec.mask_mod, spec.score_mod, spec.batch, local_heads,
+    local = _Spec(spec.band, spec.mask_mod, spec.score_mod, spec.batch, local_heads,
                   Hkv // world, rank * local_heads, spec.scale)
     dtype = _accumulator_dtype(q.dtype)
     qg, kg, vg = _grouped(qh, kh, vh, local.Hkv, dtype)

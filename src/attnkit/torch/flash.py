@@ -20,7 +20,9 @@ torch's math-backend answer in float64, rounded back, never NaN.
 
 Conventions are attnkit's: layout (..., H, L, E); boolean mask True = may
 attend, float mask added to the scores; `is_causal` is top-left aligned
-(bottom-right with causal_align="bottom_right"); a row
+(bottom-right with causal_align="bottom_right") and `window` is a sliding
+window aligned the same way, both one `attnkit.functional.band.Band`: tiles
+outside it are skipped forward and backward, tiles its edge crosses masked; a row
 whose keys are all masked gives output 0, lse -inf and zero gradients; GQA
 query head h uses key/value head h // (Hq // Hkv).
 """
@@ -28,11 +30,14 @@ query head h uses key/value head h // (Hq // Hkv).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from attnkit.functional._checks import TINY_SCALE, scores_bound_exceeds
+from attnkit.functional.band import Band, check_integer
 
 __all__ = ["FlashAttentionFunction", "FlashOutput", "default_block", "flash_attention"]
 
@@ -90,11 +95,27 @@ def scores_may_overflow(q_scaled: torch.Tensor, key: torch.Tensor) -> bool:
     return scores_bound_exceeds(_max_abs(q_scaled), _max_abs(key), q_scaled.shape[-1], torch.finfo(dtype).max)
 
 
-def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols, softcap=None, cap_grad=None):
+@lru_cache(maxsize=256)
+def _band_outside(lo: int | None, hi: int | None, rows: int, cols: int, device: str) -> torch.Tensor:
+    """(rows, cols) booleans, True where a tile's pair (i, j) lies outside lo <= j - i <= hi
+    (the band relative to the tile's corner); cached: a band's edge tiles repeat (read only)."""
+    return torch.from_numpy(~Band(lo, hi).dense(rows, cols)).to(device)
+
+
+def _outside(band: Band, i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor | None:
+    """The band's (bq, bk) exclusions for tile (queries [i0, i1), keys [j0, j1)), or None
+    when the tile lies inside it (every pair allowed)."""
+    if band.tile(i0, i1, j0, j1) == "inside":
+        return None
+    local = band.shifted(i0, j0)
+    return _band_outside(local.lo, local.hi, i1 - i0, j1 - j0, str(device))
+
+
+def _scores(q_tile, k_tile, mask_tile, outside, softcap=None, cap_grad=None):
     """Scores of one (query block, key block) tile, masked: (..., G, bq, bk).
 
-    q_tile is already multiplied by the scale; causal_rows are the query
-    positions already shifted by the alignment offset. Returns a new tensor
+    q_tile is already multiplied by the scale; outside (bq, bk), or None, is
+    True where the band excludes a pair (`_outside`). Returns a new tensor
     (the callers overwrite it in place). With `softcap`, the scores are
     softcap * tanh(scores / softcap) before the mask (Gemma 2's logit
     softcapping); `cap_grad`, a list, then receives d(capped)/d(raw) =
@@ -110,20 +131,26 @@ def _scores(q_tile, k_tile, mask_tile, causal_rows, causal_cols, softcap=None, c
             s.masked_fill_(~mask_tile, -math.inf)
         else:
             s.add_(mask_tile)
-    if causal_rows is not None:
-        # causal: query i may attend key j only when j <= i + offset
-        above = causal_cols[None, :] > causal_rows[:, None]  # (bq, bk)
-        s.masked_fill_(above, -math.inf)
+    if outside is not None:
+        s.masked_fill_(outside, -math.inf)  # the band: kv - q outside [lo, hi]
     return s
 
 
-def _one_key_rows(i0: int, i1: int, S: int, causal_offset: int | None) -> tuple[int, int]:
-    """The query rows [a, z) of [i0, i1) that see at most one key: all of them when
-    S <= 1; with causal (keys j <= i + offset), those with i + offset <= 0."""
-    if S <= 1:
-        return i0, i1
-    z = i0 if causal_offset is None else min(i1, 1 - causal_offset)
-    return i0, max(i0, z)
+def _one_key_rows(i0: int, i1: int, S: int, band: Band) -> list[tuple[int, int]]:
+    """Runs [a, z) of the query rows of [i0, i1) that the band lets see at most one
+    key: all of them when S <= 1; row 0 of a causal mask; every row of a (0, 0) window."""
+    if S > 1 and not band.bounded:
+        return []
+    rows = np.arange(i0, i1)
+    first = np.zeros_like(rows) if band.lo is None else np.maximum(0, rows + band.lo)
+    last = np.full_like(rows, S - 1) if band.hi is None else np.minimum(S - 1, rows + band.hi)
+    few = np.flatnonzero(last - first <= 0) + i0
+    if not few.size:
+        return []
+    breaks = np.flatnonzero(np.diff(few) > 1)  # contiguous runs
+    starts = np.concatenate(([few[0]], few[breaks + 1]))
+    stops = np.concatenate((few[breaks], [few[-1]])) + 1
+    return [(int(a), int(z)) for a, z in zip(starts, stops)]
 
 
 def _zero_where_neg_inf(x: torch.Tensor) -> torch.Tensor:
@@ -151,10 +178,9 @@ def _weights_from_lse(s: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None
 
 
 class _Tiling(NamedTuple):
-    """How one call is cut and masked: causal (aligned by offset), tile sizes, scale."""
+    """How one call is cut and masked: the band (causal, window), tile sizes, scale."""
 
-    is_causal: bool
-    offset: int
+    band: Band
     block_q: int
     block_k: int
     scale: float
@@ -180,14 +206,12 @@ def _all_finite(*tensors) -> bool:
 def _forward_tiles(q, k, v, mask, tiling: _Tiling):
     """The online-softmax forward in q's dtype; q already scaled. Returns output
     (..., Hkv, G, L, Ev) and lse (..., Hkv, G, L)."""
-    block_q, block_k, is_causal, offset = tiling.block_q, tiling.block_k, tiling.is_causal, tiling.offset
+    block_q, block_k, band = tiling.block_q, tiling.block_k, tiling.band
     L, S = q.shape[-2], k.shape[-2]
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))  # (..., Hkv, G, L, Ev)
     # (..., Hkv, G, L) in float64: m + log(l) rounded to float32 would cost the backward's
     # weights up to half an ulp of |lse| (see _lse_parts)
     lse = q.new_full(q.shape[:-1], -math.inf, dtype=torch.float64)
-    rows = torch.arange(L, device=q.device) + offset  # aligned query positions
-    cols = torch.arange(S, device=q.device)
 
     for i0 in range(0, L, block_q):
         i1 = min(i0 + block_q, L)
@@ -195,21 +219,16 @@ def _forward_tiles(q, k, v, mask, tiling: _Tiling):
         m = q.new_full(q_tile.shape[:-1], -math.inf)  # running row max (..., G, bq)
         l = q.new_zeros(q_tile.shape[:-1])  # running denominator
         acc = q.new_zeros(q_tile.shape[:-1] + (v.shape[-1],))  # (..., G, bq, Ev)
-        k_end = max(0, min(S, i1 + offset)) if is_causal else S  # keys after that are masked for every row
-        for j0 in range(0, k_end, block_k):
+        k_start, k_end = band.kv_range(i0, i1, S)  # keys outside are masked for every row
+        for j0 in range(k_start // block_k * block_k, k_end, block_k):
             # whole tiles of the block_k grid, the backward's: it rebuilds bitwise these
             # scores, so a row with one key gets exp(s - lse) = 1 exactly there
             j1 = min(j0 + block_k, S)
+            if band.tile(i0, i1, j0, j1) == "outside":
+                continue
             mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
-            on_diagonal = is_causal and j1 - 1 > i0 + offset
-            s = _scores(
-                q_tile,
-                k[..., j0:j1, :],
-                mask_tile,
-                rows[i0:i1] if on_diagonal else None,
-                cols[j0:j1] if on_diagonal else None,
-                tiling.softcap,
-            )
+            s = _scores(q_tile, k[..., j0:j1, :], mask_tile, _outside(band, i0, i1, j0, j1, q.device),
+                        tiling.softcap)
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_base = _zero_where_neg_inf(m_new)  # rows with no key yet: exp(-inf - 0) = 0
             p = s.sub_(m_base[..., None]).exp_()  # (..., G, bq, bk), in the scores' memory
@@ -229,7 +248,7 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
     """FlashAttention-2's backward in q's dtype; q already scaled. Returns dq, dk
     and dv (key/value summed over the G query heads that share them) and the
     gradient of a float mask (..., Hkv, G, L, S) when asked for, else None."""
-    block_q, block_k, is_causal, offset = tiling.block_q, tiling.block_k, tiling.is_causal, tiling.offset
+    block_q, block_k, band = tiling.block_q, tiling.block_k, tiling.band
     L, S = q.shape[-2], k.shape[-2]
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term,
     # summed in float64 and rounded once.
@@ -240,8 +259,6 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
     dk = torch.zeros(q.shape[:-3] + (q.shape[-3],) + k.shape[-2:], dtype=q.dtype, device=q.device)
     dv = torch.zeros(q.shape[:-3] + (q.shape[-3],) + v.shape[-2:], dtype=q.dtype, device=q.device)
     dmask = q.new_zeros(q.shape[:-1] + (S,)) if want_mask_grad else None  # (..., Hkv, G, L, S)
-    rows = torch.arange(L, device=q.device) + offset  # aligned query positions
-    cols = torch.arange(S, device=q.device)
 
     for j0 in range(0, S, block_k):
         j1 = min(j0 + block_k, S)
@@ -249,24 +266,17 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
         v_tile = v[..., j0:j1, :]  # (..., 1, bk, Ev)
         dk_tile = torch.zeros(dk.shape[:-2] + k_tile.shape[-2:], dtype=q.dtype, device=q.device)
         dv_tile = torch.zeros(dv.shape[:-2] + v_tile.shape[-2:], dtype=q.dtype, device=q.device)
-        # queries i with i + offset < j0 see none of these keys
-        first_query = (max(0, j0 - offset) // block_q) * block_q if is_causal else 0
-        for i0 in range(first_query, L, block_q):
+        q_start, q_end = band.q_range(j0, j1, L)  # queries outside see none of these keys
+        for i0 in range(q_start // block_q * block_q, q_end, block_q):
             i1 = min(i0 + block_q, L)
+            if band.tile(i0, i1, j0, j1) == "outside":  # as the forward skipped it
+                continue
             q_tile = q[..., i0:i1, :]
             mask_tile = None if mask is None else mask[..., i0:i1, j0:j1]
-            on_diagonal = is_causal and j1 - 1 > i0 + offset
             # in the forward pass this was: p = exp(s - m) / l, with lse = m + log(l)
             cap_grad = [] if tiling.softcap is not None else None
-            s = _scores(
-                q_tile,
-                k_tile,
-                mask_tile,
-                rows[i0:i1] if on_diagonal else None,
-                cols[j0:j1] if on_diagonal else None,
-                tiling.softcap,
-                cap_grad,
-            )
+            s = _scores(q_tile, k_tile, mask_tile, _outside(band, i0, i1, j0, j1, q.device), tiling.softcap,
+                        cap_grad)
             p = _weights_from_lse(s, lse_hi[..., i0:i1], None if lse_lo is None else lse_lo[..., i0:i1])
             do_tile = do[..., i0:i1, :]  # p: (..., G, bq, bk)
             # in the forward pass this was: out = p @ v
@@ -278,8 +288,7 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
                 dp.mul_(kept)  # the gradient of the undropped weights; D = rowsum(dO * O) matches it
             # softmax backward: ds = p * (dp - rowsum(p * dp)), and rowsum(p * dp) = D
             dp.sub_(delta[..., i0:i1, None])
-            a, z = _one_key_rows(i0, i1, S, offset if is_causal else None)
-            if z > a:
+            for a, z in _one_key_rows(i0, i1, S, band):
                 # a row that sees a single key takes D from the tile, as the plain path
                 # does: consistent with the dp just rounded, its ds is exactly 0
                 local = dp[..., a - i0 : z - i0, :]
@@ -304,7 +313,8 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     Called through `flash_attention`, which checks the arguments. Inputs here are
     already grouped for GQA: query (..., Hkv, G, L, E), key (..., Hkv, 1, S, E),
-    value (..., Hkv, 1, S, Ev), mask None or broadcastable to (..., Hkv, G, L, S).
+    value (..., Hkv, 1, S, Ev), mask None or broadcastable to (..., Hkv, G, L, S),
+    band the `Band` (causal, window) on kv - q whose outside tiles are skipped.
     Returns output (..., Hkv, G, L, Ev) and lse (..., Hkv, G, L); lse carries no
     gradient. The scale multiplies the query before the product; where float32
     cannot hold the scores (or a tiny scale would cost q * scale its digits, or a
@@ -313,9 +323,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, offset, scale, block_q, block_k, softcap=None,
-                dropout=0.0, seed=0):
-        tiling = _Tiling(is_causal, offset, block_q, block_k, scale, softcap, dropout, seed)
+    def forward(ctx, query, key, value, attn_mask, band, scale, block_q, block_k, softcap=None, dropout=0.0, seed=0):
+        tiling = _Tiling(band, block_q, block_k, scale, softcap, dropout, seed)
         acc_dtype = _accumulator_dtype(query.dtype)
         q = query.to(acc_dtype) * scale  # scaled once, before the product: every tile's scores are q k^T
         wide = _needs_float64(q, key, scale)
@@ -357,7 +366,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             # gradient back to the caller's broadcast shape.
             grad_mask = dmask.to(ctx.attn_mask_dtype)
         return (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), grad_mask,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def _as_dtype(dtype, key, value, mask):
@@ -386,6 +395,7 @@ def flash_attention(
     enable_gqa: bool = False,
     *,
     causal_align: str = "top_left",
+    window: int | tuple[int | None, int | None] | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
@@ -403,6 +413,10 @@ def flash_attention(
         is_causal: causal mask, combined with attn_mask when both are given.
         causal_align: "top_left" (torch's is_causal: query i sees keys j <= i) or
             "bottom_right" (query i sees keys j <= i + S - L, what a KV cache needs).
+            Also aligns `window`.
+        window: sliding window, as `attnkit.flash_attention`'s: an int `left` or a pair
+            (left, right), None = unbounded; query i sees keys i - left .. i + right
+            (aligned), combined with is_causal and attn_mask. Tiles outside are skipped.
         scale: score scale, default 1/sqrt(E).
         enable_gqa: allow Hkv dividing Hq; query head h uses key/value head h // (Hq // Hkv).
         block_q, block_k: tile sizes along L and S (default: `default_block(L, S)`,
@@ -445,11 +459,9 @@ def flash_attention(
             )
         if num_heads % num_kv_heads:
             raise ValueError(f"GQA needs key/value heads dividing query heads, got Hq={num_heads}, Hkv={num_kv_heads}")
-    block_q = default_block(L, S) if block_q is None else block_q
-    block_k = default_block(L, S) if block_k is None else block_k
-    for name, block in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(block, int) or block < 1:
-            raise ValueError(f"expected {name} to be a positive int, got {block!r}")
+    band = Band.from_options(is_causal=is_causal, causal_align=causal_align, window=window, L=L, S=S)
+    block_q = check_integer(default_block(L, S) if block_q is None else block_q, "block_q", minimum=1)
+    block_k = check_integer(default_block(L, S) if block_k is None else block_k, "block_k", minimum=1)
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
     if num_kv_heads == 0:
@@ -459,9 +471,6 @@ def flash_attention(
         value = value.reshape(*batch, num_heads, 0, value.shape[-1])
         num_kv_heads = num_heads
     groups = num_heads // num_kv_heads if num_kv_heads else 1
-    if causal_align not in ("top_left", "bottom_right"):
-        raise ValueError(f"expected causal_align to be 'top_left' or 'bottom_right', got {causal_align!r}")
-    offset = 0 if causal_align == "top_left" else S - L
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
         raise ValueError(f"expected softcap to be None or a positive finite number, got {softcap!r}")
     if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
@@ -489,7 +498,7 @@ def flash_attention(
     k = key.unsqueeze(-3)  # (..., Hkv, 1, S, E)
     v = value.unsqueeze(-3)  # (..., Hkv, 1, S, Ev)
     out, lse = FlashAttentionFunction.apply(
-        q, k, v, grouped_mask, bool(is_causal), offset, float(scale), block_q, block_k,
+        q, k, v, grouped_mask, band, float(scale), block_q, block_k,
         None if softcap is None else float(softcap), float(dropout_p), seed,
     )
     out = out.flatten(-4, -3)  # (..., Hq, L, Ev)

@@ -223,6 +223,23 @@ def test_a_module_that_always_returns_weights_runs_naive_on_a_weightless_backend
     np.testing.assert_array_equal(flash.weights, reference.weights)
 
 
+def test_the_old_attention_keyword_still_works_with_a_warning(bert_folder):
+    """`attention=` (0.1.0) is now `backend=`; the old spelling works for one release."""
+    from attnkit.nn import KVCache
+
+    with pytest.warns(DeprecationWarning, match="attention= is deprecated, use backend="):
+        encoder = SentenceEncoder.from_pretrained(bert_folder, attention="flash")
+    assert {m.backend for _, m in encoder.model.named_modules() if isinstance(m, nn.AttentionModule)} == {"flash"}
+    with pytest.raises(TypeError, match="got both backend= and its old spelling attention="):
+        SentenceEncoder.from_pretrained(bert_folder, backend="flash", attention="naive")
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 2, 3, 8)) for _ in range(3))
+    new = KVCache(1, 1, 2, 8, 16, dtype=np.float64).attend(0, q, k, v, backend="naive")
+    with pytest.warns(DeprecationWarning):
+        old = KVCache(1, 1, 2, 8, 16, dtype=np.float64).attend(0, q, k, v, attention="naive")
+    np.testing.assert_array_equal(old, new)
+
+
 def test_an_unknown_backend_is_refused_by_name(decoder, bert_folder):
     _, ours, _, _, _ = decoder
     encoder = SentenceEncoder.from_pretrained(bert_folder, num_threads=1)

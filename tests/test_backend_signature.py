@@ -297,9 +297,9 @@ def test_the_cache_gives_flash_its_band_and_no_dense_mask(flash_spy):
     q, k, v, padding = _inputs(5, L=S, S=S)
     cache = nn.KVCache(1, B, HKV, E, S, dtype=np.float64)
     cache.add_padding(padding[:, :6])
-    cache.attend(0, q[:, :, :6], k[:, :, :6], v[:, :, :6], attention="flash")  # a prompt chunk, L=6
+    cache.attend(0, q[:, :, :6], k[:, :, :6], v[:, :, :6], backend="flash")  # a prompt chunk, L=6
     cache.add_padding(padding[:, 6:7])
-    cache.attend(0, q[:, :, 6:7], k[:, :, 6:7], v[:, :, 6:7], attention="flash")  # a decode step
+    cache.attend(0, q[:, :, 6:7], k[:, :, 6:7], v[:, :, 6:7], backend="flash")  # a decode step
     assert len(backend_calls) == 2
     for args, kwargs in backend_calls:
         assert len(args) == 3 and "attn_mask" not in kwargs  # no dense mask
@@ -326,7 +326,7 @@ def test_padded_gqa_cache_naive_and_flash_agree(dtype):
         for start, stop in [(0, 7)] + [(t, t + 1) for t in range(7, S)]:
             cache.add_padding(padding[:, start:stop])
             parts.append(cache.attend(0, *(cast(x[:, :, start:stop]) for x in (q, k, v)),
-                                      attention="naive" if backend == "truth" else backend))
+                                      backend="naive" if backend == "truth" else backend))
         outs[backend] = np.concatenate(parts, axis=2)
     dense = masks.causal_mask(S, S) & padding[:, None, None, :]
     truth = reference_attention(q, k, v, dense, gqa_group=HQ // HKV)[0]

@@ -354,7 +354,7 @@ def test_gelu_inplace_within_budget_of_torch(torch):
 @pytest.mark.slow
 def test_flash_backend_gives_the_same_embeddings(encoder, st_embeddings):
     oracle, truth = st_embeddings
-    flash = SentenceEncoder(encoder.model, encoder.tokenizer, attention="flash")
+    flash = SentenceEncoder(encoder.model, encoder.tokenizer, backend="flash")
     texts = SENTENCES[:6] + [LONG_TEXT]
     assert SENTENCES[-1] == LONG_TEXT
     pick = list(range(6)) + [len(SENTENCES) - 1]
@@ -362,4 +362,4 @@ def test_flash_backend_gives_the_same_embeddings(encoder, st_embeddings):
     assert_within_budget(encoder.encode(texts), oracle[pick], truth[pick], what="naive backend embeddings")
     encoder.model.set_attention_backend("naive")
     with pytest.raises(ValueError, match="unknown attention backend"):
-        SentenceEncoder(encoder.model, encoder.tokenizer, attention="nope")
+        SentenceEncoder(encoder.model, encoder.tokenizer, backend="nope")

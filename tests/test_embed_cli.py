@@ -57,6 +57,15 @@ def test_embed_json_matches_library(encoder, model64):
     assert_within_budget(got, encoder.encode(texts), _truth(model64, encoder, texts), what="embed --json")
 
 
+def test_embed_on_the_flash_backend(encoder, model64):
+    """`--backend flash` runs the encoder on the tiled kernel: within the float64-grounded
+    budget of the naive backend's embeddings."""
+    texts = ["Hello world", "A longer sentence, so that the lengths in the batch differ."]
+    payload = _json(runner.invoke(app, ["embed", *texts, "--json", "--backend", "flash"]))
+    got = np.array([e["embedding"] for e in payload["embeddings"]])
+    assert_within_budget(got, encoder.encode(texts), _truth(model64, encoder, texts), what="embed --backend flash")
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("minilm_folder")
 def test_embed_table_output():
@@ -103,6 +112,8 @@ def test_similarity(encoder, model64):
         (["embed", "x\udcff"], 2, "TEXT is not valid UTF-8: byte 0xff at offset 1"),
         (["embed", "x", "--model", "/no/such/folder"], 1, "does not exist"),
         (["embed", "--file", "/no/such/file.txt"], 1, "cannot read --file /no/such/file.txt: no such file or directory"),
+        (["embed", "x", "--backend", "nope"], 2, "expected --backend to be one of flash, naive, got 'nope'"),
+        (["similarity", "x", "y", "--backend", ""], 2, "expected --backend to be one of flash, naive, got ''"),
     ],
 )
 def test_cli_errors(args, code, words):

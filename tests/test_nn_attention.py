@@ -649,7 +649,7 @@ def test_kv_cache_decoding_with_huge_activations_gives_torch_float64_answer(torc
         q = wide(rng, (B, Hq, L, E), 0) * np.float32(magnitude)
         k = wide(rng, (B, Hkv, L, E), 0) * np.float32(magnitude)
         v = wide(rng, (B, Hkv, L, E), 0)
-        out = cache.attend(0, q, k, v, attention=backend)
+        out = cache.attend(0, q, k, v, backend=backend)
         S = cache.length
         keys, values = cache.keys[0][:, :, :S], cache.values[0][:, :, :S]
         truth = torch_math(torch, q, keys, values, masks.causal_mask(L, S, align="bottom_right"), enable_gqa=True)

@@ -15,6 +15,8 @@
   `MissingExtraError` naming the pip extra that installs it
   (`pip install 'attnkit[png]'`). The command line prints that message as its
   one error line.
+- `renamed_keyword(...)`: a keyword's old spelling, still taken for one release with
+  a DeprecationWarning (CHANGELOG.md lists each).
 
 Nothing here is imported eagerly: threadpoolctl loads on the first
 `one_blas_thread()`, and each optional package when `require` asks for it.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -37,8 +40,25 @@ __all__ = [
     "blas_threads",
     "cpu_count",
     "one_blas_thread",
+    "renamed_keyword",
     "require",
 ]
+
+REMOVED_IN = "0.3.0"
+"""The release in which a deprecated spelling stops working."""
+
+
+def renamed_keyword(where: str, old: str, old_value: Any, new: str, new_value: Any, default: Any) -> Any:
+    """The value of keyword `new`, taking one still passed under its old name `old`
+    (`old_value` None: not passed). Warns when `old` is used; refuses both at once
+    (TypeError) unless `new` kept its default."""
+    if old_value is None:
+        return new_value
+    if new_value != default:
+        raise TypeError(f"{where}: expected {new}= alone, got both {new}= and its old spelling {old}=")
+    warnings.warn(f"{where}: {old}= is deprecated, use {new}= (the old spelling goes in {REMOVED_IN})",
+                  DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 def cpu_count() -> int:

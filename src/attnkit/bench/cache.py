@@ -50,7 +50,7 @@ def _step(S: int, L: int, backend: str, rng):
 
     def step():
         cache.crop(past)  # forget the previous step's L positions (no copy)
-        return cache.attend(0, q, k, v, attention=backend)  # (B, Hq, L, E)
+        return cache.attend(0, q, k, v, backend=backend)  # (B, Hq, L, E)
 
     return step
 

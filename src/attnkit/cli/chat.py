@@ -27,6 +27,7 @@ from rich.text import Text
 
 from attnkit.cli._app import app, check_text, console, fail, note, say, usage, warn
 from attnkit.cli._input import StdinLines, read_text_file
+from attnkit.cli.models import BACKEND_HELP, check_backend
 from attnkit.cli.generate import (
     MODEL_HELP, PENALTY_HELP, TEMPERATURE_HELP, Printer, check_sampling, end_reply, load_decoder, run, was_cut,
 )
@@ -336,6 +337,7 @@ def chat(
     history: bool = typer.Option(
         True, "--history/--no-history", help="Keep the prompt's history across runs, in a file under your data folder."
     ),
+    backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP),
 ) -> None:
     """A multi-turn chat in the terminal, with line editing and history; /help lists its commands.
 
@@ -343,6 +345,7 @@ def chat(
     """
     check_text("--system", system)
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
+    check_backend(backend)
     chosen = [name for name, on in (("--system", system is not None), ("--system-file", system_file is not None),
                                     ("--explain-attention", explain_attention)) if on]
     if len(chosen) > 1:
@@ -358,7 +361,7 @@ def chat(
         system, system_name = load_prompt("attention-explainer"), "attnkit's attention explainer"
     system = system.strip() if system is not None else None
 
-    model = load_decoder(model_path, "chat")
+    model = load_decoder(model_path, "chat", backend)
     if not model.tokenizer.chat_template:
         fail("this model has no chat template; use attnkit generate instead")
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,

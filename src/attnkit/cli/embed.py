@@ -16,7 +16,7 @@ from rich.text import Text
 
 from attnkit.cli._app import app, check_int, check_text, console, err_console, fail, usage
 from attnkit.cli._input import read_stdin, read_text_file
-from attnkit.cli.models import ENCODER, model_option
+from attnkit.cli.models import BACKEND_HELP, ENCODER, check_backend, model_option
 from attnkit.viz.text import printable
 
 _MODEL_HELP = "minilm (the embedded all-MiniLM-L6-v2, the default) or a BERT-family model folder (config.json, model.safetensors, tokenizer.json or vocab.txt)."
@@ -48,13 +48,13 @@ def _check_sizes(batch_size: int, threads: Optional[int]) -> None:
     check_int("--threads", threads, 1, MAX_THREADS)
 
 
-def _load_encoder(model: Optional[str], threads: Optional[int], command: str) -> Any:
+def _load_encoder(model: Optional[str], threads: Optional[int], command: str, backend: str = "naive") -> Any:
     from attnkit.models.bert import SentenceEncoder
     from attnkit.models.embedded import ModelPackageNotFoundError
 
     model = model_option(model, ENCODER, command)
     try:
-        return SentenceEncoder.from_pretrained(model, num_threads=threads)
+        return SentenceEncoder.from_pretrained(model, num_threads=threads, backend=backend)
     except (ModelPackageNotFoundError, ValueError, OSError, KeyError) as error:
         fail(str(error))
 
@@ -87,16 +87,18 @@ def embed(
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per batch."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Worker threads (default: all CPUs)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP),
 ) -> None:
     """Print sentence embeddings (mean-pooled, L2-normalized, like sentence-transformers)."""
     import numpy as np
     from rich.table import Table
 
     _check_sizes(batch_size, threads)
+    check_backend(backend)
     sentences = _read_texts(texts or [], file)
     if not sentences:
         usage("expected at least one sentence: give TEXT arguments, --file F, or '-' for stdin")
-    encoder = _load_encoder(model, threads, "embed")
+    encoder = _load_encoder(model, threads, "embed", backend)
     embeddings = _encode(encoder, sentences, batch_size)
     if as_json:
         payload = {
@@ -130,16 +132,18 @@ def similarity(
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per batch."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Worker threads (default: all CPUs)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP),
 ) -> None:
     """Print the cosine similarity of every pair of sentences."""
     import numpy as np
     from rich.table import Table
 
     _check_sizes(batch_size, threads)
+    check_backend(backend)
     sentences = _read_texts(texts or [], file)
     if len(sentences) < 2:
         usage(f"expected at least two sentences to compare, got {len(sentences)}")
-    encoder = _load_encoder(model, threads, "similarity")
+    encoder = _load_encoder(model, threads, "similarity", backend)
     embeddings = _encode(encoder, sentences, batch_size)
     norms = np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), np.float32(1e-12))
     unit = embeddings / norms

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from attnkit.cli._app import app, check_float, check_int, check_text, console, err_console, fail, note, usage
-from attnkit.cli.models import DECODER, model_option
+from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option
 from attnkit.viz.text import printable
 
 MODEL_HELP = "smollm2 (the embedded SmolLM2-135M-Instruct, the default), a .gguf file or a Hugging Face Llama/GPT-2 folder."
@@ -21,8 +21,9 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
 """Sampling temperatures other than 0 (greedy) lie in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
 
 
-def load_decoder(model_path: Optional[str], command: str):
-    """The decoder named by `--model` (checked first; see cli/models.py), with its tokenizer."""
+def load_decoder(model_path: Optional[str], command: str, backend: str = "naive"):
+    """The decoder named by `--model` (checked first; see cli/models.py), with its tokenizer,
+    attending through `backend`."""
     from attnkit.models.embedded import ModelPackageNotFoundError
     from attnkit.models.auto import AutoCausalLM
 
@@ -34,7 +35,7 @@ def load_decoder(model_path: Optional[str], command: str):
         fail(str(error))
     if model.tokenizer is None:
         fail(f"{model_path} has no tokenizer.json; attnkit {command} needs one to turn text into tokens")
-    return model
+    return model if backend == "naive" else model.set_attention_backend(backend)  # models start on naive
 
 
 def check_sampling(
@@ -122,11 +123,13 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (>= 0)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help=PENALTY_HELP),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as one user message with the chat template."),
+    backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP),
 ) -> None:
     """Continue PROMPT, printing the text as it is generated, then tokens/s."""
     check_text("PROMPT", prompt)
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
-    model = load_decoder(model_path, "generate")
+    check_backend(backend)
+    model = load_decoder(model_path, "generate", backend)
     tokenizer = model.tokenizer
     if chat:
         try:

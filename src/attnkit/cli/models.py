@@ -12,7 +12,7 @@ from typing import Optional
 
 from rich.text import Text
 
-from attnkit.cli._app import app, console, fail, say
+from attnkit.cli._app import app, console, fail, say, usage
 
 ENCODER, DECODER, ANY = "encoder", "decoder", "any"
 
@@ -30,6 +30,21 @@ HOW_TO_ADD = (
     "transformers architecture (config.json, weights, tokenizer.json) works with show, compare and serve, "
     "run by transformers with attnkit's attention (pip install 'attnkit[hf]')."
 )
+
+
+BACKEND_HELP = (
+    "Attention backend: naive (exact, forms the weights) or flash (tiled, O(n) memory), "
+    "or any name registered in attnkit.functional.ATTENTION_BACKENDS."
+)
+
+
+def check_backend(name: str) -> str:
+    """`--backend` checked before anything loads: a usage error naming the known backends."""
+    from attnkit.functional import ATTENTION_BACKENDS
+
+    if name not in ATTENTION_BACKENDS:
+        usage(f"expected --backend to be one of {', '.join(sorted(ATTENTION_BACKENDS))}, got {name!r}")
+    return name
 
 
 def model_option(name: Optional[str], kind: str, command: str) -> Optional[str]:

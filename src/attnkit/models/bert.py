@@ -61,7 +61,7 @@ from attnkit.models.sentence import (
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
 from attnkit.nn.interface import AttentionModule, active_recorders, record_attention
 from attnkit.nn.layers import gelu
-from attnkit.runtime import FastestSchedule, blas_threads, cpu_count
+from attnkit.runtime import FastestSchedule, blas_threads, cpu_count, renamed_keyword
 
 # ----------------------------------------------------------------------------- model
 
@@ -473,15 +473,17 @@ class SentenceEncoder:
         *,
         head: SentenceHead | None = None,
         num_threads: int | None = None,
-        attention: str = "naive",
+        backend: str = "naive",
         path: Path | None = None,
+        attention: str | None = None,
     ) -> None:
+        backend = renamed_keyword("SentenceEncoder", "attention", attention, "backend", backend, "naive")
         head = SentenceHead() if head is None else head
         if not isinstance(head, SentenceHead):
             raise TypeError(f"expected head to be a SentenceHead, got {type(head).__name__}")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"expected num_threads to be a positive int or None, got {num_threads!r}")
-        self.model = model.set_attention_backend(attention)
+        self.model = model.set_attention_backend(backend)
         self.tokenizer = tokenizer
         self.head = head
         self.num_threads = num_threads or cpu_count()
@@ -491,7 +493,12 @@ class SentenceEncoder:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path | None = None, *, num_threads: int | None = None, attention: str = "naive"
+        cls,
+        path: str | Path | None = None,
+        *,
+        num_threads: int | None = None,
+        backend: str = "naive",
+        attention: str | None = None,
     ) -> SentenceEncoder:
         """Load a BERT-family Hugging Face / sentence-transformers folder.
 
@@ -501,7 +508,8 @@ class SentenceEncoder:
                 modules.json with its modules' folders (any version from 2 to 6);
                 None = embedded MiniLM.
             num_threads: threads for `encode` (default: the CPUs this process may use).
-            attention: attnkit attention backend name ("naive", "flash", ...).
+            backend: attnkit attention backend name ("naive", "flash", ...).
+            attention: the old spelling of `backend` (deprecated; goes in 0.3.0).
 
         Without modules.json (a plain Hugging Face folder) the embedding is the
         mean over the tokens, L2-normalized (sentence-transformers would not
@@ -512,6 +520,8 @@ class SentenceEncoder:
             CheckpointError: an unsupported or broken folder (the message names
                 the file and the key or tensor).
         """
+        backend = renamed_keyword("SentenceEncoder.from_pretrained", "attention", attention, "backend", backend,
+                                  "naive")
         if path is None:
             from attnkit.models.embedded import minilm_path
 
@@ -530,7 +540,7 @@ class SentenceEncoder:
                 f"the tokenizer in {encoder_folder} has {tokenizer.vocab_size} tokens but the model's "
                 f"vocab_size is {config.vocab_size}"
             )
-        return cls(model, tokenizer, head=head, num_threads=num_threads, attention=attention, path=folder)
+        return cls(model, tokenizer, head=head, num_threads=num_threads, backend=backend, path=folder)
 
     def set_attention_backend(self, name: str) -> SentenceEncoder:
         """Use attention backend `name` ("naive", "flash", or any registered in

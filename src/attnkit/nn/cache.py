@@ -32,6 +32,7 @@ import numpy as np
 
 from attnkit.functional import AttentionOutput, get_attention
 from attnkit.functional.masks import causal_mask
+from attnkit.runtime import renamed_keyword
 
 __all__ = ["KVCache"]
 
@@ -189,8 +190,9 @@ class KVCache:
         value: np.ndarray,
         *,
         scale: float | None = None,
-        attention: str | Callable = "naive",
+        backend: str | Callable = "naive",
         return_weights: bool = False,
+        attention: str | Callable | None = None,
     ) -> np.ndarray | AttentionOutput:
         """Append `key`/`value` to `layer`, then attend from `query` over everything stored.
 
@@ -198,21 +200,22 @@ class KVCache:
             query: (B, Hq, L, E) for the L new positions; Hq a multiple of Hkv (GQA).
             key, value: (B, Hkv, L, E) / (B, Hkv, L, Ev) of the same positions.
             scale: score scale, default 1/sqrt(E).
-            attention: a name in `attnkit.functional.ATTENTION_BACKENDS`, or a function with
+            backend: a name in `attnkit.functional.ATTENTION_BACKENDS`, or a function with
                 the one backend signature (`attnkit.functional`); attention modules pass
                 their `attend`, which dispatches on their `backend` and records maps. It is
                 called with is_causal=True, causal_align="bottom_right" and, when the batch
                 is padded, key_padding_mask (B, S): never a dense mask.
             return_weights: also return the (B, Hq, L, S) attention weights.
+            attention: the old spelling of `backend` (deprecated; goes in 0.3.0).
 
         Returns:
             (B, Hq, L, Ev), or AttentionOutput when return_weights.
         """
+        backend = renamed_keyword("KVCache.attend", "attention", attention, "backend", backend, "naive")
+        attend = get_attention(backend) if isinstance(backend, str) else backend
         keys, values = self.update(layer, key, value)  # (B, Hkv, S, E)
         S = keys.shape[-2]
-        if isinstance(attention, str):
-            attention = get_attention(attention)
-        return attention(
+        return attend(
             query,
             keys,
             values,

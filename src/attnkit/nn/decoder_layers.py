@@ -330,7 +330,7 @@ class CausalSelfAttention(AttentionModule):
         q = qk[:, :, :Hq].transpose(0, 2, 1, 3)  # (B, Hq, T, E)
         k = qk[:, :, Hq:].transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
         v = qkv[:, :, Hq + Hkv :].transpose(0, 2, 1, 3)  # (B, Hkv, T, E)
-        result = cache.attend(layer, q, k, v, scale=self.scale, attention=self.attend)  # (B, Hq, T, E)
+        result = cache.attend(layer, q, k, v, scale=self.scale, backend=self.attend)  # (B, Hq, T, E)
         out = result.transpose(0, 2, 1, 3).reshape(B, T, Hq * E)  # (B, T, Hq*E)
         out = out @ out_t  # (B, T, d)
         if out_bias is not None:

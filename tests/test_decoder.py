@@ -209,7 +209,7 @@ def test_missing_tensor_is_a_clear_error(tmp_path, torch, transformers):
 
 def test_unknown_model_type_is_rejected(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    with pytest.raises(ValueError, match="llama' or 'gpt2'.*'bert'"):
+    with pytest.raises(ValueError, match="llama' or 'qwen2' or 'mistral' or 'gpt2'.*'bert'"):
         AutoCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         AutoCausalLM.from_pretrained(tmp_path / "nowhere")

@@ -182,7 +182,8 @@ def test_the_notebook_view_takes_a_transformers_folder(folders):
 
 
 def test_folders_of_attnkits_own_architectures_keep_attnkits_models(tmp_path, monkeypatch):
-    """BERT, Llama and GPT-2 folders run on attnkit's own ports; any other model_type on transformers."""
+    """BERT, Llama (Qwen2, Mistral) and GPT-2 folders run on attnkit's own ports; any other
+    model_type on transformers."""
     from attnkit.viz import providers
 
     chosen = []
@@ -193,7 +194,7 @@ def test_folders_of_attnkits_own_architectures_keep_attnkits_models(tmp_path, mo
         folder.mkdir()
         (folder / "config.json").write_text(f'{{"model_type": "{model_type}"}}', encoding="utf-8")
         providers._load(str(folder), 512)
-    assert chosen == ["encoder", "decoder", "decoder", "transformers", "transformers"]
+    assert chosen == ["encoder", "decoder", "decoder", "decoder", "transformers"]
 
 
 def test_a_missing_hf_extra_is_named(tmp_path, monkeypatch):

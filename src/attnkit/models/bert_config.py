@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from attnkit.models.checkpoint import HARMLESS_CONFIG_KEYS, CheckpointError, ConfigReader
+from attnkit.models.checkpoint import CheckpointError, ConfigReader
 
 # config.json keys a BERT config must have: they define the shapes and the heads.
 _REQUIRED_KEYS = (
@@ -27,8 +27,10 @@ _REFUSED_KEYS = (
     ("quantization_config", (None,), "quantized weights are not implemented"),
 )
 
-# Keys BERT configs carry that change nothing an encoder computes at inference:
-# dropouts, the pooler and pre-training heads (ignored, see BERT_IGNORED), token ids.
+# Metadata of BERT configs beyond `checkpoint.is_metadata_key` (the list and rule every
+# family shares): keys that change nothing an encoder computes at inference, the pooler
+# and pre-training heads (ignored, see BERT_IGNORED). Every other key is in the computed
+# table: the dataclass fields (read) and `_REFUSED_KEYS` (implemented at one value).
 _HARMLESS_BERT_KEYS = frozenset(
     {
         "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
@@ -103,7 +105,7 @@ class BertConfig:
             values[field.name] = value
         ConfigReader(config, source).check_keys(
             [field.name for field in fields(cls)] + [key for key, _, _ in _REFUSED_KEYS],
-            harmless=HARMLESS_CONFIG_KEYS | _HARMLESS_BERT_KEYS,
+            harmless=_HARMLESS_BERT_KEYS,
             what="attnkit's BERT",
         )
         missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]

@@ -9,7 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.models.checkpoint import CheckpointError, check_folder, read_json
+from attnkit.models.checkpoint import (
+    CheckpointError,
+    check_folder,
+    is_model_file,
+    read_json,
+    read_model_text,
+    token_id_count,
+)
 
 
 def check_texts(texts: Any) -> list[str]:
@@ -66,7 +73,7 @@ class BertTokenizer:
 
         folder = check_folder(folder)
         config_path = folder / "tokenizer_config.json"
-        settings = read_json(config_path) if config_path.is_file() else {}
+        settings = read_json(config_path) if is_model_file(config_path) else {}
         tokenizer_class = settings.get("tokenizer_class")
         if tokenizer_class not in (None, "BertTokenizer", "BertTokenizerFast", "PreTrainedTokenizerFast"):
             raise CheckpointError(
@@ -93,28 +100,33 @@ class BertTokenizer:
             strip_accents=settings.get("strip_accents"),
             lowercase=bool(settings.get("do_lower_case", True)),
         )
-        if (folder / "tokenizer.json").is_file():
-            try:
-                tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if is_model_file(folder / "tokenizer.json"):
+            path = folder / "tokenizer.json"
+            try:  # read here (a regular file, UTF-8); tokenizers never opens the path itself
+                tokenizer = Tokenizer.from_str(read_model_text(path))
+            except CheckpointError:
+                raise
             except Exception as error:  # tokenizers raises a bare Exception
-                raise CheckpointError(
-                    f"cannot read {folder / 'tokenizer.json'}: {error}"
-                ) from None
+                raise CheckpointError(f"cannot read {path}: {error}") from None
             if tokenizer_class != "PreTrainedTokenizerFast":
                 tokenizer.normalizer = normalizers.BertNormalizer(**bert_normalizer)
-        elif (folder / "vocab.txt").is_file():
+        elif is_model_file(folder / "vocab.txt"):
             from tokenizers.implementations import BertWordPieceTokenizer
 
             if tokenizer_class == "PreTrainedTokenizerFast":
                 raise CheckpointError(
                     f"no tokenizer.json in {folder}, which tokenizer_class {tokenizer_class!r} needs"
                 )
-            tokenizer = BertWordPieceTokenizer(
-                str(folder / "vocab.txt"),
-                lowercase=bert_normalizer["lowercase"],
-                strip_accents=bert_normalizer["strip_accents"],
-                handle_chinese_chars=bert_normalizer["handle_chinese_chars"],
-            )._tokenizer  # the tokenizers.Tokenizer inside the convenience wrapper
+            vocab = read_vocab_txt(folder / "vocab.txt")
+            try:
+                tokenizer = BertWordPieceTokenizer(
+                    vocab,
+                    lowercase=bert_normalizer["lowercase"],
+                    strip_accents=bert_normalizer["strip_accents"],
+                    handle_chinese_chars=bert_normalizer["handle_chinese_chars"],
+                )._tokenizer  # the tokenizers.Tokenizer inside the convenience wrapper
+            except Exception as error:  # noqa: BLE001 - a TypeError for a missing [SEP], tokenizers' own
+                raise CheckpointError(f"cannot build a word-piece tokenizer from {folder / 'vocab.txt'}: {error}") from None
         else:
             raise CheckpointError(f"no tokenizer in {folder}: expected tokenizer.json or vocab.txt")
         if lowercase:
@@ -129,8 +141,39 @@ class BertTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
+        """The ids this tokenizer can produce are 0 to vocab_size - 1 (one more than its
+        largest id, which a vocabulary with gaps puts above its number of tokens): the rows
+        the model's embedding must have."""
+        return token_id_count(self._tokenizer)
 
 
 
-__all__ = ["BertTokenizer", "check_texts"]
+# What Rust's `str::trim_end` removes (Unicode White_Space), which tokenizers' WordPiece
+# applies to each vocab.txt line; Python's `str.isspace` adds \x1c-\x1f.
+_RUST_WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u2028\u2029\u202f\u205f\u3000"
+)
+
+
+def read_vocab_txt(path: Path) -> dict[str, int]:
+    """A BERT vocab.txt as token -> id (the line number), read as tokenizers' `WordPiece.read_file`
+    does (lines split on "\n" with a trailing "\r" dropped, each trimmed at the end; a token
+    listed twice keeps its last line), from a regular UTF-8 file.
+
+    Raises:
+        CheckpointError: not a regular file, or not UTF-8 (naming the byte offset).
+    """
+    text = read_model_text(path)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    vocab: dict[str, int] = {}
+    for index, line in enumerate(lines):
+        vocab[line.removesuffix("\r").rstrip(_RUST_WHITESPACE)] = index
+    if not vocab:
+        raise CheckpointError(f"{path} is empty; expected one word piece per line")
+    return vocab
+
+
+__all__ = ["BertTokenizer", "check_texts", "read_vocab_txt"]

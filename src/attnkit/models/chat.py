@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-__all__ = ["DecoderTokenizer", "render_chat_template", "load_prompt"]
+__all__ = ["DecoderTokenizer", "folder_tokenizer", "render_chat_template", "load_prompt"]
 
 
 @lru_cache(maxsize=8)
@@ -198,21 +198,31 @@ class DecoderTokenizer:
     def from_folder(cls, folder: str | os.PathLike[str]) -> "DecoderTokenizer":
         """Load `tokenizer.json` (+ `tokenizer_config.json`, `special_tokens_map.json`) from a folder.
 
+        Every file is read only if it is a regular file (`checkpoint.is_model_file`).
+
         Raises:
-            ValueError: the folder has no `tokenizer.json`.
+            CheckpointError (a ValueError): no `tokenizer.json`, a file that is not a regular
+                file, not UTF-8 or not a tokenizer; naming the file.
         """
         from tokenizers import Tokenizer
 
+        from attnkit.models.checkpoint import CheckpointError, is_model_file, read_json, read_model_text
+
         folder = Path(folder)
         path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise ValueError(f"expected {str(path)!r} (a Hugging Face fast tokenizer), found no such file")
-        tokenizer = Tokenizer.from_file(str(path))
+        if not is_model_file(path):
+            raise CheckpointError(f"expected {str(path)!r} (a Hugging Face fast tokenizer), found no such file")
+        try:  # read here (a regular file, UTF-8), parsed by tokenizers: it never opens the path itself
+            tokenizer = Tokenizer.from_str(read_model_text(path))
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise CheckpointError(f"cannot read {path}: {error}") from None
         config: dict[str, Any] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             extra = folder / name
-            if extra.is_file():
-                config.update(json.loads(extra.read_text(encoding="utf-8")))
+            if is_model_file(extra):
+                config.update(read_json(extra))
 
         def text_of(value: Any) -> str | None:
             if isinstance(value, dict):
@@ -221,8 +231,8 @@ class DecoderTokenizer:
 
         template = config.get("chat_template")
         chat_file = folder / "chat_template.jinja"
-        if template is None and chat_file.is_file():
-            template = chat_file.read_text(encoding="utf-8")
+        if template is None and is_model_file(chat_file):
+            template = read_model_text(chat_file)
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         # add_bos_token / add_eos_token in tokenizer_config.json are not read: transformers 5
@@ -235,6 +245,23 @@ class DecoderTokenizer:
             pad_token=text_of(config.get("pad_token")),
             chat_template=template,
         )
+
+
+def folder_tokenizer(folder: str | os.PathLike[str], vocab_size: int, model: Any) -> DecoderTokenizer | None:
+    """The decoder tokenizer of a Hugging Face folder (None without tokenizer.json), refused
+    when it can produce an id past the model's `vocab_size` (`checkpoint.check_token_ids`).
+
+    Arguments:
+        model: the weights file, for the message.
+    """
+    from attnkit.models.checkpoint import check_token_ids, is_model_file
+
+    path = Path(folder) / "tokenizer.json"
+    if not is_model_file(path):
+        return None
+    tokenizer = DecoderTokenizer.from_folder(folder)
+    check_token_ids(tokenizer.tokenizer, vocab_size, source=path, model=model)
+    return tokenizer
 
 
 def load_prompt(name: str = "attention-explainer") -> str:

@@ -32,7 +32,9 @@ The one rule every loader follows (docs/models.md, "Decoders: what loads"):
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,15 +54,80 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- files
 
 
-def read_json(path: str | Path) -> dict:
-    """Read one JSON object from `path`, with errors that name the file."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def is_model_file(path: str | Path) -> bool:
+    """True when `path` is a regular file (a symlink to one counts), False when nothing is
+    there. Anything else (a FIFO, a socket, a device, a directory) is refused: reading a FIFO
+    named config.json would wait forever for a writer, and skipping it as absent would load
+    the folder without it.
+
+    Raises:
+        CheckpointError: naming the file and what it is.
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"expected {path} to be a regular file, got {_kind(mode)}")
+    return True
+
+
+def read_model_bytes(path: str | Path) -> bytes:
+    """The bytes of the regular file `path`. The file is opened without blocking and checked
+    on the opened descriptor, so a FIFO swapped in after a check cannot hang the read.
+
+    Raises:
+        CheckpointError: the file does not exist, is not a regular file, or cannot be read.
+    """
+    path = Path(path)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error}") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        mode = os.fstat(handle.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"expected {path} to be a regular file, got {_kind(mode)}")
+        try:
+            return handle.read()
+        except OSError as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from None
+
+
+def read_model_text(path: str | Path) -> str:
+    """The UTF-8 text of the regular file `path` (`read_model_bytes`).
+
+    Raises:
+        CheckpointError: as `read_model_bytes`, or bytes that are not UTF-8 (naming the byte offset).
+    """
+    data = read_model_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(
+            f"{path} is not UTF-8 text: byte {error.start} ({data[error.start:error.start + 1]!r}) "
+            f"{error.reason}"
+        ) from None
+
+
+def read_json(path: str | Path) -> dict:
+    """Read one JSON object from the regular file `path`, with errors that name the file."""
+    path = Path(path)
+    text = read_model_text(path)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -97,16 +164,16 @@ def find_safetensors(folder: str | Path) -> list[Path]:
     """
     folder = check_folder(folder)
     single = folder / SAFETENSORS_FILE
-    if single.is_file():
+    if is_model_file(single):
         return [single]
     index = folder / SAFETENSORS_INDEX
-    if index.is_file():
+    if is_model_file(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no 'weight_map' object")
         shards = [folder / name for name in sorted(set(weight_map.values()))]
         for shard in shards:
-            if not shard.is_file():
+            if not is_model_file(shard):
                 raise CheckpointError(f"shard {shard.name} listed in {index} does not exist")
         return shards
     pickles = [name for name in _PICKLE_FILES if (folder / name).exists()]
@@ -172,6 +239,59 @@ def _reading(path: Path):
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") from None
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error}") from None
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def _post_processor_ids(node: Any) -> list[int]:
+    """Token ids a tokenizer.json post-processor inserts (TemplateProcessing's `special_tokens`
+    `ids`, BertProcessing's and RobertaProcessing's `cls`/`sep` pairs), wherever they nest."""
+    found: list[int] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "ids" and isinstance(value, list):
+                found += [v for v in value if isinstance(v, int)]
+            elif key in ("cls", "sep") and isinstance(value, list):
+                found += [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+            else:
+                found += _post_processor_ids(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += _post_processor_ids(value)
+    return found
+
+
+def token_id_count(tokenizer: Any) -> int:
+    """One more than the largest id a `tokenizers.Tokenizer` can produce: its vocabulary, its
+    added tokens and the ids its post-processor inserts. Ids need not be dense, so this is
+    what a model's embedding must cover, not the number of tokens."""
+    ids = list(tokenizer.get_vocab(with_added_tokens=True).values())
+    processor = json.loads(tokenizer.to_str()).get("post_processor")
+    ids += _post_processor_ids(processor)
+    return max(ids, default=-1) + 1
+
+
+def check_token_ids(tokenizer: Any, vocab_size: int, *, source: str | Path, model: str | Path) -> None:
+    """Refuse a tokenizer that can produce an id the model has no embedding row for.
+
+    Arguments:
+        tokenizer: a `tokenizers.Tokenizer`.
+        vocab_size: rows of the model's token embedding.
+        source, model: the tokenizer's file and the model's, for the message.
+
+    Raises:
+        CheckpointError: naming both files, the largest id and the vocabulary size.
+    """
+    count = token_id_count(tokenizer)
+    if count > vocab_size:
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        worst = max(vocab, key=vocab.get) if vocab and max(vocab.values()) == count - 1 else None
+        which = f" (token {worst!r})" if worst is not None else " (inserted by its post-processor)"
+        raise CheckpointError(
+            f"{source}: the tokenizer produces token id {count - 1}{which}, but the model in {model} has "
+            f"a vocabulary of {vocab_size} (ids 0 to {vocab_size - 1}); expected every id below {vocab_size}"
+        )
 
 
 # ----------------------------------------------------------------------------- names
@@ -330,7 +450,7 @@ def read_header(files: str | Path | Sequence[str | Path]) -> dict[str, TensorInf
     paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
     infos: dict[str, TensorInfo] = {}
     for path in paths:
-        if not path.is_file():
+        if not is_model_file(path):
             raise CheckpointError(f"weights file {path} does not exist")
         with _reading(path), safe_open(str(path), framework="numpy") as handle:
             for name in handle.keys():
@@ -424,18 +544,27 @@ def check_tied_copy(
 
 _MISSING: Any = object()
 
-# Keys any Hugging Face config may carry that never change what a model computes at
-# inference: bookkeeping, training-only settings (dropout, initialization), and generation
-# defaults (attnkit takes sampling settings as arguments, it never reads them from a config).
-HARMLESS_CONFIG_KEYS = frozenset(
+# Metadata: keys a Hugging Face config may carry that never change what a model computes at
+# inference. Bookkeeping of the libraries that wrote the file (transformers, optimum's
+# exporter, uniem/m3e, sentence-transformers), training-only settings (dropout,
+# initialization), task heads attnkit does not run, and generation defaults (attnkit takes
+# sampling settings as arguments, it never reads them from a config). Beside this list,
+# `is_metadata_key`'s rule accepts every key that starts with "_", ends in "_token_id" or
+# is a dropout; docs/models.md ("Config keys: computed and metadata") lists both.
+METADATA_CONFIG_KEYS = frozenset(
     {
-        "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "model_type",
-        "use_cache", "initializer_range", "output_attentions", "output_hidden_states", "return_dict",
-        "torchscript", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
-        "tokenizer_class", "prefix", "task_specific_params", "pad_token_id", "sep_token_id",
-        "decoder_start_token_id", "chunk_size_feed_forward", "use_bfloat16", "tf_legacy_loss",
-        "_attn_implementation_autoset", "_commit_hash", "_num_labels", "gradient_checkpointing",
-        "output_past",
+        # who wrote the file, and for which classes
+        "architectures", "transformers_version", "torch_dtype", "dtype", "model_type", "tokenizer_class",
+        "export_model_type",  # optimum's ONNX/OpenVINO exporter
+        "uniem_embedding_strategy",  # m3e (uniem): read by uniem's own trainer; modules.json decides pooling
+        "sentence_transformers", "name_or_path",
+        # transformers' runtime switches
+        "use_cache", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
+        "use_bfloat16", "tf_legacy_loss", "gradient_checkpointing", "output_past", "chunk_size_feed_forward",
+        # training and initialization
+        "initializer_range", "initializer_factor", "layer_norm_init",
+        # task heads (classification, summarization) attnkit does not run
+        "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "prefix", "task_specific_params",
         # generation defaults
         "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
         "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
@@ -445,6 +574,28 @@ HARMLESS_CONFIG_KEYS = frozenset(
         "suppress_tokens", "begin_suppress_tokens",
     }
 )
+HARMLESS_CONFIG_KEYS = METADATA_CONFIG_KEYS  # the former name
+
+
+def is_metadata_key(key: str) -> bool:
+    """Whether a config.json key is metadata: on `METADATA_CONFIG_KEYS`, or by the rule
+
+    - `_` first (`_name_or_path`, `_model_name_or_path`, `_commit_hash`, `_attn_implementation`):
+      a library's private bookkeeping;
+    - `_token_id` last (`pad_token_id`, `unk_token_id`, `sep_token_id`, ...): which token the
+      tokenizer uses for a role. The ids a model does read (a decoder's BOS/EOS) are in its
+      family's computed table, which is consulted first;
+    - a dropout (`*dropout`, `*_dropout_prob`, `*_pdrop`): training only.
+
+    A family's table of computed keys always wins: a key it lists is read and checked there.
+    """
+    return (
+        key in METADATA_CONFIG_KEYS
+        or key.startswith("_")
+        or key.endswith("_token_id")
+        or key.endswith(("dropout", "_dropout_prob", "_pdrop"))
+    )
+
 
 # Keys that are harmless at these values only; any other value is refused by name.
 NEUTRAL_CONFIG_VALUES: dict[str, tuple] = {
@@ -559,11 +710,11 @@ class ConfigReader:
             understood: keys the loader reads and implements.
             neutral: key -> the values at which it changes nothing (`"rope_interleaved": (False,)`).
             harmless: keys of this model that never change the math.
-            common: also accept `HARMLESS_CONFIG_KEYS` and `NEUTRAL_CONFIG_VALUES`, which any
+            common: also accept metadata (`is_metadata_key`) and `NEUTRAL_CONFIG_VALUES`, which any
                 Hugging Face config may carry (False for GGUF metadata and nested objects).
             what: the model, for messages.
         """
-        understood, harmless = set(understood), set(harmless) | (HARMLESS_CONFIG_KEYS if common else set())
+        understood, harmless = set(understood), set(harmless)
         neutral = {**(NEUTRAL_CONFIG_VALUES if common else {}), **(neutral or {})}
         unknown = []
         for full_key, value in self.config.items():
@@ -580,6 +731,8 @@ class ConfigReader:
                         f"(expected {allowed}); it changes what the model computes"
                     )
                 continue
+            if common and is_metadata_key(key):
+                continue
             unknown.append(full_key)
         if unknown:
             raise CheckpointError(
@@ -594,10 +747,14 @@ __all__ = [
     "ConfigReader",
     "FLOAT_DTYPES",
     "HARMLESS_CONFIG_KEYS",
+    "METADATA_CONFIG_KEYS",
+    "is_metadata_key",
     "NEUTRAL_CONFIG_VALUES",
     "TensorInfo",
     "check_tensors",
     "check_tied_copy",
+    "check_token_ids",
+    "token_id_count",
     "read_header",
     "check_folder",
     "check_shapes",
@@ -605,6 +762,9 @@ __all__ = [
     "load_state_dict",
     "map_names",
     "read_config",
+    "is_model_file",
     "read_json",
+    "read_model_bytes",
+    "read_model_text",
     "read_safetensors",
 ]

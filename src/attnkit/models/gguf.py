@@ -27,16 +27,18 @@ import os
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnkit.models.checkpoint import CheckpointError, ConfigReader, TensorInfo
+from attnkit.models.checkpoint import CheckpointError, ConfigReader, TensorInfo, is_model_file
 from attnkit.runtime import require
 
 __all__ = [
     "GGUFFile",
+    "GGUFTensorEntry",
     "GGUF_PRE_TOKENIZERS",
+    "check_tensor_table",
     "check_metadata_keys",
     "supported_tensor_types",
     "tokenizer_from_gguf",
@@ -77,7 +79,7 @@ def supported_tensor_types() -> tuple[str, ...]:
 
 
 def _check_magic(path: Path) -> None:
-    if not path.is_file():
+    if not is_model_file(path):  # a FIFO or device is refused here, before anything opens it
         raise ValueError(f"expected a GGUF file, got {str(path)!r}, which is not a file")
     with open(path, "rb") as handle:
         head = handle.read(8)
@@ -92,6 +94,131 @@ def _check_magic(path: Path) -> None:
         raise ValueError(
             f"could not read GGUF file {str(path)!r}: expected GGUF version 2 or 3, got {version}"
         )
+
+
+# llama.cpp's limits on a tensor-info entry (ggml.h: GGML_MAX_DIMS, GGML_MAX_NAME).
+_GGML_MAX_DIMS = 4
+_GGML_MAX_NAME = 64
+
+
+class GGUFTensorEntry(NamedTuple):
+    """One entry of a GGUF tensor table, as stored: GGML dims (fastest first), the raw type
+    number, and the data offset relative to the start of the data section."""
+
+    name: str
+    dims: tuple[int, ...]
+    raw_type: int
+    offset: int
+
+
+def check_tensor_table(
+    entries: list[GGUFTensorEntry], *, data_start: int, alignment: int, file_size: int, source: str | os.PathLike[str]
+) -> None:
+    """Refuse a tensor table that llama.cpp's loader (`gguf_init_from_file_impl`) would refuse.
+
+    For each tensor, in file order: at most 4 dims, each >= 0; a name shorter than 64 bytes,
+    seen once; a type GGML knows (`gguf.GGML_QUANT_SIZES`); a first dim that is a multiple
+    of the type's block size; a data offset that is a multiple of `general.alignment` and
+    equals the running sum of the previous tensors' byte sizes, each padded to the
+    alignment (so no overlap, no gap, no reordering); its bytes (type size x elements /
+    block size) inside the file. And, beyond llama.cpp: nothing after the last tensor's padded
+    data (which a changed type of the last tensor would leave). Nothing is read from the data
+    section.
+
+    Raises:
+        CheckpointError: naming the file, the tensor, the field, what was expected and found.
+    """
+    gguf = _gguf()
+    sizes = gguf.GGML_QUANT_SIZES
+    known = {int(kind): kind for kind in sizes}
+    seen: set[str] = set()
+    expected_offset = 0
+    for entry in entries:
+        where = f"{source}: tensor {entry.name!r}"
+        if len(entry.name.encode("utf-8")) >= _GGML_MAX_NAME:
+            raise CheckpointError(f"{where}: expected a name shorter than {_GGML_MAX_NAME} bytes (GGML_MAX_NAME)")
+        if entry.name in seen:
+            raise CheckpointError(f"{where}: appears twice in the tensor table; expected each name once")
+        seen.add(entry.name)
+        if not 1 <= len(entry.dims) <= _GGML_MAX_DIMS:
+            raise CheckpointError(f"{where}: expected 1 to {_GGML_MAX_DIMS} dims (n_dims), got {len(entry.dims)}")
+        kind = known.get(entry.raw_type)
+        if kind is None:
+            raise CheckpointError(
+                f"{where}: type is {entry.raw_type}, which is not a GGML tensor type; expected one of "
+                f"{', '.join(f'{int(k)} ({k.name})' for k in sizes)}"
+            )
+        block_size, type_size = sizes[kind]
+        if entry.dims[0] % block_size:
+            raise CheckpointError(
+                f"{where}: type {kind.name} stores blocks of {block_size} values, but its first dimension is "
+                f"{entry.dims[0]}; expected a multiple of {block_size} (dims {list(entry.dims)})"
+            )
+        elements = 1
+        for n in entry.dims:
+            elements *= n
+        n_bytes = elements // block_size * type_size
+        if entry.offset % alignment:
+            raise CheckpointError(
+                f"{where}: data offset {entry.offset} is not a multiple of the alignment {alignment} "
+                "(general.alignment, default 32)"
+            )
+        if entry.offset != expected_offset:
+            raise CheckpointError(
+                f"{where}: expected data offset {expected_offset} (the previous tensors' sizes, each padded to "
+                f"{alignment} bytes), got {entry.offset}; the tensor table is corrupt (a changed offset, type "
+                "or shape)"
+            )
+        end = data_start + entry.offset + n_bytes
+        if end > file_size:
+            raise CheckpointError(
+                f"{where}: its data ({kind.name}, dims {list(entry.dims)}: {n_bytes} bytes at byte "
+                f"{data_start + entry.offset}) ends at byte {end}, past the end of the file ({file_size} bytes); "
+                "expected it inside the file (truncated, or a changed type or shape)"
+            )
+        expected_offset += -(-n_bytes // alignment) * alignment
+    # Beyond llama.cpp, which reads the data section and ignores what follows: every GGUF
+    # writer (llama.cpp's, the gguf package's) ends the file with the last tensor's data and its
+    # padding, so bytes after that mean the last tensor's type or shape was changed to a
+    # smaller one (no next offset disagrees with it) and are refused.
+    if entries and file_size > data_start + expected_offset:
+        last = entries[-1]
+        raise CheckpointError(
+            f"{source}: tensor {last.name!r}: the file has {file_size - data_start - expected_offset} bytes after "
+            f"its data (padded to {alignment} bytes), which ends at byte {data_start + expected_offset}; expected "
+            "the file to end there (a changed type or shape of the last tensor, or bytes appended to the file)"
+        )
+
+
+def _reader_class():
+    """`gguf.GGUFReader` that checks the tensor table (`check_tensor_table`) before it builds
+    any tensor view: a type it does not know would otherwise surface as the enum's error, and
+    data past the end of the file as NumPy's."""
+    gguf = _gguf()
+
+    class CheckedReader(gguf.GGUFReader):
+        checked = False
+
+        def _build_tensors(self, start_offs, fields):  # the reader's step after the tensor-info table
+            entries = [
+                GGUFTensorEntry(
+                    str(bytes(field.parts[1]), encoding="utf-8"),
+                    tuple(int(n) for n in field.parts[3].tolist()),
+                    int(field.parts[4][0]),
+                    int(field.parts[5][0]),
+                )
+                for field in fields
+            ]
+            check_tensor_table(entries, data_start=int(start_offs), alignment=int(self.alignment),
+                               file_size=int(self.data.shape[0]), source=self._path)
+            self.checked = True
+            return super()._build_tensors(start_offs, fields)
+
+        def __init__(self, path):
+            self._path = path
+            super().__init__(path)
+
+    return CheckedReader
 
 
 class GGUFFile:
@@ -112,9 +239,17 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         _check_magic(self.path)
-        gguf = _gguf()
+        reader_class = _reader_class()  # a MissingExtraError naming the extra, outside the try below
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            self._reader = reader_class(self.path)
+            if not self._reader.checked:  # a gguf release whose reader no longer has the hook
+                reader = self._reader
+                check_tensor_table(
+                    [GGUFTensorEntry(t.name, tuple(int(n) for n in t.shape.tolist()), int(t.tensor_type),
+                                     int(t.data_offset) - int(reader.data_offset)) for t in reader.tensors],
+                    data_start=int(reader.data_offset), alignment=int(reader.alignment),
+                    file_size=int(reader.data.shape[0]), source=self.path,
+                )
             self.metadata: dict[str, Any] = {
                 key: field.contents() for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
             }
@@ -127,6 +262,8 @@ class GGUFFile:
                 )
                 for tensor in self._reader.tensors
             }
+        except CheckpointError:
+            raise
         except Exception:  # noqa: BLE001 - a third-party parser on untrusted bytes; none may escape
             # The reader's own errors are NumPy's ("index 0 is out of bounds for axis 0 ..."),
             # which say nothing about the file, so the message is ours.

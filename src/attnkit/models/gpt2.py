@@ -202,10 +202,11 @@ class GPT2LMHeadModel(CausalLM):
         """
         from dataclasses import replace
 
-        from attnkit.models.chat import DecoderTokenizer
+        from attnkit.models.chat import folder_tokenizer
         from attnkit.models.checkpoint import (
             ConfigReader,
             check_folder,
+            is_model_file,
             check_tensors,
             check_tied_copy,
             find_safetensors,
@@ -219,7 +220,7 @@ class GPT2LMHeadModel(CausalLM):
         folder = check_folder(folder)
         config = GPT2Config.from_hf(read_config(folder), source=folder / "config.json")
         generation = folder / "generation_config.json"
-        if generation.is_file():  # transformers' generate stops on its eos_token_id
+        if is_model_file(generation):  # transformers' generate stops on its eos_token_id
             eos = ConfigReader(read_json(generation), generation).token_ids("eos_token_id")
             config = replace(config, eos_token_id=eos) if eos else config
         files = find_safetensors(folder)
@@ -232,6 +233,7 @@ class GPT2LMHeadModel(CausalLM):
             f"vocab_size={config.vocab_size}, n_embd={config.hidden_size}, n_inner={config.intermediate_size}, "
             f"n_positions={config.max_position_embeddings}, n_layer={config.num_layers}"
         ))
+        tokenizer = folder_tokenizer(folder, config.vocab_size, source)  # checked before any weight is read
         tensors = {name.removeprefix("transformer."): array for name, array in read_safetensors(files).items()}
         if config.tie_word_embeddings:
             check_tied_copy(tensors, "lm_head.weight", "wte.weight", source=source)
@@ -239,8 +241,7 @@ class GPT2LMHeadModel(CausalLM):
         mapped, _ = map_names(_split_conv1d(tensors, config), _HF_GPT2_NAMES, ignore=_HF_GPT2_IGNORE, source=source)
         model = cls(config, seed=0)
         model.load_state_dict(mapped)
-        if (folder / "tokenizer.json").is_file():
-            model.tokenizer = DecoderTokenizer.from_folder(folder)
+        model.tokenizer = tokenizer
         return model
 
 

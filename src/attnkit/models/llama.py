@@ -55,11 +55,12 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.models.chat import DecoderTokenizer
+from attnkit.models.chat import folder_tokenizer
 from attnkit.models.checkpoint import (
     CheckpointError,
     ConfigReader,
     check_folder,
+    is_model_file,
     check_tensors,
     check_tied_copy,
     find_safetensors,
@@ -97,6 +98,10 @@ class LlamaConfig:
     max_position_embeddings: int = 8192  # context length
     tie_word_embeddings: bool = True  # head = embedding matrix
     attention_bias: bool = False  # biases on q/k/v/o projections
+    qkv_bias: bool = False  # biases on q/k/v only, none on o (Qwen2)
+    sliding_window: int | None = None  # a query sees its last `sliding_window` keys, itself included (Mistral)
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" or "sliding_attention" (Qwen2);
+    # None: every layer slides when sliding_window is set
     mlp_bias: bool = False  # biases on gate/up/down projections
     bos_token_id: int | None = 1
     eos_token_id: tuple[int, ...] = (2,)  # any of them ends a sequence (an int is taken as one id)
@@ -123,22 +128,49 @@ class LlamaConfig:
             raise ValueError(f"expected rms_norm_eps > 0, got {self.rms_norm_eps!r}")
         if not (np.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"expected rope_theta > 1, got {self.rope_theta!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+            raise ValueError(f"expected sliding_window to be a positive int or None, got {window!r}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(_LAYER_TYPES):
+                raise ValueError(
+                    f"expected layer_types to name {self.num_layers} layers, each one of {', '.join(_LAYER_TYPES)}, "
+                    f"got {list(self.layer_types)!r}"
+                )
+            if window is None and "sliding_attention" in self.layer_types:
+                raise ValueError("expected a sliding_window for the layers of layer_types 'sliding_attention'")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to every earlier position)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return int(self.sliding_window)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], source: str | os.PathLike[str] = "config.json") -> "LlamaConfig":
-        """From a Hugging Face `config.json` (model_type "llama").
+        """From a Hugging Face `config.json` (model_type "llama", "qwen2" or "mistral").
 
-        Every key is read, known to change nothing at inference, or refused by name
-        (`ConfigReader.check_keys`); sizes must be positive and the heads must divide.
+        Every key is in the family's table of computed keys (`HF_COMPUTED_KEYS`: read, or
+        implemented at the listed values only and refused by name at others), or metadata
+        (`checkpoint.is_metadata_key`, and `_HF_LLAMA_HARMLESS`); any other key is refused by
+        name. Sizes must be positive and the heads must divide.
 
         Raises:
             CheckpointError (a ValueError): naming `source`, the key, what was expected and found.
         """
         read = ConfigReader(config, source)
-        if config.get("model_type") != "llama":
-            raise CheckpointError(f"{source}: expected model_type 'llama', got {config.get('model_type')!r}")
-        read.check_keys(_HF_LLAMA_KEYS, neutral=_HF_LLAMA_NEUTRAL, harmless=_HF_LLAMA_HARMLESS,
-                        what="attnkit's Llama")
+        model_type = config.get("model_type")
+        if model_type not in HF_COMPUTED_KEYS:
+            raise CheckpointError(
+                f"{source}: expected model_type {' or '.join(map(repr, HF_COMPUTED_KEYS))}, got {model_type!r}"
+            )
+        computed = HF_COMPUTED_KEYS[model_type]
+        read.check_keys([key for key, values in computed.items() if values is None],
+                        neutral={key: values for key, values in computed.items() if values is not None},
+                        harmless=_HF_LLAMA_HARMLESS, what=f"attnkit's {_FAMILY_NAMES[model_type]}")
         activation = read.text("hidden_act", "silu")
         if activation != "silu":
             raise CheckpointError(f"{source}: expected hidden_act 'silu' (SwiGLU), got {activation!r}")
@@ -180,6 +212,8 @@ class LlamaConfig:
             tie_word_embeddings=read.flag("tie_word_embeddings", False),
             attention_bias=read.flag("attention_bias", False),
             mlp_bias=read.flag("mlp_bias", False),
+            qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always have biases, o none
+            **_hf_sliding_window(model_type, read, source),
             bos_token_id=bos[0] if bos else None,
             eos_token_id=eos,
         )
@@ -274,6 +308,38 @@ class LlamaConfig:
             raise CheckpointError(f"{source}: {error}") from None
 
 
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _hf_sliding_window(model_type: str, read: ConfigReader, source) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` as transformers reads them: Mistral slides every layer
+    by `sliding_window` (null: none); Qwen2 only when `use_sliding_window`, on the layers
+    `layer_types` names (default: from `max_window_layers` on)."""
+    if model_type == "mistral":
+        return {"sliding_window": read.integer("sliding_window", None)}
+    if model_type != "qwen2":
+        return {}
+    layers = read.integer("num_hidden_layers")
+    window = read.integer("sliding_window", None) if read.flag("use_sliding_window", False) else None
+    types = read.get("layer_types")
+    if types is None:
+        first = read.integer("max_window_layers", 28, minimum=0)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    if not (isinstance(types, list) and len(types) == layers and all(t in _LAYER_TYPES for t in types)):
+        raise CheckpointError(
+            f"{source}: expected layer_types to be a list of {layers} names, each one of {', '.join(_LAYER_TYPES)}; "
+            f"got {types!r}"
+        )
+    if window is None:
+        if "sliding_attention" in types:
+            raise CheckpointError(
+                f"{source}: layer_types names sliding_attention layers, but use_sliding_window is false "
+                "or sliding_window is null; expected a window for them"
+            )
+        return {}
+    return {"sliding_window": window, "layer_types": tuple(types)}
+
+
 # config.json keys of a Llama: read and implemented ...
 _HF_LLAMA_KEYS = {
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -297,6 +363,26 @@ _HF_LLAMA_NEUTRAL = {
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
 }
+# The table of computed keys of each family: key -> None (read and implemented) or the values
+# at which attnkit implements it (any other value is refused by name). Every other key must
+# be metadata (`checkpoint.is_metadata_key`, `_HF_LLAMA_HARMLESS`) or is refused by name.
+HF_COMPUTED_KEYS: dict[str, dict[str, tuple | None]] = {
+    "llama": {**dict.fromkeys(_HF_LLAMA_KEYS), **_HF_LLAMA_NEUTRAL},
+    # Qwen2/Qwen2.5: a Llama with biases on q/k/v (always) and optional sliding windows per layer
+    "qwen2": {
+        **dict.fromkeys(_HF_LLAMA_KEYS - {"attention_bias", "mlp_bias"}),
+        **{key: values for key, values in _HF_LLAMA_NEUTRAL.items() if key not in ("sliding_window", "use_sliding_window")},
+        **dict.fromkeys(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")),
+    },
+    # Mistral: a Llama without biases, every layer sliding by `sliding_window` (null: full attention)
+    "mistral": {
+        **dict.fromkeys(_HF_LLAMA_KEYS - {"attention_bias", "mlp_bias"}),
+        **{key: values for key, values in _HF_LLAMA_NEUTRAL.items() if key != "sliding_window"},
+        "sliding_window": None,
+    },
+}
+_FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
 # rope_scaling / rope_parameters keys by type (as transformers validates them)
 _ROPE_KEYS = {
     "default": set(),
@@ -359,7 +445,7 @@ def _hf_rope(config: dict[str, Any], read, max_positions: int, source) -> tuple[
 
 
 # GGUF (llama.cpp) metadata: the architectures read as a Llama, and its `{arch}.` keys ...
-_GGUF_ARCHITECTURES = ("llama",)
+_GGUF_ARCHITECTURES = ("llama", "qwen2")  # qwen2: a Llama with q/k/v biases, its q/k rows not permuted
 _GGUF_LLAMA_KEYS = {
     "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length",
@@ -381,7 +467,7 @@ _GGUF_LLAMA_NEUTRAL = {
 
 
 def _require_gguf_architecture(gguf_file: GGUFFile) -> str:
-    """`general.architecture` "llama" and `general.type` "model" (not an adapter), or a ValueError."""
+    """`general.architecture` "llama" or "qwen2" and `general.type` "model" (not an adapter), or a ValueError."""
     architecture = gguf_file.architecture
     if architecture not in _GGUF_ARCHITECTURES:
         raise ValueError(
@@ -437,20 +523,45 @@ def _gguf_rope_scaling(gguf_file: GGUFFile, read: ConfigReader, arch: str, head_
     return None
 
 
+class SlidingWindowSelfAttention(CausalSelfAttention):
+    """`CausalSelfAttention` whose queries see only their last `window` keys, themselves
+    included (Mistral's and Qwen2's `sliding_window`: key j is seen from position i when
+    i - window < j <= i): the attention call gets attnkit's `window=window - 1` keys to the
+    left, aligned bottom-right like the causal band. The cache keeps every key; the band
+    excludes the old ones exactly (weight 0)."""
+
+    def __init__(self, *args: Any, window: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.window = int(window)
+
+    def attend(self, query, key, value, **options):
+        return super().attend(query, key, value, window=self.window - 1, **options)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}"
+
+
 class LlamaBlock(Module):
     """Pre-norm decoder block: attention then SwiGLU, each around a residual.
 
     Children: ``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``.
     """
 
-    def __init__(self, config: LlamaConfig, *, seed: int | np.random.Generator | None = None) -> None:
+    def __init__(
+        self, config: LlamaConfig, layer: int = 0, *, seed: int | np.random.Generator | None = None
+    ) -> None:
         super().__init__()
         rng = make_rng(seed)
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = CausalSelfAttention(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            bias=config.attention_bias, seed=rng,
-        )
+        window = config.window_of(layer)
+        sizes = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim)
+        bias = config.attention_bias or config.qkv_bias
+        if window is None:
+            self.attn = CausalSelfAttention(*sizes, bias=bias, seed=rng)
+        else:
+            self.attn = SlidingWindowSelfAttention(*sizes, window=window, bias=bias, seed=rng)
+        if config.qkv_bias and not config.attention_bias:
+            self.attn.out_proj.bias = np.zeros_like(self.attn.out_proj.bias)  # Qwen2: no output bias
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, seed=rng)
 
@@ -477,7 +588,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.tokenizer = tokenizer
         self.embed = Embedding(config.vocab_size, config.hidden_size, seed=rng)
-        self.layers = ModuleList(LlamaBlock(config, seed=rng) for _ in range(config.num_layers))
+        self.layers = ModuleList(LlamaBlock(config, i, seed=rng) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, seed=rng)
@@ -557,15 +668,18 @@ class LlamaForCausalLM(CausalLM):
         expected, optional = hf_tensor_shapes(config)
         check_tensors(read_header(files), expected, optional=optional, ignore=_HF_LLAMA_IGNORE, source=source,
                       config=_describe(config))
+        tokenizer = folder_tokenizer(folder, config.vocab_size, source)  # checked before any weight is read
         tensors = read_safetensors(files)
         if config.tie_word_embeddings:
             check_tied_copy(tensors, "lm_head.weight", "model.embed_tokens.weight", source=source)
             tensors.pop("lm_head.weight", None)
         state, _ = map_names(tensors, _HF_LLAMA_NAMES, ignore=_HF_LLAMA_IGNORE, source=source)
+        if config.qkv_bias and not config.attention_bias:  # Qwen2: no output bias, so zero
+            for i in range(config.num_layers):
+                state[f"layers.{i}.attn.out_proj.bias"] = np.zeros(config.hidden_size, np.float32)
         model = cls(config, seed=0)
         model.load_state_dict(state)
-        if (folder / "tokenizer.json").is_file():
-            model.tokenizer = DecoderTokenizer.from_folder(folder)
+        model.tokenizer = tokenizer
         return model
 
 
@@ -580,7 +694,7 @@ def _describe(config: LlamaConfig) -> str:
 def _with_generation_config(config: LlamaConfig, folder: Path) -> LlamaConfig:
     """`eos_token_id` of generation_config.json, which transformers' `generate` uses over config.json's."""
     path = folder / "generation_config.json"
-    if not path.is_file():
+    if not is_model_file(path):
         return config
     eos = ConfigReader(read_json(path), path).token_ids("eos_token_id")
     return replace(config, eos_token_id=eos) if eos else config
@@ -605,9 +719,11 @@ def hf_tensor_shapes(config: LlamaConfig) -> tuple[dict[str, tuple[int, ...]], d
             p + "mlp.up_proj.weight": (ff, d),
             p + "mlp.down_proj.weight": (d, ff),
         })
-        if c.attention_bias:
+        if c.attention_bias or c.qkv_bias:
             expected.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                             p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (d,)})
+                             p + "self_attn.v_proj.bias": (kv,)})
+        if c.attention_bias:
+            expected[p + "self_attn.o_proj.bias"] = (d,)
         if c.mlp_bias:
             expected.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
                              p + "mlp.down_proj.bias": (d,)})
@@ -715,7 +831,8 @@ def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.nd
     Raises:
         CheckpointError (a ValueError): naming the file and every missing, unused or mis-shaped tensor.
     """
-    _require_gguf_architecture(gguf_file)
+    arch = _require_gguf_architecture(gguf_file)
+    permuted = arch == "llama"  # llama.cpp permutes Llama's q/k rows; its Qwen2 converter does not
     c = config
     expected, optional = gguf_tensor_shapes(c)
     check_tensors(
@@ -742,9 +859,9 @@ def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.nd
                     state[ours] = np.zeros(wanted[gguf_name], np.float32)
                 continue  # output.weight of a tied model
             weight = gguf_file.tensor(gguf_name)
-            if ".attn_q." in gguf_name:
+            if permuted and ".attn_q." in gguf_name:
                 weight = unpermute_rotary_rows(weight, c.num_heads)
-            elif ".attn_k." in gguf_name:
+            elif permuted and ".attn_k." in gguf_name:
                 weight = unpermute_rotary_rows(weight, c.num_kv_heads)
             state[ours] = weight
     return state

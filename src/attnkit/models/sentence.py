@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnkit.models.checkpoint import CheckpointError, load_state_dict, read_json
+from attnkit.models.checkpoint import CheckpointError, is_model_file, load_state_dict, read_json, read_model_text
 from attnkit.nn.layers import gelu, relu
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -281,11 +281,11 @@ def read_modules(folder: Path) -> list[ModuleEntry] | None:
     path). Anything else is refused by its name and place.
     """
     path = folder / "modules.json"
-    if not path.is_file():
+    if not is_model_file(path):
         return None
     try:
-        modules = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        modules = json.loads(read_model_text(path))
+    except json.JSONDecodeError as error:
         raise CheckpointError(f"cannot read {path}: {error}") from None
     if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
         raise CheckpointError(f"expected a non-empty JSON list of objects in {path}")
@@ -339,7 +339,7 @@ class TransformerSettings:
 def read_transformer_settings(folder: Path) -> TransformerSettings:
     """sentence_bert_config.json of the Transformer module's folder (defaults without it)."""
     path = folder / "sentence_bert_config.json"
-    if not path.is_file():
+    if not is_model_file(path):
         return TransformerSettings()
     settings = read_json(path)
     _refuse_unknown(path, settings, _TRANSFORMER_KEYS, "the Transformer module")
@@ -471,7 +471,7 @@ def read_dense(folder: Path, in_features: int) -> Dense:
 def read_normalize(folder: Path) -> Normalize:
     """Normalize; its config.json (sentence-transformers >= 5) is optional."""
     path = folder / "config.json"
-    if path.is_file():
+    if is_model_file(path):
         settings = read_json(path)
         _refuse_unknown(path, settings, ("module_input_name", "module_output_name"), "Normalize")
         for key in ("module_input_name", "module_output_name"):
@@ -489,7 +489,7 @@ def read_model_settings(folder: Path) -> tuple[str, int | None]:
     the versions and the prompts themselves change nothing.
     """
     path = folder / "config_sentence_transformers.json"
-    if not path.is_file():
+    if not is_model_file(path):
         return "cosine", None
     settings = read_json(path)
     model_type = settings.get("model_type", "SentenceTransformer")
@@ -553,7 +553,7 @@ def read_max_seq_length(folder: Path, settings: TransformerSettings, max_positio
             )
         return settings.max_seq_length
     path = folder / "tokenizer_config.json"
-    if path.is_file():
+    if is_model_file(path):
         value = read_json(path).get("model_max_length")
         # transformers writes a huge number (1e30) for "no limit"
         if isinstance(value, float) and value.is_integer() and value > 0:

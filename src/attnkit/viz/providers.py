@@ -233,14 +233,19 @@ def _folder_provider(path: Path, name: str, max_tokens: int) -> Provider:
             return _decoder_provider(path, name, max_tokens)
         return _encoder_provider(path, name, max_tokens)  # its error says what a folder needs
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        settings = json.loads(config.read_text(encoding="utf-8"))
+        model_type, architectures = settings.get("model_type"), settings.get("architectures") or []
     except (OSError, ValueError, AttributeError) as error:
         raise ModelNotAvailableError(f"cannot read {str(config)!r}: {error}") from error
     if model_type in OWN_ENCODER_TYPES:
         return _encoder_provider(path, name, max_tokens)
     from attnkit.models.auto import CAUSAL_LM_TYPES
 
-    if model_type in CAUSAL_LM_TYPES:
+    # attnkit's decoders load language models (with their head); a base model saved
+    # without one (architectures ["Qwen2Model"]) runs on transformers
+    base_model = bool(architectures) and not any(str(a).endswith(("ForCausalLM", "LMHeadModel"))
+                                                 for a in architectures)
+    if model_type in CAUSAL_LM_TYPES and not base_model:
         return _decoder_provider(path, name, max_tokens)
     return _transformers_provider(path, name, max_tokens)
 

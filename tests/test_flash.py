@@ -86,18 +86,18 @@ def flash_case(draw):
 @pytest.fixture(autouse=True)
 def _restore_piece_rows():
     """_build sets the rows per piece each case draws; every test ends with the default."""
-    from attnkit.functional import flash
+    from attnkit.functional.flash import plan
 
-    default = flash.PIECE_ROWS
+    default = plan.PIECE_ROWS
     yield
-    flash.PIECE_ROWS = default
+    plan.PIECE_ROWS = default
 
 
 def _build(case, dtype=np.float32):
     batch, kv_heads, group, L, S, E, Ev, kind, scale, block_q, block_k, piece, seed = case
-    from attnkit.functional import flash
+    from attnkit.functional.flash import plan
 
-    flash.PIECE_ROWS = piece  # plans made from here on cut band tiles into pieces of this many rows
+    plan.PIECE_ROWS = piece  # plans made from here on cut band tiles into pieces of this many rows
     rng = np.random.default_rng(seed)
     Hq = kv_heads * group
     q = rng.standard_normal((*batch, Hq, L, E)).astype(dtype)
@@ -338,9 +338,9 @@ def test_flash_attention_grid_every_row_within_the_plain_error(torch, L, S, E, c
 def test_band_tiles_cut_into_pieces_keep_every_row_within_the_plain_error(torch, band, piece):
     """Tiles a band's edge crosses are computed as runs of `piece` rows, forward
     and backward alike (the backward rebuilds the forward's products bitwise)."""
-    from attnkit.functional import flash
+    from attnkit.functional.flash import plan
 
-    flash.PIECE_ROWS = piece
+    plan.PIECE_ROWS = piece
     L, S, E = 300, 260, 40
     rng = np.random.default_rng(piece)
     q = rng.standard_normal((1, 2, L, E)).astype(np.float32)
@@ -365,7 +365,7 @@ def test_pieces_cover_exactly_the_pairs_the_band_allows(band, piece):
     L, S, bq, bk = 70, 90, 16, 24
     q = np.zeros((1, L, 4), np.float32)
     k = np.zeros((1, S, 4), np.float32)
-    plan = flash._make_plan(q, k, k, flash.FlashOptions(block_q=bq, block_k=bk))[-1]
+    plan = flash._make_plan(q, k, k, block_q=bq, block_k=bk)[-1]
     plan = dataclasses.replace(plan, band=Band(*band), piece_q=piece, _band_cache={})
     rel = np.arange(S)[None, :] - np.arange(L)[:, None]
     allowed = np.ones((L, S), bool)
@@ -645,9 +645,9 @@ def test_reused_scratch_never_leaks_between_calls_or_threads(monkeypatch):
         for a, b in zip(got, first if i % 2 else alone_big):
             np.testing.assert_array_equal(a, b)
     # over the kept size a call gets a fresh block, and the same bits
-    from attnkit.functional import flash as flash_module
+    from attnkit import runtime
 
-    monkeypatch.setattr(flash_module, "_ARENA_BYTES", 1024)
+    monkeypatch.setattr(runtime, "ARENA_BYTES", 1024)
     for a, b in zip(fwd_bwd(*big), alone_big):
         np.testing.assert_array_equal(a, b)
 
@@ -787,7 +787,7 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     from attnkit.functional import flash
 
     assert flash.l2_cache_bytes() >= 1 << 14
-    monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(flash.plan, "l2_cache_bytes", lambda: 1 << 20)  # what choose_blocks reads
     assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
     assert flash.choose_blocks(4096, 4096, 8, banded=False) == (512, 512)
     assert flash.choose_blocks(1024, 1024, 4, banded=True) == (512, 512)  # causal self-attention: whole tiles
@@ -795,10 +795,10 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     assert flash.choose_blocks(64, 1024, 4, banded=True) == (64, 512)  # a chunk of rows over a long cache
     assert flash.choose_blocks(1024, 4096, 4, banded=True) == (128, 512)
     assert flash.choose_blocks(100, 30, 4, banded=False) == (100, 30)
-    monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 512 << 10)
+    monkeypatch.setattr(flash.plan, "l2_cache_bytes", lambda: 512 << 10)
     assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
     assert flash.choose_blocks(4096, 4096, 8, banded=False) == (256, 512)
-    monkeypatch.setattr(flash, "l2_cache_bytes", lambda: 256 << 10)
+    monkeypatch.setattr(flash.plan, "l2_cache_bytes", lambda: 256 << 10)
     assert flash.choose_blocks(4096, 4096, 4, banded=False) == (256, 512)
     assert flash.choose_blocks(4096, 4096, 8, banded=False) == (128, 512)
     for L, S, itemsize, banded in ((4096, 4096, 4, False), (2048, 2048, 4, True), (8192, 8192, 8, False)):
@@ -810,7 +810,7 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
     assert (res.plan.block_q, res.plan.block_k) == (50, 300)
     # a window keeps whole query blocks: its edges are followed by pieces of PIECE_ROWS rows
     res = attnkit.flash_attention(q, q, q, window=(8, 0), return_lse=True, num_threads=1)
-    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (300, 300, flash.PIECE_ROWS)
+    assert (res.plan.block_q, res.plan.block_k, res.plan.piece_q) == (300, 300, flash.plan.PIECE_ROWS)
     # query blocks shrink (to PIECE_ROWS at least) until every thread the work can use (one per
     # 2^21 scores) has two forward tasks
     q = np.ones((1, 1, 4096, 8), np.float32)
@@ -844,13 +844,14 @@ def test_work_one_thread_runs_is_planned_for_one_thread(monkeypatch):
     from attnkit.functional import flash
 
     calls = []
-    real = flash._run
+    real = flash.forward.run_tasks
 
     def spy(tasks, fn, threads):
         calls.append((len(tasks), threads))
         return real(tasks, fn, threads)
 
-    monkeypatch.setattr(flash, "_run", spy)
+    monkeypatch.setattr(flash.forward, "run_tasks", spy)
+    monkeypatch.setattr(flash.backward, "run_tasks", spy)
     rng = np.random.default_rng(4)
     q = rng.standard_normal((1, 9, 1, 16)).astype(np.float32)
     k, v = (rng.standard_normal((1, 3, 4096, 16)).astype(np.float32) for _ in range(2))

@@ -282,3 +282,65 @@ def test_the_default_penalty_stops_smollm2_repeating_itself(smollm2_file):
     reply = result.stdout.split("model> ")[1]
     assert _repeated_sentences(reply) == [], reply
     assert f"{DEFAULT_REPETITION_PENALTY}" == "1.1"
+
+
+# ----------------------------------------------------------------------------- typed bytes at the prompt
+
+
+def _prompt_with(monkeypatch, *inputs: str) -> list:
+    """What `_TerminalInput` returns for each of `inputs`, typed (not pasted) into a pipe.
+
+    An exception in a key handler is not allowed to reach prompt_toolkit's "Press ENTER to
+    continue" handler: it ends the prompt with that exception instead, so the test sees it.
+    """
+    pytest.importorskip("prompt_toolkit")
+    from prompt_toolkit.application import Application, create_app_session
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from attnkit.cli.chat import _TerminalInput
+
+    def handle_exception(self, loop, context):
+        error = context.get("exception") or RuntimeError(context.get("message"))
+        if not self.future.done():
+            self.exit(exception=error)
+
+    monkeypatch.setattr(Application, "_handle_exception", handle_exception)
+    results = []
+    with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
+        read = _TerminalInput(None)
+        for text in inputs:
+            pipe.send_text(text)
+            results.append(read())
+    return results
+
+
+def test_a_typed_colour_code_is_text_not_a_mouse_event(monkeypatch):
+    """prompt_toolkit parses `ESC [ 31 m` as a mouse report, and its mouse handler raised (a
+    traceback, "Press ENTER to continue"). Typed, it is text: inserted without the ESC, as
+    prompt_toolkit inserts any escape sequence it does not know."""
+    got = _prompt_with(monkeypatch, "Say hello. \x1b[31mRED\x1b[0m\r", "a\x1b[Mxyzb\r", "\x1b[<0;1;1Mok\r",
+                       "\x1b[99z\r")
+    assert got == ["Say hello. [31mRED[0m", "a[Mxyzb", "[<0;1;1Mok", "[99z"]
+
+
+def test_any_typed_byte_sequence_gives_text_never_an_exception(monkeypatch):
+    """Random sequences of the pieces escape sequences are made of, and of any characters:
+    each prompt returns a string. Left out: keys that end the prompt or change its mode on
+    purpose (Enter, Ctrl-C, Ctrl-D, Ctrl-R/S search, a bracketed paste's start)."""
+    rng = np.random.default_rng(29)
+    pieces = ["\x1b[", "\x1b[<", "\x1b[M", "\x1bO", "\x1b", "[", ";", "<", "?", "~", "M", "m", "R", "A", "u", " ", "a",
+              "1", "31", "0", "65", "200", "\t", "\x7f", "\x08", "\x00", "\x01", "\x15", "\x17", "é", "☃", "\u202e"]
+    stops = set("\r\n\x03\x04\x12\x13")
+    inputs = []
+    for _ in range(300):
+        if rng.random() < 0.7:
+            chars = rng.choice(pieces, size=int(rng.integers(1, 16)))
+        else:
+            chars = [chr(int(c)) for c in rng.integers(0, 256, size=int(rng.integers(1, 24)))]
+        text = "".join(c for c in chars if c not in stops).replace("200~", "")
+        # Plain keys before Enter: a trailing ESC is not Alt+Enter, and `ESC [ M` (a mouse report
+        # and its three characters) does not take the Enter.
+        inputs.append(text + "xyz\r")
+    got = _prompt_with(monkeypatch, *inputs)
+    assert all(isinstance(text, str) for text in got)

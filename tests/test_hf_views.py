@@ -247,3 +247,25 @@ def test_serve_offers_a_transformers_folder(folders):
     assert answer.status_code == 200, answer.text
     doc = answer.json()["docs"][0]
     assert doc["layers"] == 6 and doc["layer_names"][3] == "decoder 0 cross attention"
+
+
+def test_the_views_tokenize_as_transformers_does_not_with_tokenizer_json_padding(transformers):
+    """MiniLM's tokenizer.json pads to a fixed 128 and cuts at 128; transformers' tokenizer
+    call does neither unless asked, and the views must not either: a 13-token sentence is 13
+    positions (it was 128, the words lost among [PAD] rows), a long one is not cut at 128."""
+    from attnkit.hf.views import TransformersViewModel
+    from attnkit.models.embedded import minilm_path
+
+    folder = minilm_path()
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    model = TransformersViewModel.from_folder(folder)
+    for text in ("The cat sat on the mat because it was tired.", " ".join(["attention"] * 150)):
+        ids = reference(text)["input_ids"]
+        result = model.attention(text)
+        assert result.tokens == reference.convert_ids_to_tokens(ids)
+        assert result.weights.shape == (6, 12, len(ids), len(ids)) and result.full_count == len(ids)
+        assert not any(result.special[1:-1]) and "[PAD]" not in result.tokens
+    text = "The cat sat on the mat because it was tired."
+    result = model.attention(text, max_tokens=6)  # cut when asked, its special tokens kept
+    ids = reference(text, truncation=True, max_length=6)["input_ids"]
+    assert result.tokens == reference.convert_ids_to_tokens(ids) and result.full_count == len(reference(text)["input_ids"])

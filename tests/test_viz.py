@@ -564,6 +564,31 @@ def test_server_attention_and_errors(client):
 
 
 @pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data",
+     "application/jsonp", "text/json"],
+)
+def test_server_refuses_a_request_that_is_not_json_like_a_cross_site_form(client, content_type):
+    """Another site's page can make the browser post a "simple" request (a form, text/plain) to
+    this server without a CORS preflight; only application/json (which needs one) is read."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/api/attention", content='{"text": "a b", "model": "random"}', headers=headers)
+    assert r.status_code == 415, r.text
+    expected = "none" if content_type is None else repr(content_type)
+    assert r.json()["detail"] == f"expected Content-Type: application/json, got {expected}"
+
+
+def test_server_reads_json_with_any_parameters_and_its_page_sends_json(client):
+    for content_type in ("application/json", "Application/JSON; charset=utf-8"):
+        r = client.post("/api/attention", content='{"text": "a b", "model": "random"}',
+                        headers={"content-type": content_type})
+        assert r.status_code == 200, r.text
+    script = client.get("/").text
+    request = script[script.index('fetch("api/attention"'):]
+    assert request[: request.index("body:")].count('headers: { "Content-Type": "application/json" }') == 1
+
+
+@pytest.mark.parametrize(
     "body, status, detail",
     [
         ('{"text": "a b", "layer": NaN}', 422, "expected finite JSON numbers, got NaN"),

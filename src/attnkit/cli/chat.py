@@ -89,6 +89,20 @@ class _PipedInput:
             return "\n".join(parts)
 
 
+def _typed_mouse_event(event: Any) -> None:
+    """A "mouse event" at the chat prompt: text the user typed, inserted as text.
+
+    prompt_toolkit's input parser reads any `ESC [ digits;... m`/`M` (and `ESC [ M`
+    with three more characters) as a mouse report, and its own mouse handler raises on
+    most of them: typing `\\x1b[31mRED` (a colour code) gave a traceback and "Press
+    ENTER to continue...". The chat never turns mouse reporting on, so no terminal
+    sends real mouse reports here: the sequence was typed. It is inserted as
+    prompt_toolkit inserts any escape sequence it does not know: without the ESC
+    (which no key inserts), and without control characters (which no key inserts).
+    """
+    event.current_buffer.insert_text("".join(c for c in event.data[1:] if c.isprintable()))
+
+
 class _TerminalInput:
     """Messages at a prompt_toolkit prompt, with line editing, history and multi-line input."""
 
@@ -100,6 +114,7 @@ class _TerminalInput:
         from prompt_toolkit.formatted_text import FormattedText
         from prompt_toolkit.history import FileHistory, InMemoryHistory
         from prompt_toolkit.key_binding import KeyBindings
+        from prompt_toolkit.keys import Keys
 
         bindings = KeyBindings()
 
@@ -115,6 +130,10 @@ class _TerminalInput:
         @bindings.add("escape", "enter")  # Alt+Enter
         def _(event: Any) -> None:
             event.current_buffer.insert_text("\n")
+
+        @bindings.add(Keys.Vt100MouseEvent)
+        def _(event: Any) -> None:
+            _typed_mouse_event(event)
 
         history = InMemoryHistory() if history_file is None else FileHistory(str(history_file))
         self.session = PromptSession(

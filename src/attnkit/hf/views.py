@@ -18,7 +18,9 @@ use (`attnkit.hf.recording` finds the attention modules).
   layer's self attention and its cross attention (queries: the decoder's tokens,
   keys: the encoder's), named in `layer_names`.
 
-The tokenizer is the folder's tokenizer.json, read by Hugging Face `tokenizers`.
+The tokenizer is the folder's tokenizer.json, read by Hugging Face `tokenizers`, and
+it tokenizes as transformers' tokenizer call does: no padding and no truncation from
+tokenizer.json (only `max_tokens` and the model's positions cut a text).
 """
 
 from __future__ import annotations
@@ -141,7 +143,13 @@ class TransformersViewModel:
                     f"attention: {error}"
                 ) from error
         model.eval()
-        return cls(model, Tokenizer.from_file(str(folder / "tokenizer.json")))
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # As transformers' tokenizer call does: the padding and truncation a tokenizer.json may
+        # carry (sentence-transformers' MiniLM: padded to a fixed 128, cut at 128) apply only
+        # when asked. Kept, a 7-word sentence would be 128 positions, most of them [PAD].
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        return cls(model, tokenizer)
 
     def layer_names(self) -> tuple[str, ...] | None:
         """The name of each map `attention` returns (see `AttentionResult`), found by running one token."""

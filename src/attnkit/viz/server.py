@@ -6,6 +6,10 @@ is the same viewer as the HTML file, in server mode: it posts the text to
 at most `max_chars` characters (longer requests are refused with 413) and at
 most `max_tokens` tokens (longer texts are truncated, with a warning).
 
+`/api/attention` reads only requests that say `Content-Type: application/json`
+(others get 415): a page of another site can make a browser post a form or
+`text/plain` to a local server without asking, but not JSON.
+
 The body of `/api/attention` is read as strict JSON: `NaN` and `Infinity`
 (which Python's parser would accept) and text that is not valid Unicode get
 422, a body larger than any allowed request gets 413, never 500.
@@ -167,6 +171,15 @@ def create_app(
     def api_models() -> list[dict[str, Any]]:
         return model_list()
 
+    def check_json_content_type(header: str | None) -> None:
+        """Only `application/json` (any parameters) is read: a page of another site can make a
+        browser send a "simple" request (text/plain, a form) with no preflight, and so make this
+        server compute; a JSON request from another origin needs a CORS preflight, never granted."""
+        media_type = (header or "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            got = repr(header) if header else "none"
+            raise HTTPException(415, f"expected Content-Type: application/json, got {got}")
+
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body:
@@ -225,6 +238,7 @@ def create_app(
 
     @app.post("/api/attention")
     async def api_attention(request: Request) -> dict[str, Any]:
+        check_json_content_type(request.headers.get("content-type"))
         parsed = parse_request(await read_body(request))
         return await run_in_threadpool(attention, parsed)  # the model runs off the event loop
 

@@ -20,6 +20,7 @@ from conftest import assert_within_budget, reference_attention
 from attnkit import nn
 from attnkit.functional import (
     ATTENTION_BACKENDS,
+    AttentionOutput,
     BACKEND_KEYWORDS,
     WEIGHTLESS_BACKENDS,
     get_attention,
@@ -258,7 +259,7 @@ def test_register_attention_validates_and_registers(clean_registry):
         return scaled_dot_product_attention(query, key, value, *args, **kwargs)
 
     register_attention("mine", mine, weightless=True)
-    assert get_attention("mine") is mine and "mine" in WEIGHTLESS_BACKENDS
+    assert get_attention("mine").__wrapped__ is mine and "mine" in WEIGHTLESS_BACKENDS
     register_attention("mine", mine)  # re-registering replaces, and clears weightless
     assert "mine" not in WEIGHTLESS_BACKENDS
     module = nn.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0)
@@ -266,6 +267,101 @@ def test_register_attention_validates_and_registers(clean_registry):
     cache = module.new_kv_cache(1, 4)
     module(np.ones((1, 3, 16), np.float32), is_causal=True, kv_cache=cache)
     assert calls and calls[-1]["causal_align"] == "bottom_right" and calls[-1]["is_causal"] is True
+
+
+# ----- a registered backend's results are checked at the registry ------------------------------
+
+
+def _transposed(query, key, value, *args, return_weights=False, return_lse=False, **kwargs):
+    """Returns (B, L, H, E), the layout of another library, instead of (B, H, L, E)."""
+    result = scaled_dot_product_attention(query, key, value, *args, return_weights=return_weights,
+                                          return_lse=return_lse, **kwargs)
+    if return_weights or return_lse:
+        return result._replace(output=np.swapaxes(result.output, -2, -3))
+    return np.swapaxes(result, -2, -3)
+
+
+def _no_weights(query, key, value, *args, return_weights=False, return_lse=False, **kwargs):
+    """Ignores return_weights: gives an AttentionOutput with weights None when asked."""
+    out = scaled_dot_product_attention(query, key, value, *args, **kwargs)
+    return AttentionOutput(out, None, None) if return_weights or return_lse else out
+
+
+def _output_only(query, key, value, *args, return_weights=False, return_lse=False, **kwargs):
+    """Ignores return_weights: gives the bare output."""
+    return scaled_dot_product_attention(query, key, value, *args, **kwargs)
+
+
+def _float64(query, key, value, *args, **kwargs):
+    """Computes in float64 and forgets to round back to the inputs' dtype."""
+    return scaled_dot_product_attention(*(np.asarray(x, np.float64) for x in (query, key, value)), *args, **kwargs)
+
+
+def _short_weights(query, key, value, *args, **kwargs):
+    """Weights (..., H, L, S - 1), the last key dropped, when asked."""
+    result = scaled_dot_product_attention(query, key, value, *args, **kwargs)
+    if isinstance(result, AttentionOutput) and result.weights is not None:
+        return result._replace(weights=result.weights[..., :-1])
+    return result
+
+
+BAD_BACKENDS = {  # name: (fn, error type, what the message says)
+    "transposed": (_transposed, ValueError, r"'mine' to return output of shape \(\.\.\., Hq, L, Ev\) = "
+                                            r"\(2, 4, 3, 4\) .*got \(2, 3, 4, 4\)"),
+    "no weights": (_no_weights, TypeError, r"'mine' to return weights as an array of shape \(\.\.\., Hq, L, S\)"
+                                           r" = \(2, 4, 3, 3\), got None"),
+    "output only": (_output_only, TypeError, r"'mine' to return an AttentionOutput.* for return_weights=True, "
+                                             r"got ndarray"),
+    "float64": (_float64, TypeError, r"'mine' to return output of dtype float32 like its inputs, got float64"),
+    "short weights": (_short_weights, ValueError, r"'mine' to return weights of shape .* = \(2, 4, 3, 3\) "
+                                                   r".*got \(2, 4, 3, 2\)"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BACKENDS))
+def test_a_misbehaving_backend_is_refused_through_a_module_and_a_recording(clean_registry, bad):
+    import attnkit
+
+    fn, error, message = BAD_BACKENDS[bad]
+    register_attention("mine", fn)
+    module = nn.MultiHeadAttention(16, 4, seed=0)
+    module.set_attention_backend("mine")
+    x = np.random.default_rng(0).standard_normal((2, 3, 16)).astype(np.float32)
+    if bad in ("transposed", "float64"):  # wrong in every call
+        with pytest.raises(error, match=message):
+            module(x)
+    else:  # wrong only when weights are asked for: plain calls work
+        module(x)
+    with pytest.raises(error, match=message):
+        with attnkit.record_attention(module):
+            module(x)
+
+
+def test_a_well_behaved_backend_passes_the_check_unchanged(clean_registry):
+    import attnkit
+
+    register_attention("mine", scaled_dot_product_attention)
+    q, k, v, padding = _inputs()
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    mine = get_attention("mine")
+    assert mine is not scaled_dot_product_attention and mine.__wrapped__ is scaled_dot_product_attention
+    assert get_attention("naive") is scaled_dot_product_attention  # built-ins are not wrapped
+    expected = scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    np.testing.assert_array_equal(mine(q, k, v, enable_gqa=True), expected)
+    both = mine(q, k, v, enable_gqa=True, key_padding_mask=padding, return_weights=True, return_lse=True)
+    assert both.weights.shape == (B, HQ, L, S) and both.lse.shape == (B, HQ, L)
+    module = nn.MultiHeadAttention(16, 4, seed=0)
+    module.set_attention_backend("mine")
+    with attnkit.record_attention(module) as recording:
+        module(np.ones((1, 3, 16), np.float32))
+    assert len(recording) == 1 and recording[0].shape == (1, 4, 3, 3)
+    # a backend returning an lse of the wrong shape, or a tuple when nothing extra is asked
+    register_attention("mine", lambda q, k, v, *a, **kw: AttentionOutput(scaled_dot_product_attention(q, k, v),
+                                                                         None, np.zeros(3)))
+    with pytest.raises(TypeError, match=r"'mine' to return the output array alone"):
+        get_attention("mine")(q, q, q)
+    with pytest.raises(ValueError, match=r"'mine' to return lse of shape \(\.\.\., Hq, L\) = \(2, 4, 5\)"):
+        get_attention("mine")(q, q, q, return_lse=True)
 
 
 # ----- the KV cache hands flash its band ---------------------------------------------------------

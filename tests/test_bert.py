@@ -277,14 +277,16 @@ def test_batching_and_threads_do_not_change_results(encoder, st_embeddings):
 
 @pytest.mark.slow
 def test_encode_shapes_and_progress(encoder):
-    assert encoder.encode("one string").shape == (1, 384)
+    assert encoder.encode("one string").shape == (384,)  # as sentence-transformers: one string, one vector
+    assert encoder.encode(["one string"]).shape == (1, 384)
     assert encoder.encode([]).shape == (0, 384)
     texts = ["a tuple", "of sentences"]
     assert np.array_equal(encoder.encode(tuple(texts)), encoder.encode(np.array(texts)))
     seen = []
     encoder.encode(["a", "b", "c", "d", "e"], batch_size=2, progress=seen.append)
     assert seen == [2, 2, 1]
-    similar = encoder.similarity(["A man is eating food.", "A man eats a meal.", "The sky is blue."])
+    embeddings = encoder.encode(["A man is eating food.", "A man eats a meal.", "The sky is blue."])
+    similar = encoder.similarity(embeddings, embeddings)
     assert similar.shape == (3, 3)
     assert similar[0, 1] > similar[0, 2]
     # |e|^2 of a float32 unit vector: twice its norm's error (~1e-6, see the norm budget above)

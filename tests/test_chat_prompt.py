@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from attnkit.cli import app
 from attnkit.models.auto import AutoCausalLM
-from attnkit.models.generation import CausalLM, apply_repetition_penalty
+from attnkit.models.causal_lm import CausalLM
+from attnkit.models.sampling import apply_repetition_penalty
 from conftest import missing_oracle, optional
 
 TEMPLATE = (

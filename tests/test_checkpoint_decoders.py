@@ -29,7 +29,7 @@ from conftest import F32_EPS, assert_within_budget, optional
 
 from attnkit.models.chat import DecoderTokenizer
 from attnkit.models.auto import AutoCausalLM
-from attnkit.models.generation import CausalLM
+from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gguf import GGUF_PRE_TOKENIZERS, GGUFFile
 from attnkit.nn.cache import KVCache
 from attnkit.nn.positional import RopeScaling, rope_frequencies

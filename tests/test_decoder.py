@@ -13,7 +13,7 @@ import pytest
 from conftest import F32_EPS, assert_within_budget, max_abs_err, optional
 
 from attnkit.models.auto import AutoCausalLM
-from attnkit.models.generation import CausalLM
+from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gpt2 import GPT2LMHeadModel
 from attnkit.models.llama import LlamaForCausalLM
 from attnkit.nn import KVCache
@@ -265,7 +265,7 @@ def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatc
     True / False fixes the choice."""
     import contextlib
 
-    import attnkit.models.generation as generation
+    import attnkit.models.causal_lm as causal_lm
     from attnkit.models.llama import LlamaConfig
 
     used: list[int] = []  # the BLAS thread count each forward ran with; 0: left as it was
@@ -275,9 +275,9 @@ def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatc
         used.append(n)
         yield
 
-    monkeypatch.setattr(generation, "one_blas_thread", lambda: threads(1))
-    monkeypatch.setattr(generation, "blas_threads", threads)
-    monkeypatch.setattr(generation, "blas_thread_count", lambda: 4)
+    monkeypatch.setattr(causal_lm, "one_blas_thread", lambda: threads(1))
+    monkeypatch.setattr(causal_lm, "blas_threads", threads)
+    monkeypatch.setattr(causal_lm, "blas_thread_count", lambda: 4)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
                                          num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=256),
                              seed=0)
@@ -307,9 +307,9 @@ def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatc
     assert [ran_with(two_rows) for _ in range(3)] == [1, 4, 4]  # another batch size is timed on its own
     assert set(model._decode_choices) == {(1, 4), (2, 4)}
 
-    monkeypatch.setattr(generation, "blas_thread_count", lambda: 1)
+    monkeypatch.setattr(causal_lm, "blas_thread_count", lambda: 1)
     assert ran_with(ids[:1]) == 1  # one thread allowed: nothing to time
-    monkeypatch.setattr(generation, "blas_thread_count", lambda: 4)
+    monkeypatch.setattr(causal_lm, "blas_thread_count", lambda: 4)
     model.single_thread_decode = True
     assert ran_with(ids[:1]) == 1
     model.single_thread_decode = False

@@ -246,7 +246,7 @@ def _without_overlap(rank, world):
     results = []
     for overlap in (True, False):
         mine = [D.shard_sequence(t, None, "zigzag").requires_grad_() for t in (q, k, v)]
-        out = D._ring_attention(*mine, causal=True, overlap=overlap)
+        out = D.ring_attention(*mine, causal=True, overlap=overlap)
         out.sum().backward()
         results.append([out.detach()] + [t.grad for t in mine])
     return max(float((a - b).abs().max()) for a, b in zip(*results))

@@ -14,7 +14,7 @@ from attnkit.cli import app
 from attnkit.viz.text import printable
 from attnkit.models.chat import DecoderTokenizer, load_prompt
 from attnkit.models.auto import AutoCausalLM
-from attnkit.models.generation import sample_next_token
+from attnkit.models.sampling import sample_next_token
 
 TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"

@@ -299,6 +299,29 @@ def test_fused_qkv_path_equals_separate_path_and_cache_invalidation():
     assert mha(x.astype(np.float64)).output.dtype == np.float64
 
 
+def test_fused_weights_are_the_projections_stacked_cached_and_read_only():
+    """`fused_weights(role, dtype)`: the public form of the fused projection (models/bert.py
+    projects its token rows with it); x @ weight.T + bias holds each projection's output."""
+    mha = nn.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0)
+    x = np.random.default_rng(8).standard_normal((3, 16))
+    weight, bias = mha.fused_weights("qkv", np.float64)
+    assert weight.shape == (16 + 8 + 8, 16) and bias.shape == (32,) and weight.dtype == np.float64
+    expected = [x @ p.weight.T + p.bias for p in (mha.q_proj, mha.k_proj, mha.v_proj)]
+    np.testing.assert_allclose(x @ weight.T + bias, np.concatenate(expected, axis=-1), rtol=1e-12)
+    kv_weight, kv_bias = mha.fused_weights("kv", np.dtype(np.float32))
+    assert kv_weight.shape == (16, 16) and kv_weight.dtype == np.float32
+    assert mha.fused_weights("qkv", np.dtype(np.float64))[0] is weight  # cached per dtype
+    assert not weight.flags.writeable and not bias.flags.writeable  # shared by every call
+    # the 0.1.0 spelling (private, called by models/bert.py) reads the same cache
+    assert mha._fused_weights("qkv", (mha.q_proj, mha.k_proj, mha.v_proj), np.dtype(np.float64))[0] is weight
+    with pytest.raises(ValueError, match=r"expected role to be one of \['kv', 'qkv'\], got 'qk'"):
+        mha.fused_weights("qk", np.float32)
+    cross = nn.MultiHeadAttention(8, 2, kdim=4, vdim=6, seed=0)
+    with pytest.raises(ValueError, match="one input width, got k_proj 4, v_proj 6"):
+        cross.fused_weights("kv", np.float32)
+    assert nn.MultiHeadAttention(8, 2, bias=False, seed=0).fused_weights("qkv", np.float32)[1] is None
+
+
 def test_fully_masked_rows_give_zeros_not_nan():
     mha = nn.MultiHeadAttention(8, 2, seed=0)
     mha.load_state_dict({**mha.state_dict(), "out_proj.bias": np.linspace(-1, 1, 8)})  # a bias that shows

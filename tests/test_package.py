@@ -73,6 +73,32 @@ def test_models_viz_and_bench_stay_light():
     assert not heavy, f"importing models / viz / bench pulled in {heavy}"
 
 
+def test_torch_modules_load_context_parallelism_only_when_asked():
+    """`import attnkit.torch` and its modules (MultiHeadAttention, TransformerBlock) leave
+    attnkit.torch.distributed (and run_on_ranks' module) unloaded until a module is given
+    `context_parallel`; the names that moved keep their old spellings."""
+    pytest.importorskip("torch")
+    loaded = _imported_after(
+        "import attnkit.torch\n"
+        "from attnkit.torch import MultiHeadAttention, TransformerBlock\n"
+        "TransformerBlock(8, 2, 16)(__import__('torch').zeros(1, 3, 8), is_causal=True)\n"
+    )
+    assert "attnkit.torch.attention" in loaded
+    assert not {"attnkit.torch.distributed", "attnkit.torch.ranks"} & loaded
+    code = (
+        "import attnkit.torch.distributed as D, attnkit.torch.ranks as R\n"
+        "assert D.run_on_ranks is R.run_on_ranks and D.RankOutcome is R.RankOutcome\n"
+        "assert D._ring_attention is D.ring_attention\n"
+        "from attnkit.models.generation import AttentionMap, CausalLM, prepare_prompts, sample_next_token\n"
+        "import attnkit.models as M, attnkit.models.causal_lm as C, attnkit.models.sampling as S\n"
+        "assert CausalLM is C.CausalLM is M.CausalLM and AttentionMap is C.AttentionMap is M.AttentionMap\n"
+        "assert sample_next_token is S.sample_next_token and prepare_prompts is S.prepare_prompts\n"
+        "import attnkit.functional._checks as K, attnkit.functional.precision as P\n"
+        "assert K.TINY_SCALE == P.TINY_SCALE and K.scores_bound_exceeds is P.scores_bound_exceeds\n"
+    )
+    assert "attnkit.torch.distributed" in _imported_after(code)
+
+
 def test_cli_help_stays_light_and_lists_commands():
     loaded = _imported_after(
         "import sys; sys.argv=['attnkit','--help']\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads, one_blas_thread
+from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads, keyword_only, one_blas_thread
 
 
 def test_blas_thread_count_follows_the_limits():
@@ -66,3 +66,35 @@ def test_fastest_schedule_rejects_an_unknown_schedule():
         choice.timed("z", 1.0)
     assert choice.seconds == {}  # nothing recorded
     assert repr(choice) == "FastestSchedule(('a', 'b'), retime_every=4, seconds={})"
+
+
+def test_keyword_only_takes_the_old_positional_call_for_one_release_with_a_warning():
+    @keyword_only("quick", "threads")
+    def run(name, *, quick=False, threads=None):
+        return name, quick, threads
+
+    assert run("a", quick=True, threads=2) == ("a", True, 2)
+    with pytest.warns(DeprecationWarning, match=r"run: pass quick=, threads= by keyword .*0\.3\.0"):
+        assert run("a", True, 2) == ("a", True, 2)
+    with pytest.warns(DeprecationWarning, match=r"pass quick= by keyword"):
+        assert run("a", True, threads=3) == ("a", True, 3)
+    with pytest.raises(TypeError, match="multiple values for argument 'quick'"):
+        run("a", True, quick=False)
+    with pytest.raises(TypeError, match="3 positional arguments at most"):
+        run("a", True, 2, 4)
+
+
+def test_bench_suites_take_keywords_and_warn_on_positional_arguments():
+    import inspect
+
+    from attnkit import bench
+    from attnkit.bench.measure import best_time
+
+    for name in bench.SUITES:
+        parameters = inspect.signature(bench.get_suite(name).run).parameters.values()
+        assert all(p.kind == p.KEYWORD_ONLY for p in parameters), name
+    assert inspect.signature(bench.run_suite).parameters["quick"].kind == inspect.Parameter.KEYWORD_ONLY
+    assert inspect.signature(best_time).parameters["warmup"].kind == inspect.Parameter.KEYWORD_ONLY
+    with pytest.warns(DeprecationWarning, match="best_time: pass warmup= by keyword"):
+        seconds, times = best_time(lambda: None, 0.0, 1, False)
+    assert len(times) == 1

@@ -656,3 +656,67 @@ def test_viz_package_exports_resolve():
 
     for name in viz.__all__:
         assert getattr(viz, name) is not None
+
+
+def _summary_cells(summary) -> list[list[str]]:
+    """The cell each head should show: the pattern's letter and its score (see summary_table)."""
+    from attnkit.viz.terminal import _summary_cell
+
+    layers, heads = summary.previous.shape
+    return [[_summary_cell(summary, layer, h)[0] for h in range(heads)] for layer in range(layers)]
+
+
+def _pattern_maps(layers=6, heads=12, T=9) -> AttentionMaps:
+    """Heads with every pattern: previous, first, self, broad and mixed (cells 'P99', 'B3.2', '·1.4')."""
+    rng = np.random.default_rng(0)
+    eye, first = np.eye(T), np.zeros((T, T))
+    first[:, 0] = 1
+    previous = np.eye(T, k=-1)
+    previous[0, 0] = 1
+    kinds = [previous, first, eye, np.full((T, T), 1 / T)]
+    weights = np.empty((layers, heads, T, T))
+    for layer in range(layers):
+        for h in range(heads):
+            if (layer + h) % 5 == 4:
+                w = rng.dirichlet(np.full(T, 0.3), size=T)  # mixed
+            else:
+                w = kinds[(layer + h) % 5]
+            weights[layer, h] = w
+    return AttentionMaps(tuple(f"w{i}" for i in range(T)), weights.astype(np.float32))
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_summary_table_keeps_every_cell_whole_at_any_width(width):
+    """At 40 columns the summary used to print `0 B… B… P…`: now heads that do not fit side by side
+    go on in blocks below, so every cell ('P99', 'B3.2', '·1.4') and header is printed whole."""
+    summary = summarize_heads(_pattern_maps())
+    out = render(summary_table(summary, color=False), width=width, color=False)
+    lines = out.splitlines()
+    assert "…" not in out
+    assert all(len(line) <= width for line in lines), [line for line in lines if len(line) > width]
+    expected = _summary_cells(summary)
+    assert {len(text) for row in expected for text in row} <= {3, 4}
+    assert {text[0] for row in expected for text in row} == {"P", "F", "S", "B", "·"}
+    headers = [line.split() for line in lines if line.split()[:1] == ["L"]]
+    assert [h for header in headers for h in header[1:]] == [f"h{h}" for h in range(12)]  # every head, in order
+    rows = [line.split() for line in lines if re.match(r"^\d ", line)]
+    assert len(rows) == 6 * len(headers)
+    for layer in range(6):  # each layer's cells across the blocks, whole and in order
+        cells = [cell for row in rows if row[0] == str(layer) for cell in row[1:]]
+        assert cells == expected[layer]
+    if width >= 80:
+        assert len(headers) == 1  # 12 heads fit side by side
+    else:
+        sizes = [len(header) - 1 for header in headers]
+        assert max(sizes) - min(sizes) <= 1  # blocks of even size
+
+
+def test_summary_table_piped_uses_a_sane_default_width(monkeypatch):
+    """Printed to a file or a pipe (no terminal, no $COLUMNS), rich's 80 columns: one block, whole cells."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    summary = summarize_heads(_pattern_maps())
+    out = io.StringIO()
+    Console(file=out, color_system=None).print(summary_table(summary, color=False))
+    lines = out.getvalue().splitlines()
+    assert "…" not in out.getvalue() and all(len(line) <= 80 for line in lines)
+    assert lines[1].split() == ["L"] + [f"h{h}" for h in range(12)]

@@ -55,6 +55,7 @@ __all__ = [
     "blas_threads",
     "cpu_count",
     "l2_cache_bytes",
+    "keyword_only",
     "one_blas_thread",
     "renamed_keyword",
     "require",
@@ -81,6 +82,47 @@ def renamed_keyword(where: str, old: str, old_value: Any, new: str, new_value: A
     warnings.warn(f"{where}: {old}= is deprecated, use {new}= (the old spelling goes in {REMOVED_IN})",
                   DeprecationWarning, stacklevel=3)
     return old_value
+
+
+def keyword_only(*names: str) -> Callable[[Callable], Callable]:
+    """Decorator for a function whose parameters `names` (in their old positional order)
+    became keyword-only: a call that still passes them positionally works for one
+    release, with a DeprecationWarning naming the keywords to use.
+
+        @keyword_only("quick", "progress", "threads")
+        def run(*, quick: bool, progress: Progress, threads: int | None = None): ...
+
+        run(True, progress)  # warns: pass quick=, progress= by keyword
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        import inspect
+
+        parameters = inspect.signature(fn).parameters.values()
+        positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+        where = f"{fn.__module__}.{fn.__qualname__}"
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > positional:
+                extra = args[positional:]
+                if len(extra) > len(names):
+                    raise TypeError(f"{where}() takes {positional + len(names)} positional arguments at most "
+                                    f"(and those after {positional} only until {REMOVED_IN}), got {len(args)}")
+                given = names[: len(extra)]
+                for name in given:
+                    if name in kwargs:
+                        raise TypeError(f"{where}() got multiple values for argument {name!r}")
+                warnings.warn(f"{where}: pass {', '.join(f'{name}=' for name in given)} by keyword "
+                              f"(positional arguments there stop working in {REMOVED_IN})",
+                              DeprecationWarning, stacklevel=2)
+                kwargs.update(zip(given, extra))
+                args = args[:positional]
+            return fn(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def cpu_count() -> int:

@@ -2,7 +2,10 @@
 
 A suite is a module listed in `SUITES` (name -> module path) that defines
 
-    def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport
+    def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport
+
+(all keyword-only: the suites take `quick`, `progress` and `threads` by position
+until 0.3.0, with a DeprecationWarning, through `attnkit.runtime.keyword_only`)
 
 - `quick=True` must finish in well under a minute (small sizes, few repeats);
   the full run is what docs/benchmarks.md records.
@@ -30,6 +33,7 @@ import importlib
 from types import ModuleType
 
 from attnkit.bench.report import BenchReport, NullProgress, Progress
+from attnkit.runtime import keyword_only
 
 SUITES: dict[str, str] = {
     "attention": "attnkit.bench.attention",
@@ -52,7 +56,8 @@ def get_suite(name: str) -> ModuleType:
     return importlib.import_module(path)
 
 
-def run_suite(name: str, quick: bool = False, progress: Progress | None = None,
+@keyword_only("quick", "progress", "threads")
+def run_suite(name: str, *, quick: bool = False, progress: Progress | None = None,
               threads: int | None = None) -> BenchReport:
     """Run one suite and return its report."""
     return get_suite(name).run(quick=quick, progress=progress or NullProgress(), threads=threads)

@@ -37,7 +37,7 @@ from attnkit.bench.measure import (
     peak_rss_bytes,
     system_info,
 )
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 H, E = 8, 64
 FULL_LENGTHS = (512, 1024, 2048, 4096, 8192)
@@ -125,7 +125,8 @@ def _torch_contenders(q, k, v, d_out, causal):
     }
 
 
-def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
     """Measure every contender on every configuration; see the module docstring."""
     threads = threads or cpu_count()
     try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import best_times_interleaved, blas_summary
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FULL_SIZES = tuple((S, L) for S in (256, 1024, 4096) for L in (1, 64))
@@ -55,7 +55,8 @@ def _step(S: int, L: int, backend: str, rng):
     return step
 
 
-def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
     import numpy as np
     from threadpoolctl import threadpool_limits
 

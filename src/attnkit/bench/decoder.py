@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from attnkit.runtime import keyword_only
+
 PROMPT = (
     "The attention mechanism lets every token look at every other token in a single step. "
     "Explain, in plain words and with a small example, why this made transformers faster to train "
@@ -354,7 +356,8 @@ def report_from_raw(raw: dict[str, Any]):
     )
 
 
-def run(quick: bool, progress: Any, threads: int | None = None):
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Any, threads: int | None = None):
     if quick:
         raw = run_decoder_benchmark(new_tokens=16, rounds=1, contexts=(32, 256), threads=threads, progress=progress)
     else:

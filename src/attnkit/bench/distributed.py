@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 
 from attnkit.bench.report import BenchReport, Progress
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 HEADS, HEAD_DIM = 4, 64
 DEPTH = 4  # the full run also stacks this many attention layers, as a model keeps their activations
@@ -40,7 +40,7 @@ def _rank_step(rank: int, world: int, length: int, overlap: bool, repeats: int, 
     import torch.distributed as dist
 
     from attnkit.bench.measure import peak_rss_bytes
-    from attnkit.torch.distributed import _ring_attention, shard_bounds
+    from attnkit.torch.distributed import ring_attention, shard_bounds
 
     try:  # glibc: every tensor of 64 KiB and up mmap'ed, so that freeing it shows in the resident size
         import ctypes
@@ -57,7 +57,7 @@ def _rank_step(rank: int, world: int, length: int, overlap: bool, repeats: int, 
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
         out = q
         for _ in range(depth):  # `depth` attention layers, each keeping its activations for the backward
-            out = _ring_attention(out, k, v, causal=True, layout="zigzag", overlap=overlap, stats=stats)
+            out = ring_attention(out, k, v, causal=True, layout="zigzag", overlap=overlap, stats=stats)
         out.backward(do)
         return q.grad
 
@@ -101,8 +101,9 @@ def _link_bandwidth(rank: int, world: int, megabytes: int, repeats: int) -> floa
     return statistics.median(rates[1:])
 
 
-def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
-    from attnkit.torch.distributed import run_on_ranks
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+    from attnkit.torch.ranks import run_on_ranks
 
     length = 2048 if quick else 8192
     repeats = 2 if quick else 3

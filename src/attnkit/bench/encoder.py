@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from attnkit.runtime import keyword_only
+
 _SUBJECTS = (
     "The old lighthouse keeper", "A small team of engineers", "My neighbour's cat",
     "The city council", "Every student in the class", "The new transformer model",
@@ -360,7 +362,8 @@ def goal_lines(results: list[EncoderBenchResult]) -> list[str]:
     return lines
 
 
-def run(quick: bool, progress: Any, threads: int | None = None) -> Any:
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Any, threads: int | None = None) -> Any:
     """The `attnkit bench encoder` suite (see attnkit.bench for the protocol).
 
     `threads`: the one thread count to measure; None measures 1 thread, then all

@@ -30,7 +30,7 @@ import subprocess
 import sys
 
 from attnkit.bench.report import BenchReport, Progress
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 IMPLEMENTATIONS = ("eager", "sdpa", "attnkit", "attnkit_flash", "attnkit_tiled")
 MEMORY_EFFICIENT = ("attnkit_flash", "attnkit_tiled")  # the contenders the goals are about
@@ -93,7 +93,8 @@ def _peak_in_fresh_process(implementation: str, L: int, threads: int) -> int | N
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
     import torch
 
     from attnkit.bench.torch_modules import time_round_robin

@@ -16,10 +16,11 @@ import time
 import tracemalloc
 from typing import Callable
 
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 
-def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5,
+@keyword_only("warmup")
+def best_time(fn: Callable[[], object], budget_s: float = 2.0, max_runs: int = 5, *,
               warmup: bool = True) -> tuple[float, list[float]]:
     """Best wall time of fn() over up to `max_runs` runs that fit in about `budget_s`.
 

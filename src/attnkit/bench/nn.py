@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import best_times_interleaved, blas_summary
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 D_MODEL, HEADS, D_FF = 384, 12, 1536
 FULL_SHAPES = ((1, 16), (32, 32), (32, 128))
@@ -24,7 +24,8 @@ QUICK_SHAPES = ((8, 32),)
 COLUMNS = ["B x L", "module", "attnkit ms", "torch ms", "speed-up", "max |diff|"]
 
 
-def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
     import numpy as np
     import torch
     from threadpoolctl import threadpool_limits

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import blas_summary
-from attnkit.runtime import cpu_count
+from attnkit.runtime import cpu_count, keyword_only
 
 D_MODEL, HEADS = 512, 8
 FULL_LENGTHS = (256, 1024, 2048)
@@ -228,7 +228,8 @@ def time_round_robin(fns: dict[str, Callable[[], object]], rounds: int, budget_s
     }
 
 
-def run(quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
+@keyword_only("quick", "progress", "threads")
+def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport:
     import torch
 
     threads = threads or cpu_count()

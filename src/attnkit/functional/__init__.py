@@ -28,15 +28,21 @@ A query with no key allowed gets output 0 (weights 0, lse -inf). "naive"
 skips the tiles outside it, and refuses dropout and return_weights.
 
 Register your own with `register_attention(name, fn)`; it checks that `fn`
-takes this signature (a `**kwargs` catches what it does not use). Pass
-`weightless=True` when it cannot return weights: `attnkit.record_attention`
-then runs "naive" for the calls it records.
+takes this signature (a `**kwargs` catches what it does not use), and wraps it
+so that every call's result is checked once, at this boundary: an output of
+shape (..., Hq, L, Ev) in the inputs' dtype, and an AttentionOutput whose
+weights (..., Hq, L, S) and lse (..., Hq, L) are there when asked for
+(`_checked_backend`). Pass `weightless=True` when it cannot return weights:
+`attnkit.record_attention` then runs "naive" for the calls it records.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 from attnkit.functional import masks
 from attnkit.functional.attention import (
@@ -112,15 +118,82 @@ def register_attention(name: str, fn: Callable, *, weightless: bool = False) -> 
                 f"(see attnkit.functional), got {fn.__name__ if hasattr(fn, '__name__') else fn}{signature}"
                 + (f"; missing {missing}" if missing else "")
             ) from None
-    ATTENTION_BACKENDS[name] = fn
+    ATTENTION_BACKENDS[name] = _checked_backend(name, fn)
     if weightless:
         WEIGHTLESS_BACKENDS.add(name)
     else:
         WEIGHTLESS_BACKENDS.discard(name)
 
 
+def _checked_backend(name: str, fn: Callable) -> Callable:
+    """`fn` with its result checked on every call (`_check_result`); the original is
+    `.__wrapped__`. Built-in backends are not wrapped: their tests check them."""
+
+    @functools.wraps(fn)
+    def checked(query, key, value, *args, **kwargs):
+        result = fn(query, key, value, *args, **kwargs)
+        _check_result(name, result, query, key, value, kwargs)
+        return result
+
+    return checked
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def _check_result(name: str, result: Any, query, key, value, kwargs: dict) -> None:
+    """Raise if backend `name` returned something other than the one signature's
+    result for these inputs (shapes and dtypes only: nothing is computed).
+
+    Expected: the output (..., Hq, L, Ev) in the inputs' dtype, alone when neither
+    return_weights nor return_lse is set, else an AttentionOutput whose weights
+    (..., Hq, L, S) and lse (..., Hq, L) are arrays when asked for."""
+    q, k, v = _shape(query), _shape(key), _shape(value)
+    if len(q) < 2 or len(k) < 2 or len(v) < 2:
+        return  # the backend accepted inputs no backend takes: nothing to compare with
+    try:
+        batch = np.broadcast_shapes(q[:-3], k[:-3], v[:-3]) if len(q) >= 3 else ()
+    except ValueError:
+        return
+    lead = (*batch, *q[-3:-1]) if len(q) >= 3 else q[:-1]  # (..., Hq, L)
+    S, Ev = k[-2], v[-1]
+    want_weights, want_lse = bool(kwargs.get("return_weights")), bool(kwargs.get("return_lse"))
+    asked = " and ".join(f"{flag}=True" for flag, on in (("return_weights", want_weights),
+                                                        ("return_lse", want_lse)) if on)
+    if asked:
+        if not isinstance(result, AttentionOutput):
+            raise TypeError(f"expected the attention backend {name!r} to return an "
+                            f"AttentionOutput(output, weights, lse) for {asked}, got {type(result).__name__}")
+        output = result.output
+    else:
+        if isinstance(result, tuple):
+            raise TypeError(f"expected the attention backend {name!r} to return the output array alone "
+                            f"(no return_weights or return_lse), got {type(result).__name__}")
+        output = result
+    dtypes = {np.dtype(x.dtype) for x in (query, key, value) if hasattr(x, "dtype")}
+    expected_dtype = np.result_type(*dtypes) if dtypes else None
+    parts = [("output", output, (*lead, Ev), "(..., Hq, L, Ev)", True)]
+    if want_weights:
+        parts.append(("weights", result.weights, (*lead, S), "(..., Hq, L, S)", False))
+    if want_lse:
+        parts.append(("lse", result.lse, lead, "(..., Hq, L)", False))
+    for what, arr, shape, layout, same_dtype in parts:
+        if arr is None or not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"expected the attention backend {name!r} to return {what} as an array of shape "
+                            f"{layout} = {shape}, got {'None' if arr is None else type(arr).__name__}")
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"expected the attention backend {name!r} to return {what} of shape {layout} = {shape} "
+                             f"for query {q}, key {k}, value {v}, got {tuple(arr.shape)}")
+        if same_dtype and expected_dtype is not None and arr.dtype != expected_dtype:
+            raise TypeError(f"expected the attention backend {name!r} to return {what} of dtype {expected_dtype} "
+                            f"like its inputs, got {arr.dtype}")
+
+
 def get_attention(name: str) -> Callable:
-    """The attention implementation registered under `name` (e.g. "naive", "flash")."""
+    """The attention implementation registered under `name` (e.g. "naive", "flash");
+    a user-registered one comes wrapped so that each result is checked
+    (`register_attention`), the function itself as `.__wrapped__`."""
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:

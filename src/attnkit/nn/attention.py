@@ -290,9 +290,38 @@ class MultiHeadAttention(AttentionModule):
     def _parameters_changed(self) -> None:
         self._fused.clear()
 
+    FUSED_PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "kv": ("k_proj", "v_proj")}
+
+    def fused_weights(self, role: str, dtype) -> tuple[np.ndarray, np.ndarray | None]:
+        """The projections `role` names as one matrix, so that one product projects them all.
+
+        Arguments:
+            role: "qkv" (q_proj, k_proj, v_proj: self-attention, needs kdim == vdim == d_model)
+                or "kv" (k_proj, v_proj: needs kdim == vdim).
+            dtype: the dtype of the returned arrays (float32 or float64, like the input).
+
+        Returns:
+            (weight, bias): weight (sum of the projections' outs, in), laid out so that
+            `x @ weight.T` is a plain matrix product whose columns are the projections'
+            outputs in `role`'s order (for "qkv": d_model query columns, then
+            num_kv_heads * head_dim key columns, then as many value columns); bias
+            (sum of outs,), or None for a module without biases. Both are cached per
+            dtype while the projections hold the same parameter arrays, and read-only.
+        """
+        names = self.FUSED_PROJECTIONS.get(role)
+        if names is None:
+            raise ValueError(f"expected role to be one of {sorted(self.FUSED_PROJECTIONS)}, got {role!r}")
+        projections = tuple(getattr(self, name) for name in names)
+        widths = {p.weight.shape[1] for p in projections}
+        if len(widths) != 1:
+            raise ValueError(f"fused_weights({role!r}) needs projections of one input width, got "
+                             + ", ".join(f"{name} {p.weight.shape[1]}" for name, p in zip(names, projections)))
+        return self._fused_weights(role, projections, np.dtype(dtype))
+
     def _fused_weights(self, name: str, projections: tuple[Linear, ...], dtype: np.dtype):
         """Concatenated (sum of outs, in) weight and bias of `projections`, cached
-        per dtype while the projections hold the same parameter arrays."""
+        per dtype while the projections hold the same parameter arrays (the
+        implementation of `fused_weights`; models/bert.py called it before 0.2.0)."""
         sources = tuple(a for p in projections for a in (p.weight, p.bias))
         cached = self._fused.get((name, dtype))
         if cached is not None and len(cached[0]) == len(sources) and all(a is b for a, b in zip(cached[0], sources)):
@@ -302,6 +331,8 @@ class MultiHeadAttention(AttentionModule):
         bias = None
         if projections[0].bias is not None:
             bias = np.concatenate([p.bias for p in projections]).astype(dtype, copy=False)
+            bias.flags.writeable = False
+        weight.flags.writeable = False  # the cache hands out the same arrays: nobody writes to them
         self._fused[(name, dtype)] = (sources, weight, bias)
         return weight, bias
 

@@ -26,7 +26,6 @@ from attnkit.nn.spec import (
     check_key_mask_shape,
 )
 from attnkit.torch.cache import KVCache
-from attnkit.torch.distributed import as_context_parallel
 from attnkit.torch.flash import scores_may_overflow
 from attnkit.torch.layers import Linear, _check_dropout, _init_from_numpy, _NumpyStateDict
 
@@ -129,7 +128,12 @@ class MultiHeadAttention(_NumpyStateDict, nn.Module):
         context_parallel=None,
     ) -> None:
         super().__init__()
-        self.context_parallel = None if context_parallel is None else as_context_parallel(context_parallel)
+        if context_parallel is not None:
+            # torch.distributed's machinery loads only for a module that asks for context parallelism
+            from attnkit.torch.distributed import as_context_parallel
+
+            context_parallel = as_context_parallel(context_parallel)
+        self.context_parallel = context_parallel
         dims = check_attention_dims(d_model, num_heads, num_kv_heads, kdim, vdim)
         self.d_model, self.num_heads, self.num_kv_heads = dims.d_model, dims.num_heads, dims.num_kv_heads
         self.head_dim, self.kdim, self.vdim = dims.head_dim, dims.kdim, dims.vdim

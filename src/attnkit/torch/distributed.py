@@ -36,11 +36,10 @@ of hanging. A rank that dies makes its peers' sends and receives fail; give
 
 from __future__ import annotations
 
-import datetime
 import math
-import pickle
+import struct
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 import torch
@@ -57,6 +56,7 @@ from attnkit.torch.flash import (
     _weights_from_lse,
     _zero_where_neg_inf,
 )
+from attnkit.torch.ranks import RankOutcome, run_on_ranks  # re-exported: they lived here until 0.2.0
 
 __all__ = [
     "LAYOUTS",
@@ -207,6 +207,39 @@ class _Spec:
     scale: float
 
 
+FIXED_DIMS = 6  # batch dims in the first all-gather's row; more go in a second one
+
+
+def _float_bits(x: float) -> int:
+    """A float's exact bits as an int64 (all_gather compares ints exactly)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _from_bits(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _side(code: int) -> int | None:
+    return None if code == -1 else code
+
+
+def _describe_rank(i: int, r: list[int], deep: list[int]) -> str:
+    """One rank's row of `_check_inputs`' all-gather, in words (deep: its batch dims
+    past FIXED_DIMS, when every rank had that many)."""
+    n = 1 + FIXED_DIMS
+    shown = r[1:1 + min(FIXED_DIMS, r[0])] + [r[n], r[n + 2], r[n + 3]]  # (..., Hq, L_local, E)
+    window = None if r[n + 10] else (_side(r[n + 8]), _side(r[n + 9]))
+    mods = ", ".join(f"{name} {'None' if r[at] else 'set'}" for name, at in (("score_mod", n + 11),
+                                                                            ("mask_mod", n + 12)))
+    hidden = " (batch dims past the 6th not shown)" if r[0] > FIXED_DIMS and not deep else ""
+    text = (f"rank {i}: query {tuple(shown)}{hidden}, "
+            f"key/value heads {r[n + 1]}, dtype {_DTYPES[r[n + 5]]}, causal {bool(r[n + 6])}, "
+            f"layout {LAYOUTS[r[n + 7]]}, window {window}, scale {_from_bits(r[n + 13])!r}, {mods}")
+    if deep:
+        text += f", batch dims past the {FIXED_DIMS}th {tuple(deep)}"
+    return text
+
+
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
@@ -217,9 +250,10 @@ def _check_tensor(name: str, x) -> None:
 
 
 def _check_inputs(fn: str, q, k, v, group, causal, layout, scale, enable_gqa, window, score_mod, mask_mod):
-    """Local checks, then one all-gather of every rank's shapes: a disagreement
-    raises the same ValueError on every rank. Returns (rank, world, segments of
-    every rank, total length, spec)."""
+    """Local checks, then one all-gather of every rank's shapes and settings (dtype,
+    causal, layout, window, scale bit for bit, which mods are set; a second one
+    for batch dims past FIXED_DIMS): a disagreement raises the same ValueError on
+    every rank. Returns (rank, world, segments of every rank, total length, spec)."""
     for name, x in (("query", q), ("key", k), ("value", v)):
         _check_tensor(name, x)
     if not (q.dtype == k.dtype == v.dtype):
@@ -249,22 +283,27 @@ def _check_inputs(fn: str, q, k, v, group, causal, layout, scale, enable_gqa, wi
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
     rank, world = _group_info(group)
 
-    # one all-gather: every rank checks every rank's shapes, so all raise together
-    dims = list(batch)[:6] + [-1] * (6 - min(6, len(batch)))
+    # one all-gather: every rank checks every rank's shapes and settings, so all raise
+    # together; a row of fixed length (all_gather needs one): the first batch dims
+    # here, any past FIXED_DIMS in a second all-gather below
+    dims = list(batch)[:FIXED_DIMS] + [-1] * (FIXED_DIMS - min(FIXED_DIMS, len(batch)))
     code = lambda side: -1 if side is None else side  # noqa: E731
     row = [len(batch), *dims, Hq, Hkv, L, E, v.shape[-1], _DTYPES.index(q.dtype), int(bool(causal)),
            LAYOUTS.index(layout), code(left), code(right), int(window is None),
-           int(score_mod is None), int(mask_mod is None)]
+           int(score_mod is None), int(mask_mod is None), _float_bits(scale)]
     rows = _all_gather_ints(row, group, world)
-    shared = [r[:9] + r[10:] for r in rows]
+    n = 1 + FIXED_DIMS  # L_local is rows[i][n + 2]: the one entry that may differ
+    shared = [r[:n + 2] + r[n + 3:] for r in rows]
+    if all(s == shared[0] for s in shared) and len(batch) > FIXED_DIMS:
+        # every rank has the same number of batch dims (rows agree): all take this branch
+        extra = _all_gather_ints(list(batch)[FIXED_DIMS:], group, world)
+        shared = [s + e for s, e in zip(shared, extra)]
     if any(s != shared[0] for s in shared):
-        described = "; ".join(f"rank {i}: query {tuple(r[1:1 + min(6, r[0])] + [r[7], r[9], r[10]])}, "
-                              f"key/value heads {r[8]}, dtype {_DTYPES[r[12]]}, causal {bool(r[13])}"
-                              for i, r in enumerate(rows))
+        described = "; ".join(_describe_rank(i, r, s[len(r) - 1:]) for i, (r, s) in enumerate(zip(rows, shared)))
         raise ValueError(f"{fn}: ranks disagree on shapes or arguments (all but L_local must match): {described}")
-    total = sum(r[9] for r in rows)
+    total = sum(r[n + 2] for r in rows)
     bounds = shard_bounds(total, world, layout)
-    lengths = [r[9] for r in rows]
+    lengths = [r[n + 2] for r in rows]
     expected = [sum(stop - start for start, stop in segments) for segments in bounds]
     if lengths != expected:
         raise ValueError(f"{fn}: shard lengths {lengths} are not the {layout} layout of {total} positions over "
@@ -533,6 +572,8 @@ def ring_attention(
     window: int | tuple | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
+    overlap: bool = True,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Self-attention over a sequence sharded across the ranks of `group`, by ring.
 
@@ -548,26 +589,26 @@ def ring_attention(
             an int w is (w, 0). Checked as attnkit.functional checks it (same errors).
         score_mod: additive score mod `(score, b, h, q_idx, kv_idx) -> score` at global positions.
         mask_mod: `(b, h, q_idx, kv_idx) -> bool` (True = may attend) at global positions.
+        overlap: send the next key/value shard while computing on this one (the default);
+            False completes each transfer before computing (what the distributed benchmark
+            compares against). Same result either way.
+        stats: None, or a dict that receives "forward_bytes" (and, after the backward,
+            "backward_bytes"): the bytes this rank sent.
 
     Returns:
         (..., Hq, L_local, Ev) in q's dtype: this rank's rows of the attention output,
         differentiable in q, k and v (the backward is a second ring). Every rank
         must call it with the same arguments; a row with no visible key gives 0.
     """
-    return _ring_attention(q, k, v, group=group, causal=causal, layout=layout, scale=scale, enable_gqa=enable_gqa,
-                           window=window, score_mod=score_mod, mask_mod=mask_mod)
-
-
-def _ring_attention(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, enable_gqa=False,
-                    window=None, score_mod=None, mask_mod=None, overlap=True, stats=None):
-    """ring_attention with the bench's knobs: overlap=False waits for each transfer
-    before computing; stats (a dict) receives the bytes each rank sent."""
     rank, world, bounds, _, spec = _check_inputs("ring_attention", q, k, v, group, causal, layout, scale,
                                                  enable_gqa, window, score_mod, mask_mod)
     dtype = _accumulator_dtype(q.dtype)
     qg, kg, vg = _grouped(q, k, v, spec.Hkv, dtype)
     out, _ = _RingAttention.apply(qg, kg, vg, spec, group, rank, world, bounds, overlap, stats)
     return out.flatten(-4, -3).to(q.dtype)  # (..., Hq, L, Ev)
+
+
+_ring_attention = ring_attention  # the name the benchmark used before overlap= and stats= were public
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -682,77 +723,3 @@ def ulysses_attention(
     out = _LocalAttention.apply(qg, kg, vg, local, segments, local_heads)
     out = out.flatten(-4, -3).to(q.dtype)  # (..., H / W, L_total, Ev)
     return _AllToAll.apply(out, False, group, world, lengths, rank)
-
-
-# ----------------------------------------------------------------------------- running on W local ranks
-
-
-class RankOutcome(NamedTuple):
-    """What one rank of `run_on_ranks` returned, or the error it raised (one line), or None."""
-
-    value: object
-    error: str | None
-
-
-def _rank_main(rank, world, fn, args, init_file, timeout_s, threads, queue):
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            # plain pickle: tensors travel by value, not as shared memory the exiting rank would take along
-            queue.put((rank, pickle.dumps(fn(rank, world, *args)), None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as error:  # noqa: BLE001  (reported to the parent, which raises)
-        queue.put((rank, None, f"{type(error).__name__}: {error}".splitlines()[0][:2000]))
-
-
-def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 60.0, threads: int = 1) -> list[RankOutcome]:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes joined in one
-    gloo process group on this machine; return each rank's RankOutcome, in rank order.
-
-    fn and args must be picklable (a module-level function) and fn's result too.
-    The group's timeout is `timeout_s`, so a rank left waiting on a dead peer
-    raises; a rank that exits without a result gets an error naming its exit
-    code; past 2 * timeout_s + 30 s the ranks still running are terminated and
-    get a "timed out" error. For tests and benchmarks."""
-    import multiprocessing
-    import os
-    import queue as queue_module
-    import tempfile
-    import time
-
-    context = multiprocessing.get_context("spawn")
-    results: dict[int, RankOutcome] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "rendezvous")
-        queue = context.Queue()
-        processes = [context.Process(target=_rank_main, daemon=True,
-                                     args=(rank, world_size, fn, args, init_file, timeout_s, threads, queue))
-                     for rank in range(world_size)]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + 2 * timeout_s + 30
-        exited_at: dict[int, float] = {}
-        while len(results) < world_size and time.monotonic() < deadline:
-            try:
-                rank, value, error = queue.get(timeout=0.2)
-                results[rank] = RankOutcome(None if value is None else pickle.loads(value), error)
-                continue
-            except queue_module.Empty:
-                pass
-            now = time.monotonic()
-            for rank, process in enumerate(processes):
-                if rank not in results and process.exitcode is not None:
-                    # its result may still be in the pipe: give it a moment
-                    if now - exited_at.setdefault(rank, now) > 2.0:
-                        results[rank] = RankOutcome(None, f"rank {rank} exited with code {process.exitcode}")
-        for rank, process in enumerate(processes):
-            if rank not in results:
-                results[rank] = RankOutcome(None, f"rank {rank} timed out")
-            process.join(timeout=5)
-            if process.is_alive():
-                process.terminate()
-                process.join()
-    return [results[rank] for rank in range(world_size)]

@@ -6,12 +6,12 @@ it runs wherever torch runs (CPU, CUDA) and plugs into autograd:
 - forward: the keys are visited block by block with an online softmax (running
   row max `m`, running denominator `l`); only `output` and the row log-sum-exp
   `lse = m + log(l)` are kept, never the (L, S) weights;
-- backward (FlashAttention-2): `D = rowsum(dO * O)` (summed in float64; a row
-  that sees a single key takes it from its tile, `sum_j P_ij dP_ij`, so that its
-  `dS` is exactly 0 as in the plain path), then for each key block and each
-  query block the scores are recomputed, `P = exp(S - lse)`, `dV += P^T dO`,
-  `dP = dO V^T`, `dS = P * (dP - D)`, `dQ += dS (K * scale)`,
-  `dK += dS^T (Q * scale)`.
+- backward (FlashAttention-2): `D = rowsum(dO * O)` (summed in float64), then
+  for each key block and each query block the scores are recomputed,
+  `P = exp(S - lse)`, `dV += P^T dO`, `dP = dO V^T`, `dS = P * (dP - D)`,
+  `dQ += dS (K * scale)`, `dK += dS^T (Q * scale)`; a row's dominant key
+  (weight above 3/4) takes `dS = -(the sum of the row's other dS)` instead
+  (`_add_dominant_keys`), so peaked and one-key rows cancel as the plain path's do.
 
 The scale multiplies q (and, for dQ, k) before each product. Scores beyond the
 accumulator dtype, a scale below 2^-16 or a gradient overflowing on the way
@@ -36,10 +36,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from attnkit.functional._checks import TINY_SCALE, scores_bound_exceeds
+from attnkit.functional.precision import TINY_SCALE, scores_bound_exceeds
 from attnkit.functional.band import Band, check_integer
 
 __all__ = ["FlashAttentionFunction", "FlashOutput", "default_block", "flash_attention"]
+
+PEAK = 0.75  # a weight above this is its row's dominant key (at most one per row: the weights sum to 1)
+CANDIDATE = 0.7  # the forward marks rows whose largest weight exceeds this: the backward looks for PEAK there
 
 
 class FlashOutput(NamedTuple):
@@ -136,23 +139,6 @@ def _scores(q_tile, k_tile, mask_tile, outside, softcap=None, cap_grad=None):
     return s
 
 
-def _one_key_rows(i0: int, i1: int, S: int, band: Band) -> list[tuple[int, int]]:
-    """Runs [a, z) of the query rows of [i0, i1) that the band lets see at most one
-    key: all of them when S <= 1; row 0 of a causal mask; every row of a (0, 0) window."""
-    if S > 1 and not band.bounded:
-        return []
-    rows = np.arange(i0, i1)
-    first = np.zeros_like(rows) if band.lo is None else np.maximum(0, rows + band.lo)
-    last = np.full_like(rows, S - 1) if band.hi is None else np.minimum(S - 1, rows + band.hi)
-    few = np.flatnonzero(last - first <= 0) + i0
-    if not few.size:
-        return []
-    breaks = np.flatnonzero(np.diff(few) > 1)  # contiguous runs
-    starts = np.concatenate(([few[0]], few[breaks + 1]))
-    stops = np.concatenate((few[breaks], [few[-1]])) + 1
-    return [(int(a), int(z)) for a, z in zip(starts, stops)]
-
-
 def _zero_where_neg_inf(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == -math.inf, torch.zeros_like(x), x)
 
@@ -203,9 +189,11 @@ def _all_finite(*tensors) -> bool:
     return all(bool(torch.isfinite(x).all()) for x in tensors if x is not None)
 
 
-def _forward_tiles(q, k, v, mask, tiling: _Tiling):
+def _forward_tiles(q, k, v, mask, tiling: _Tiling, peaked: torch.Tensor | None = None):
     """The online-softmax forward in q's dtype; q already scaled. Returns output
-    (..., Hkv, G, L, Ev) and lse (..., Hkv, G, L)."""
+    (..., Hkv, G, L, Ev) and lse (..., Hkv, G, L). `peaked`, a boolean tensor
+    (..., Hkv, G, L) if given, receives which rows may have a dominant key (their
+    largest weight, 1 / l, above CANDIDATE): the backward looks for one only there."""
     block_q, block_k, band = tiling.block_q, tiling.block_k, tiling.band
     L, S = q.shape[-2], k.shape[-2]
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))  # (..., Hkv, G, L, Ev)
@@ -239,15 +227,19 @@ def _forward_tiles(q, k, v, mask, tiling: _Tiling):
             acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[..., j0:j1, :]))
             m = m_new
         seen = l > 0
+        if peaked is not None:
+            peaked[..., i0:i1] = seen & (l < 1 / CANDIDATE)  # the row max's weight exp(m - lse) is 1 / l
         out[..., i0:i1, :] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
         lse[..., i0:i1] = torch.where(seen, m.double() + torch.log(torch.where(seen, l, 1.0).double()), -math.inf)
     return out, lse
 
 
-def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad: bool):
+def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad: bool, peaked=None):
     """FlashAttention-2's backward in q's dtype; q already scaled. Returns dq, dk
     and dv (key/value summed over the G query heads that share them) and the
-    gradient of a float mask (..., Hkv, G, L, S) when asked for, else None."""
+    gradient of a float mask (..., Hkv, G, L, S) when asked for, else None.
+    `peaked` (..., Hkv, G, L), from the forward, says which rows may have a
+    dominant key (None: look in every row); see `_add_dominant_keys`."""
     block_q, block_k, band = tiling.block_q, tiling.block_k, tiling.band
     L, S = q.shape[-2], k.shape[-2]
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term,
@@ -259,6 +251,15 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
     dk = torch.zeros(q.shape[:-3] + (q.shape[-3],) + k.shape[-2:], dtype=q.dtype, device=q.device)
     dv = torch.zeros(q.shape[:-3] + (q.shape[-3],) + v.shape[-2:], dtype=q.dtype, device=q.device)
     dmask = q.new_zeros(q.shape[:-1] + (S,)) if want_mask_grad else None  # (..., Hkv, G, L, S)
+    # dominant keys: each row's key of weight above PEAK (-1: none), the sum of the
+    # row's other dS, and the softcap's derivative at that key
+    top = torch.full(q.shape[:-1], -1, dtype=torch.long, device=q.device)  # (..., Hkv, G, L)
+    ds_rest = q.new_zeros(q.shape[:-1])
+    top_cap = q.new_ones(q.shape[:-1]) if tiling.softcap is not None else None
+    if peaked is None:
+        candidate = np.ones(L, dtype=bool)
+    else:  # which query rows may hold one in some batch or head (one reduction, one sync)
+        candidate = peaked.reshape(-1, L).any(dim=0).cpu().numpy() if peaked.numel() else np.zeros(L, dtype=bool)
 
     for j0 in range(0, S, block_k):
         j1 = min(j0 + block_k, S)
@@ -288,12 +289,20 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
                 dp.mul_(kept)  # the gradient of the undropped weights; D = rowsum(dO * O) matches it
             # softmax backward: ds = p * (dp - rowsum(p * dp)), and rowsum(p * dp) = D
             dp.sub_(delta[..., i0:i1, None])
-            for a, z in _one_key_rows(i0, i1, S, band):
-                # a row that sees a single key takes D from the tile, as the plain path
-                # does: consistent with the dp just rounded, its ds is exactly 0
-                local = dp[..., a - i0 : z - i0, :]
-                local.sub_((local * p[..., a - i0 : z - i0, :]).sum(dim=-1, keepdim=True))
             ds = dp.mul_(p)
+            if candidate[i0:i1].any():
+                # A dominant key's dP - D cancels only to the rounding of two dot products
+                # (D comes from O, not from this tile): its dS is left out here and made
+                # from the rest of its row at the end (_add_dominant_keys).
+                j = p.argmax(dim=-1, keepdim=True)  # (..., G, bq, 1)
+                peak = p.gather(-1, j) > PEAK  # at most one weight of a row exceeds 3/4
+                ds.scatter_(-1, j, ds.gather(-1, j).masked_fill_(peak, 0))
+                peak, j = peak[..., 0], j[..., 0]
+                top[..., i0:i1] = torch.where(peak, j + j0, top[..., i0:i1])
+                if cap_grad:
+                    top_cap[..., i0:i1] = torch.where(peak, cap_grad[0].gather(-1, j[..., None])[..., 0],
+                                                      top_cap[..., i0:i1])
+                ds_rest[..., i0:i1] += ds.sum(dim=-1)
             if dmask is not None:
                 dmask[..., i0:i1, j0:j1] = ds
             if cap_grad:
@@ -304,8 +313,35 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
         dk[..., j0:j1, :] = dk_tile
         dv[..., j0:j1, :] = dv_tile
 
+    _add_dominant_keys(q, k_scaled, top, ds_rest, top_cap, dq, dk, dmask)
     # key/value were broadcast over the G query heads that share them: sum back.
     return dq, dk.sum(dim=-3, keepdim=True), dv.sum(dim=-3, keepdim=True), dmask
+
+
+def _add_dominant_keys(q, k_scaled, top, ds_rest, top_cap, dq, dk, dmask) -> None:
+    """The dS of each row's dominant key j, which the tiles left out:
+
+        forward: P = softmax(s)  ->  sum_j dS_ij = 0,  so  dS_ij = -sum_{k != j} dS_ik
+
+    (the other entries are small, P_ik <= 1/4, and do not cancel), then through
+    the softcap's derivative at that key, added to dQ_i (dS_ij k_j * scale) and
+    dK_j (dS_ij q_i * scale; dk still per query head), and written into the
+    mask's gradient. A one-hot row (a single visible key, or scores far apart)
+    has its other weights exactly 0, so its dominant key's dS is exactly 0, as
+    the plain path and the float64 truth give, not the rounding of dP - D.
+    top (..., Hkv, G, L): the key, -1 for none; ds_rest: the sum of the others."""
+    rows = torch.nonzero(top >= 0, as_tuple=True)  # (*batch, h, g, i), each (n,)
+    if not rows[0].numel():
+        return
+    j = top[rows]
+    ds = -ds_rest[rows]  # (n,)
+    if dmask is not None:
+        dmask[rows + (j,)] = ds
+    if top_cap is not None:
+        ds = ds * top_cap[rows]  # forward: s = softcap * tanh(s / softcap)
+    kv = rows[:-2] + (torch.zeros_like(j), j)  # (*batch, h, 0, j): k_scaled (..., Hkv, 1, S, E)
+    dq.index_put_(rows, ds[:, None] * k_scaled[kv], accumulate=True)
+    dk.index_put_(rows[:-1] + (j,), ds[:, None] * q[rows], accumulate=True)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -331,14 +367,15 @@ class FlashAttentionFunction(torch.autograd.Function):
         if wide:
             q = query.double() * scale
         k, v, mask = _as_dtype(q.dtype, key, value, attn_mask)
-        out, lse = _forward_tiles(q, k, v, mask, tiling)
+        peaked = torch.zeros(q.shape[:-1], dtype=torch.bool, device=q.device)  # (..., Hkv, G, L)
+        out, lse = _forward_tiles(q, k, v, mask, tiling, peaked)
         if not wide and q.dtype != torch.float64 and not _all_finite(out) and _all_finite(query, key, value):
             # a running sum of values near float32's largest: float64 instead
             q = query.double() * scale
             k, v, mask = _as_dtype(q.dtype, key, value, attn_mask)
-            out, lse = _forward_tiles(q, k, v, mask, tiling)
+            out, lse = _forward_tiles(q, k, v, mask, tiling, peaked)
 
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.save_for_backward(q, k, v, mask, out, lse, peaked)
         ctx.attn_mask_dtype = None if attn_mask is None else attn_mask.dtype
         ctx.tiling = tiling
         ctx.input_dtypes = (query.dtype, key.dtype, value.dtype)
@@ -348,17 +385,17 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output, grad_lse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, lse, peaked = ctx.saved_tensors
         want_mask_grad = ctx.needs_input_grad[3]
         do = grad_output.to(q.dtype)  # (..., Hkv, G, L, Ev)
-        dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad)
+        dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad, peaked)
         if q.dtype != torch.float64 and not _all_finite(dq, dk, dv) and _all_finite(q, k, v, do, out):
             # a gradient beyond float32 on the way (dP = dO V^T, say): float64 from the
             # forward on, so that exp(s - lse) sees the scores lse came from
             q, k, v, mask, do = (None if x is None else x.double() if x.is_floating_point() else x
                                  for x in (q, k, v, mask, do))
-            out, lse = _forward_tiles(q, k, v, mask, ctx.tiling)
-            dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad)
+            out, lse = _forward_tiles(q, k, v, mask, ctx.tiling, peaked)
+            dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad, peaked)
         q_dtype, k_dtype, v_dtype = ctx.input_dtypes
         grad_mask = None
         if dmask is not None:

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from attnkit.torch.distributed import ContextParallel, run_on_ranks, shard_bounds
+from attnkit.torch.distributed import ContextParallel, shard_bounds
+from attnkit.torch.ranks import run_on_ranks
 from attnkit.torch.induction import InductionConfig, InductionModel, StepMetrics, make_batch
 
 __all__ = ["train_context_parallel", "train_on_local_ranks", "main"]

@@ -8,7 +8,9 @@ views only read it.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +31,10 @@ class AttentionMaps:
     Arguments:
         tokens: the T token strings, in order (shown as text, never as markup).
         weights: (layers, heads, T, T); row i holds where query token i attends,
-            so each row sums to 1 (or to 0 for a fully masked row).
+            so each row sums to 1 (or to 0 for a fully masked row). Also taken as
+            transformers returns attentions (`outputs.attentions`, bertviz's input): a
+            tuple or list of one (1, H, T, T) or (H, T, T) torch tensor or NumPy array per
+            layer, stacked here into a NumPy array (float32 for torch's half types).
         model: a short name of the model that produced the weights.
         text: the input text.
         causal: True when the model could only attend to earlier tokens.
@@ -61,7 +66,7 @@ class AttentionMaps:
         if len(special) != len(tokens):
             raise ValueError(f"expected {len(tokens)} special flags like tokens, got {len(special)}")
         object.__setattr__(self, "special", special)
-        weights = np.asarray(self.weights)
+        weights = _stacked_weights(self.weights)
         if weights.ndim != 4 or weights.shape[2] != weights.shape[3]:
             raise ValueError(
                 f"expected weights of shape (layers, heads, T, T), got {weights.shape}"
@@ -157,6 +162,40 @@ class AttentionMaps:
             self, tokens=tuple(self.tokens[i] for i in keep), weights=weights.astype(self.weights.dtype),
             special=tuple(self.special[i] for i in keep), hidden=self.hidden + int(drop.size),
         )
+
+
+def _as_array(value: Any) -> np.ndarray:
+    """A NumPy array of an array, or of a torch tensor (torch already imported when one is
+    passed; half and bfloat16 tensors become float32, which NumPy can hold)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dtype in (torch.float16, torch.bfloat16):
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _stacked_weights(weights: Any) -> np.ndarray:
+    """(layers, heads, T, T) from a stacked array or tensor, or from one map per layer as
+    transformers returns them: (1, H, T, T) (batch size 1) or (H, T, T) each."""
+    if not isinstance(weights, (list, tuple)):
+        return _as_array(weights)
+    if not weights:
+        raise ValueError("expected one attention map per layer, got an empty sequence (transformers 5's "
+                         "outputs[-1] is cross_attentions, empty for an encoder: pass outputs.attentions)")
+    layers = [_as_array(w) for w in weights]
+    shapes = sorted({w.shape for w in layers})
+    if len(shapes) != 1 or len(shapes[0]) not in (3, 4):
+        raise ValueError(f"expected every layer's map of one shape (1, H, T, T) or (H, T, T), got {shapes}")
+    if len(shapes[0]) == 4:
+        if shapes[0][0] != 1:
+            raise ValueError(
+                f"expected maps of batch size 1, (1, H, T, T) per layer, got {shapes[0]}; pick one "
+                "sequence: [layer[i:i + 1] for layer in outputs.attentions]"
+            )
+        layers = [w[0] for w in layers]
+    return np.stack(layers)  # (layers, H, T, T)
 
 
 def _check_index(what: str, value: int, size: int, plural: str) -> int:

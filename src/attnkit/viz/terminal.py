@@ -11,10 +11,10 @@ are pooled into blocks (rows: mean, columns: sum, so every row still sums to
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 from rich.cells import cell_len, set_cell_size
-from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -190,7 +190,8 @@ def heatmap(
         key = f"{T} tokens pooled in blocks of {block} (rows: mean, columns: sum); numbers are token positions"
     else:
         key = "rows: queries, numbered; columns: keys, same numbers"
-    out.append(_fit(key, min(width, cell_len(key)), align="left") + "\n", style="italic")
+    for line in textwrap.wrap(key, max(20, width)):  # wrapped at words, never cut into '…'
+        out.append(line + "\n", style="italic")
     out.rstrip()
     return out
 
@@ -205,41 +206,87 @@ _PATTERN_STYLE = {
 }
 
 
-def summary_table(summary: HeadSummary, *, color: bool = True) -> Group:
-    """A layers x heads table: each head's dominant pattern, its score and its entropy."""
-    layers, heads = summary.previous.shape
-    table = Table(
-        title="What each head does (layers x heads)",
-        box=None,
-        padding=(0, 1),
-        pad_edge=False,
-        collapse_padding=True,
-        show_edge=False,
-        header_style="bold" if color else "",
-        title_style="bold" if color else "",
-        title_justify="left",
-    )
-    table.add_column("L", justify="right")
-    for h in range(heads):
-        table.add_column(f"h{h}", justify="left")
+def _summary_cell(summary: HeadSummary, layer: int, head: int) -> tuple[str, str]:
+    """One head's cell and its style name: the pattern's letter, then the weight in percent
+    ('P45') or, for broad and mixed heads, the entropy in bits ('B2.1')."""
+    pattern = summary.pattern[layer, head]
     by_name = {"previous": summary.previous, "first": summary.first, "self": summary.self}
-    for layer in range(layers):
-        cells = []
-        for h in range(heads):
-            pattern = summary.pattern[layer, h]
-            if pattern in by_name:  # the letter and the weight in percent
-                text = f"{_PATTERN_CODE[pattern]}{min(99, int(round(100 * by_name[pattern][layer, h]))):02d}"
-            else:  # the letter and the entropy in bits
-                text = f"{_PATTERN_CODE[pattern]}{min(9.9, summary.entropy[layer, h]):.1f}"
-            cells.append(Text(text, style=_PATTERN_STYLE[pattern] if color else ""))
-        table.add_row(str(layer), *cells)
-    uniform = float(summary.max_entropy.mean())
-    legend = Text(
-        "P previous token, F first token, S itself: % of weight there\n"
-        f"B broad, · mixed: entropy in bits (uniform = {uniform:.1f})",
-        style="dim" if color else "",
-    )
-    return Group(table, legend)
+    if pattern in by_name:
+        return f"{_PATTERN_CODE[pattern]}{min(99, int(round(100 * by_name[pattern][layer, head]))):02d}", pattern
+    return f"{_PATTERN_CODE[pattern]}{min(9.9, summary.entropy[layer, head]):.1f}", pattern
+
+
+class SummaryTable:
+    """The layers x heads summary as a rich renderable that fits the width it is given.
+
+    Every cell is printed whole (3 or 4 characters: 'P45', 'B2.1'): when all heads do
+    not fit side by side, the heads are split into blocks printed one under the other
+    (heads 0-5, then 6-11, each with every layer), never cut into '…'. The width is
+    the console's at print time: a terminal's, or when output is piped, rich's
+    default (80 columns, or $COLUMNS).
+    """
+
+    TITLE = "What each head does (layers x heads)"
+
+    def __init__(self, summary: HeadSummary, *, color: bool = True) -> None:
+        self.summary = summary
+        self.color = color
+        layers, heads = summary.previous.shape
+        self.cells = [[_summary_cell(summary, layer, h) for h in range(heads)] for layer in range(layers)]
+
+    def heads_per_block(self, width: int) -> int:
+        """How many head columns fit in `width` cells beside the layer column (at least 1)."""
+        layers, heads = self.summary.previous.shape
+        label = max(1, len(str(layers - 1)))  # the "L" column
+        cell = max([len(f"h{heads - 1}")] + [len(text) for row in self.cells for text, _ in row])
+        fit = max(1, min(heads, (width - label) // (cell + 1)))  # one space before each column
+        blocks = math.ceil(heads / fit)
+        return math.ceil(heads / blocks)  # blocks of even size: 12 heads in 7 columns are 6 + 6
+
+    def _table(self, heads: range, title: str | None) -> Table:
+        cell = max([len(f"h{heads[-1]}")] + [len(row[h][0]) for row in self.cells for h in heads])
+        table = Table(
+            title=title, box=None, padding=(0, 1), pad_edge=False, collapse_padding=True, show_edge=False,
+            header_style="bold" if self.color else "", title_style="bold" if self.color else "",
+            title_justify="left",
+        )
+        table.add_column("L", justify="right", no_wrap=True)
+        for h in heads:
+            table.add_column(f"h{h}", justify="left", no_wrap=True, min_width=cell)
+        for layer, row in enumerate(self.cells):
+            table.add_row(str(layer), *(
+                Text(row[h][0], style=_PATTERN_STYLE[row[h][1]] if self.color else "") for h in heads
+            ))
+        return table
+
+    def legend(self) -> Text:
+        uniform = float(self.summary.max_entropy.mean())
+        return Text(
+            "P previous token, F first token, S itself: % of weight there\n"
+            f"B broad, · mixed: entropy in bits (uniform = {uniform:.1f})",
+            style="dim" if self.color else "",
+        )
+
+    def __rich_console__(self, console, options):
+        heads = self.summary.previous.shape[1]
+        per_block = self.heads_per_block(options.max_width)
+        if per_block >= heads:
+            yield self._table(range(heads), self.TITLE)
+        else:
+            yield Text(self.TITLE, style="bold" if self.color else "")
+            for first in range(0, heads, per_block):
+                if first:
+                    yield Text("")
+                yield self._table(range(first, min(first + per_block, heads)), None)
+        yield self.legend()
+
+
+def summary_table(summary: HeadSummary, *, color: bool = True) -> SummaryTable:
+    """A layers x heads table: each head's dominant pattern, its score and its entropy.
+
+    A rich renderable (`SummaryTable`) that fits the width it is printed at: heads that
+    do not fit side by side go on in blocks below, each cell whole."""
+    return SummaryTable(summary, color=color)
 
 
 def side_by_side(left: Text, right: Text, *, gap: int = 3) -> Text:

@@ -14,20 +14,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from attnkit.functional._checks import (
-    all_finite,
-    output_ndim,
-    require_float_tensor,
-    scores_may_overflow,
-    shape_str,
-    start_dtype,
-    sum_to_shape,
-)
+from attnkit.functional._checks import output_ndim, require_float_tensor, shape_str, sum_to_shape
 from attnkit.functional.attention import AttentionGrads
 from attnkit.functional.flash.forward import _flash_forward, _tile_scores
 from attnkit.functional.flash.plan import FlashPlan, _check_block, _check_inputs, _flat, _Tile, _with_ones
 from attnkit.functional.flash.state import AttentionState
 from attnkit.functional.mods import DifferentiableScoreMod
+from attnkit.functional.precision import all_finite, scores_may_overflow, start_dtype
 from attnkit.runtime import run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
 
 PEAK = 0.75  # a weight above this is its row's dominant key (at most one per row: the weights sum to 1)

@@ -10,9 +10,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from attnkit.functional._checks import needs_float64, output_ndim, start_dtype
+from attnkit.functional._checks import output_ndim
 from attnkit.functional.flash.plan import FlashPlan, _Columns, _Tile, _flat, _make_plan, _with_ones
 from attnkit.functional.flash.state import AttentionState, merge_attention_states
+from attnkit.functional.precision import needs_float64, start_dtype
 from attnkit.runtime import l2_cache_bytes, run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
 
 def _weights_times_values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:

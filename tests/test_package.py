@@ -391,9 +391,8 @@ def test_a_missing_extra_is_named_in_one_line(tmp_path):
 def test_a_gguf_model_without_the_gguf_extra_says_which_extra(smollm2_file, tmp_path):
     result = _cli_without_extras(["generate", "The capital of France is", "-n", "2"], tmp_path)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: reading GGUF files needs the package 'gguf', which is not installed; "
-        "install it with: pip install 'attnkit[gguf]'"
+    assert result.stderr.strip().splitlines()[-1] == (  # named before the model loads
+        "error: attnkit generate needs the gguf extra: pip install 'attnkit[gguf]'"
     )
     assert "Traceback" not in result.stderr
 

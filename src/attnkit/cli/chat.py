@@ -27,7 +27,7 @@ from rich.text import Text
 
 from attnkit.cli._app import app, check_text, console, fail, note, say, usage, warn
 from attnkit.cli._input import StdinLines, read_text_file
-from attnkit.cli.models import BACKEND_HELP, check_backend
+from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option, require_pieces
 from attnkit.cli.generate import (
     MODEL_HELP, PENALTY_HELP, TEMPERATURE_HELP, Printer, check_sampling, end_reply, load_decoder, run, was_cut,
 )
@@ -380,12 +380,15 @@ def chat(
         system, system_name = load_prompt("attention-explainer"), "attnkit's attention explainer"
     system = system.strip() if system is not None else None
 
+    interactive = sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty()
+    # the model's package, gguf, the template's jinja2 and the prompt's prompt_toolkit: all
+    # that is missing, named at once, before the model loads
+    require_pieces(model_option(model_path, DECODER, "chat"), DECODER, "chat", template=True, prompt=interactive)
     model = load_decoder(model_path, "chat", backend)
     if not model.tokenizer.chat_template:
         fail("this model has no chat template; use attnkit generate instead")
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "seed": seed, "repetition_penalty": repetition_penalty}
-    interactive = sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty()
     history_file = _history_file(history) if interactive else None
     read: Callable[[], Optional[str]] = _TerminalInput(history_file) if interactive else _PipedInput()
     if interactive:  # piped, stderr stays for errors and notes

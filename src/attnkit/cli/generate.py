@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from attnkit.cli._app import app, check_float, check_int, check_text, console, err_console, fail, note, usage
-from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option
+from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option, require_pieces
 from attnkit.viz.text import printable
 
 MODEL_HELP = "smollm2 (the embedded SmolLM2-135M-Instruct, the default), a .gguf file or a Hugging Face Llama/GPT-2 folder."
@@ -129,6 +129,7 @@ def generate(
     check_text("PROMPT", prompt)
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     check_backend(backend)
+    require_pieces(model_option(model_path, DECODER, "generate"), DECODER, "generate", template=chat)
     model = load_decoder(model_path, "generate", backend)
     tokenizer = model.tokenizer
     if chat:

@@ -82,6 +82,49 @@ def model_option(name: Optional[str], kind: str, command: str) -> Optional[str]:
     return name
 
 
+def missing_extras(model: Optional[str], *, template: bool = False, prompt: bool = False) -> list[str]:
+    """The extras a run on `model` (smollm2, minilm, random or a path; None = the
+    command's embedded default) needs and this machine lacks, found without importing
+    them: gguf for a GGUF file, chat for a chat template (`template`) or the terminal
+    prompt (`prompt`)."""
+    from importlib.util import find_spec
+
+    wanted = []
+    if model == "smollm2" or (model is not None and str(model).lower().endswith(".gguf")):
+        wanted.append(("gguf", "gguf"))
+    elif model is not None and Path(model).expanduser().is_dir() and any(Path(model).expanduser().glob("*.gguf")):
+        wanted.append(("gguf", "gguf"))
+    if template:
+        wanted.append(("jinja2", "chat"))
+    if prompt:
+        wanted.append(("prompt_toolkit", "chat"))
+    def absent(module: str) -> bool:
+        try:
+            return find_spec(module) is None
+        except (ImportError, ValueError):  # a finder that refuses it: not importable here
+            return True
+
+    return sorted({extra for module, extra in wanted if absent(module)})
+
+
+def _extras_line(extras: list[str]) -> str:
+    return f"the {', '.join(extras)} extra{'s' if len(extras) > 1 else ''}: pip install 'attnkit[{','.join(extras)}]'"
+
+
+def require_pieces(model: Optional[str], kind: str, command: str, *, template: bool = False,
+                   prompt: bool = False) -> None:
+    """Everything a command needs that is missing, in one line, before anything loads:
+    the embedded model's package and every extra (not one at a time, after a long load)."""
+    if kind == DECODER and model is None:
+        model = "smollm2"
+    package = _where(model)[1] if model in ("smollm2", "minilm") else ""  # why it is missing, or ""
+    extras = missing_extras(model, template=template, prompt=prompt)
+    if extras:
+        fail(f"attnkit {command} needs {_extras_line(extras)}" + (f"; and {package}" if package else ""))
+    if package:
+        fail(package)
+
+
 def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -120,8 +163,12 @@ def models() -> None:
         else:
             path, reason = _where(name)
             package = info.install.split()[-1]
+            missing = missing_extras(name)
             if path is None:
                 say(f"{'':8}not installed ({package}): {reason}", style="yellow")
+            elif missing:
+                say(f"{'':8}installed from the pip package {package}: {path} ({_human(_size(path))}), "
+                    f"but it needs {_extras_line(missing)}", style="yellow")
             else:
                 say(f"{'':8}installed from the pip package {package}: {path} ({_human(_size(path))})")
         say(f"{'':8}used by: {_USED_BY[name]}")

@@ -88,13 +88,19 @@ def test_peaked_rows_get_gradients_within_the_budget_and_exact_zeros(torch, name
         # float32: its D = sum_j P_ij dP_ij cancels as the truth's does; torch's CPU
         # kernel shares FlashAttention-2's D and is no oracle there), flash is within
         # 3x its error, row by row. The old backward left 2.7e-4 where this is 1e-13.
-        epsilon = 8 * F32_EPS * float(np.abs(true).max())
-        ours_rows = np.abs(mine.astype(np.float64) - true).max(axis=-1)
-        plain_rows = np.abs(plain_f32.astype(np.float64) - true).max(axis=-1)
-        exact = plain_rows <= F32_EPS * float(np.abs(true).max())
-        worst = (ours_rows - 3 * plain_rows)[exact].max(initial=0)
-        assert worst <= epsilon, f"{what}: a row the plain path gets exactly is off by {worst:.3e} > {epsilon:.1e}"
-        print(f"{what}: {np.count_nonzero(exact)} of {exact.size} rows exact in float32, worst excess {worst:.1e}")
+        # Only where scores are large (x50 and up) are the rows the plain path gets exactly
+        # the one-hot ones; at x1 and x5 it can get an ordinary row exactly by luck of its
+        # BLAS kernel's rounding (it did with OPENBLAS_CORETYPE unset), and the torch rule
+        # above is the judge there.
+        if magnitude >= 50:
+            epsilon = 8 * F32_EPS * float(np.abs(true).max())
+            ours_rows = np.abs(mine.astype(np.float64) - true).max(axis=-1)
+            plain_rows = np.abs(plain_f32.astype(np.float64) - true).max(axis=-1)
+            exact = plain_rows <= F32_EPS * float(np.abs(true).max())
+            worst = (ours_rows - 3 * plain_rows)[exact].max(initial=0)
+            assert worst <= epsilon, f"{what}: a row the plain path gets exactly is off by {worst:.3e} > {epsilon:.1e}"
+            print(f"{what}: {np.count_nonzero(exact)} of {exact.size} rows exact in float32, "
+                  f"worst excess {worst:.1e}")
         # zero where the truth is 0: exactly where every row is one-hot (x 2e9; the
         # issue's +-3.4e3), else below float32's resolution of the largest gradient
         # (a float64 truth can be 0 by rounding away a 1e-28 that float32 keeps)

@@ -294,15 +294,17 @@ def test_functional_and_nn_never_import_torch_matplotlib_or_a_web_framework():
 # itself (`attnkit`, re-exporting functional) may be imported from above.
 ALLOWED = {
     "runtime": set(),
-    "functional": {"runtime"},
+    "kernels": {"runtime"},  # compiled loops: below everything that uses them
+    "functional": {"kernels", "runtime"},
     "masks": {"functional"},
-    "nn": {"functional", "runtime"},
+    "nn": {"functional", "kernels", "runtime"},
     "walkthrough": {"functional", "nn"},
-    "models": {"functional", "nn", "runtime"},
+    "models": {"functional", "kernels", "nn", "runtime"},
     "torch": {"functional", "nn", "runtime"},
-    "viz": {"functional", "masks", "nn", "models", "hf", "runtime"},  # hf: views of transformers folders
+    "interpret": {"functional", "nn", "models", "hf", "runtime"},  # hf: transformers models' hooks
+    "viz": {"functional", "masks", "nn", "models", "hf", "interpret", "runtime"},  # hf: views of transformers folders
     "hf": {"attnkit", "functional", "masks", "nn", "torch", "runtime"},
-    "bench": {"attnkit", "functional", "masks", "nn", "models", "torch", "hf", "runtime"},
+    "bench": {"attnkit", "functional", "kernels", "masks", "nn", "models", "torch", "hf", "interpret", "runtime"},
 }
 
 

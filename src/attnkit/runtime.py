@@ -337,7 +337,8 @@ def l2_cache_bytes() -> int:
 # ----------------------------------------------------------------------------- optional packages
 
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "gguf": ("gguf",),
+    "gguf": ("gguf", "numba"),
+    "fast": ("numba",),
     "chat": ("jinja2", "prompt_toolkit"),
     "png": ("matplotlib",),
     "serve": ("fastapi", "uvicorn"),

@@ -15,12 +15,21 @@ until 0.3.0, with a DeprecationWarning, through `attnkit.runtime.keyword_only`)
 - `threads` is the thread count every contender gets (None: all CPUs).
 - The suite returns a `BenchReport`: a title, column names, rows (one list of
   plain values per row, same length as columns; None shows as "-"), notes
-  (short lines shown under the table, e.g. goals met or skipped sizes), and
-  `raw`, a JSON-serializable dict with everything measured.
+  (short lines shown under the table: what was measured and how to read it,
+  skipped sizes), `raw`, a JSON-serializable dict with everything measured, and
+  `goals`: lines that check a number against a target the project set
+  ("FAIL causal / full forward time at L=1024: 0.71x (goal <= 0.60x)"). Goal
+  lines are for attnkit's developers: the CLI prints them only with --goals
+  (and then exits 1 when one is not met); a goal line left among the notes is
+  recognised and held back too (`attnkit.bench.report.is_goal_line`).
+- A suite that measures peak memory records how in each measurement's
+  "memory_method" (`attnkit.bench.measure.MEMORY_METHODS`); the CLI says so
+  under the table.
 
-The CLI (`attnkit.cli.bench`) renders the table with rich, shows a progress bar,
-writes `{"suite", "report": {...}, "system": system_info()}` as JSON with --json,
-and prints which BLAS kernel ran (`blas_info`). Helpers shared by suites live in
+The CLI (`attnkit.cli.bench`) renders the table at the width it has (columns
+that do not fit go on in blocks, `attnkit.viz.tables`), shows a progress bar,
+writes `{"suite", "quick", "report": {...}, "system": system_info()}` as JSON
+with --json, and prints which BLAS kernel ran (`blas_info`). Helpers shared by suites live in
 `attnkit.bench.measure` (timing, peak memory, system info), and `BenchReport`
 and `Progress` in `attnkit.bench.report` (suites import them from there).
 

@@ -4,11 +4,16 @@ Times are wall-clock best-of-n (the machine is shared; the minimum is the least
 disturbed run). Peak memory is the most extra memory a call held above what was
 allocated when it started: exact for NumPy through tracemalloc (NumPy reports
 its data buffers there), sampled from the process's resident size for
-libraries that allocate outside Python's view (torch).
+libraries that allocate outside Python's view (torch). Before sampling, the C
+allocator gives its free memory back to the system (glibc's `malloc_trim`):
+otherwise a call that reuses memory freed by the previous call (torch's
+buffers, timed a moment before) grows the resident size by nothing and reads
+0 MiB. `MEMORY_METHODS` says what each way measures, for the notes under a table.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import threading
@@ -95,15 +100,50 @@ def peak_numpy_bytes(fn: Callable[[], object]) -> int:
     return max(0, peak - base)
 
 
+MEMORY_METHODS = {
+    "tracemalloc": "NumPy rows: every allocation, exactly (tracemalloc)",
+    "rss": "torch rows: growth of the process's resident size, sampled every millisecond "
+           "(torch allocates where tracemalloc cannot see; a shorter peak can be missed)",
+}
+"""How peak memory was measured, by the name a suite records it under ("memory_method")."""
+
+
+def memory_note(methods) -> str | None:
+    """One line saying how the peak memory in a table was measured, or None for no method.
+
+    Arguments:
+        methods: the `MEMORY_METHODS` keys a table's rows used (e.g. {"tracemalloc", "rss"}).
+    """
+    known = [m for m in MEMORY_METHODS if m in set(methods)]
+    if not known:
+        return None
+    return "peak memory: the most extra memory one call held; " + "; ".join(MEMORY_METHODS[m] for m in known)
+
+
+def _release_free_memory() -> None:
+    """Give the C allocator's free memory back to the system, where the allocator can (glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_rss_bytes(fn: Callable[[], object], interval_s: float = 0.001) -> int | None:
-    """Peak resident-size growth during fn(), sampled every `interval_s` (Linux only; else None)."""
+    """Peak resident-size growth during fn(), sampled every `interval_s` (Linux only; else None).
+
+    The C allocator's free memory goes back to the system first, so memory that an earlier
+    call freed and this one reuses counts as growth, as it would in a fresh process.
+    """
     if not os.path.exists("/proc/self/statm"):
         return None
+    _release_free_memory()
     base = _rss_bytes()
     peak = [base]
     done = threading.Event()

@@ -1,4 +1,11 @@
-"""`attnkit bench [SUITE] [--quick] [--json FILE]`: run a benchmark suite, print its table."""
+"""`attnkit bench [SUITE] [--quick] [--goals] [--json FILE]`: run a benchmark suite, print its table.
+
+The table fits the width it is printed at (`attnkit.viz.tables`): columns that
+do not fit go on in blocks below, each cell whole. Under it, the suite's notes:
+what was measured and how to read it. Goal lines (a number against a target the
+project set itself) only with `--goals`; then a goal not met makes the exit
+status 1, like a failing test, after the table, the notes and the JSON.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import typer
 from rich.text import Text
 
 from attnkit.bench import SUITES  # a name table only: nothing heavy is imported
-from attnkit.cli._app import app, check_int, console, err_console, say, usage
+from attnkit.cli._app import app, check_int, console, err_console, fail, say, usage
 from attnkit.cli._output import plan, write_all
 
 MAX_THREADS = 256
@@ -46,10 +53,57 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _numeric(report, i: int) -> bool:
+    return any(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in report.rows)
+
+
+def _key_columns(report) -> int:
+    """How many leading columns say what a row is (repeated in each block of a narrow table):
+    those before the first column of measurements (floats), at least one, at most half."""
+    half = max(1, len(report.columns) // 2)
+    for i in range(len(report.columns)):
+        if any(isinstance(row[i], float) for row in report.rows):
+            return max(1, min(i, half))
+    return 1
+
+
+def _memory_methods(report) -> set:
+    measurements = report.raw.get("measurements") if isinstance(report.raw, dict) else None
+    if not isinstance(measurements, list):
+        return set()
+    return {m.get("memory_method") for m in measurements if isinstance(m, dict)} - {None}
+
+
+def render(report, *, goals: bool = False) -> list:
+    """The renderables `attnkit bench` prints for `report`: the table, then its notes
+    (goal lines only when `goals`)."""
+    from attnkit.bench.measure import memory_note
+    from attnkit.viz.tables import fitted_table
+
+    table = fitted_table(
+        report.columns, [[Text(_cell(v)) for v in row] for row in report.rows], title=report.title,
+        keys=_key_columns(report), justify=["right" if _numeric(report, i) else "left"
+                                            for i in range(len(report.columns))],
+    )
+    out = [table]
+    notes = report.notes + report.goals if goals else report.findings()
+    memory = memory_note(_memory_methods(report))
+    if memory:
+        notes = notes + [memory]
+    for note in notes:
+        verdict = note.lstrip().split(" ", 1)[0].rstrip(":")
+        style = "green" if verdict == "PASS" else "red" if verdict in ("FAIL", "MISS") else "dim"
+        out.append(Text(note, style=style))
+    return out
+
+
 @app.command()
 def bench(
     suite: str = typer.Argument("attention", help=f"Which suite: {', '.join(SUITES)}."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes, few repeats: well under a minute."),
+    goals: bool = typer.Option(
+        False, "--goals", help="Also check the project's speed and memory goals; exit 1 when one is not met."
+    ),
     json_path: Optional[str] = typer.Option(
         None, "--json", metavar="FILE.json", help="Also write every measurement to this JSON file."
     ),
@@ -59,8 +113,6 @@ def bench(
 ) -> None:
     """Benchmark attnkit against its peers, side by side in one run."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich import box
-    from rich.table import Table
 
     from attnkit.bench import get_suite
     from attnkit.bench.measure import blas_summary, system_info
@@ -70,26 +122,23 @@ def bench(
     check_int("--threads", threads, 1, MAX_THREADS)
     output = plan("--json", json_path, (".json",)) if json_path is not None else None
     module = get_suite(suite)
-    console.print(Text.assemble((f"attnkit bench {suite}", "bold"), f"{' --quick' if quick else ''}  BLAS: {blas_summary()}"))
+    flags = (" --quick" if quick else "") + (" --goals" if goals else "")
+    console.print(Text.assemble((f"attnkit bench {suite}", "bold"), f"{flags}  BLAS: {blas_summary()}"))
     with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as bar:
         progress = _RichProgress(bar)
         report = module.run(quick=quick, progress=progress, threads=threads)
         progress.finish()
 
-    table = Table(title=report.title, title_justify="left", box=box.SIMPLE_HEAD)
-    for i, name in enumerate(report.columns):
-        numeric = any(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in report.rows)
-        table.add_column(Text(name), justify="right" if numeric else "left", no_wrap=True)
-    for row in report.rows:
-        table.add_row(*(Text(_cell(v)) for v in row))
-    console.print(table)
-    for note in report.notes:
-        style = "green" if note.startswith("PASS") else "red" if note.startswith("MISS") else "dim"
-        console.print(Text(note, style=style))
+    for renderable in render(report, goals=goals):
+        console.print(renderable)
 
     if output is not None:
         payload = {"suite": suite, "quick": quick, "report": report.as_dict(), "system": system_info()}
         text = json.dumps(payload, indent=2, default=str)
         write_all([(output, lambda path: path.write_text(text, encoding="utf-8"))])
         say(f"wrote {output.path}")
+    if goals:
+        failed = report.failed_goals()
+        if failed:
+            fail(f"{len(failed)} of {len(report.goal_lines())} goal line(s) not met (FAIL, MISS or NOT met above)")

@@ -3,9 +3,11 @@
 Everything here returns rich renderables (`Text`, `Table`); the CLI prints
 them. With colour, each cell is a truecolor block on a viridis scale (rich
 downgrades it on 256-colour terminals); without colour, the cells use the
-shades ' ░▒▓█'. When the matrix has more tokens than the width allows, tokens
-are pooled into blocks (rows: mean, columns: sum, so every row still sums to
-1) and a note says so.
+shades ' ░▒▓█'. Every query token keeps its own row, named by its word and
+position; when more keys than the width allows, key columns are summed in
+blocks (every row still sums to 1) and the key line says so. Past `MAX_ROWS`
+tokens the rows pool too (by mean), and every token is listed under the
+legend. Tables fit the width they are printed at: cells are never cut into '…'.
 """
 
 from __future__ import annotations
@@ -56,15 +58,29 @@ def pool(weights: np.ndarray, block: int) -> np.ndarray:
     return summed.reshape(n, block, n).sum(axis=1) / counts[:, None]
 
 
+def pool_columns(weights: np.ndarray, block: int) -> np.ndarray:
+    """Sum a (T, S) matrix's columns in blocks of `block` keys: (T, ceil(S/block)); rows still sum to 1."""
+    T, S = weights.shape
+    n = math.ceil(S / block)
+    padded = np.zeros((T, n * block))
+    padded[:, :S] = weights
+    return padded.reshape(T, n, block).sum(axis=-1)
+
+
+MAX_ROWS = 128
+"""Up to this many tokens a heatmap has a row per token, named; longer texts pool rows too."""
+
+
 def _visible(token: str) -> str:
     return token_label(token)
 
 
-def _fit(label: str, width: int, *, visible: bool = True, align: str = "right") -> str:
-    """Align `label` in `width` cells, cutting it with '…' when too long."""
+def _fit(label: str, width: int, *, visible: bool = True, align: str = "right", mark: bool = True) -> str:
+    """Align `label` in `width` cells, cutting it when too long, with '…' when `mark`
+    (the heatmap then lists the whole token under its legend)."""
     label = _visible(label) if visible else label
     if cell_len(label) > width:
-        label = set_cell_size(label, width - 1) + "…"
+        label = set_cell_size(label, width - 1) + "…" if mark else set_cell_size(label, width)
     pad = " " * (width - cell_len(label))
     return pad + label if align == "right" else label + pad
 
@@ -96,6 +112,25 @@ def _number_rows(labels: list[str], cell: int, indent: int) -> list[str]:
         x = indent + j * cell + (cell - 1 - len(label) if lines == 1 else 0)
         rows[j % lines][x : x + len(label)] = list(label)
     return ["".join(row).rstrip() for row in rows]
+
+
+def _layout(tokens, width: int, values: bool) -> tuple[int, int, int]:
+    """(cells a column takes, cells of the row labels, tokens pooled per column) at `width`."""
+    T = len(tokens)
+    cell = 5 if values else 2
+    digits = len(str(T - 1))
+    longest = max(cell_len(_visible(t)) for t in tokens)
+    label_width = max(min(max(_LABEL_WIDTH, width // 4), longest) + digits + 1, digits * 2 + 2)
+    columns = max(1, (width - label_width - 1) // cell)
+    return cell, label_width, max(1, math.ceil(T / columns))
+
+
+def heatmap_pools(tokens: list[str] | tuple[str, ...], width: int, *, values: bool = False) -> bool:
+    """Whether `heatmap` at `width` cells pools key columns: more tokens than columns fit.
+
+    A caller that may choose its width (two heatmaps side by side, or one under the
+    other at the full width) asks this first."""
+    return _layout(tokens, width, values)[2] > 1
 
 
 def heatmap(
@@ -131,26 +166,25 @@ def heatmap(
     T = len(tokens)
     if weights.shape != (T, T):
         raise ValueError(f"expected weights of shape ({T}, {T}) like tokens, got {weights.shape}")
-    cell = 5 if values else 2
+    cell, label_width, block = _layout(tokens, width, values)
     digits = len(str(T - 1))
-    longest = max(cell_len(_visible(t)) for t in tokens)
-    label_width = max(min(_LABEL_WIDTH, longest) + digits + 1, digits * 2 + 2)
-    columns = max(1, (width - label_width - 1) // cell)
-    block = max(1, math.ceil(T / columns))
-    if block > 1:
+    pool_rows = block > 1 and T > MAX_ROWS
+    if pool_rows:  # a long text: rows in the columns' blocks too, and a key of every token below
         shown = pool(weights, block)
         starts = list(range(0, T, block))
         row_labels = [f"{s}-{min(s + block, T) - 1}" for s in starts]
         col_labels = [str(s) for s in starts]
-    else:
-        shown = weights
+    else:  # a row per query token, named; only the key columns pool (by sum) when they must
+        shown = pool_columns(weights, block)
         row_labels = [f"{_fit(t, label_width - digits - 1)} {i:>{digits}}" for i, t in enumerate(tokens)]
-        col_labels = [str(i) for i in range(T)]
+        col_labels = [str(i) for i in range(0, T, block)]
+    cut = [i for i, t in enumerate(tokens) if not pool_rows and cell_len(_visible(t)) > label_width - digits - 1]
     vmax = float(shown.max()) if shown.size and shown.max() > 0 else 1.0
     scaled = colour_scale(shown, vmax, log_scale)
     out = Text(no_wrap=True, overflow="crop")
     if title:
-        out.append(_fit(title, min(width, cell_len(title)), align="left") + "\n", style="bold")
+        for line in textwrap.wrap(_visible(title), max(20, width), break_on_hyphens=False) or [""]:
+            out.append(line + "\n", style="bold")
 
     # Column numbers, across; the row labels say which token each number is.
     for line in _number_rows(col_labels, cell, label_width + 1):
@@ -158,7 +192,7 @@ def heatmap(
 
     rgb = viridis(scaled) if color else None
     for i, label in enumerate(row_labels):
-        out.append(_fit(label, label_width, visible=False) + " ")
+        out.append(_fit(label, label_width, visible=False, mark=False) + " ")
         for j in range(len(col_labels)):
             w = shown[i, j]
             if values:
@@ -178,20 +212,31 @@ def heatmap(
     # Legend: what the darkest and brightest cells mean, and how to read the labels.
     low = f"{vmax / 10**LOG_DECADES:.1e}" if log_scale else "0"
     scale = " (log scale)" if log_scale else ""
-    if color:
-        out.append(" " * (label_width + 1) + f"{low} ")
+    top = f"{vmax:.2f} (max){scale}"
+    if color:  # under the cells, or further left when the width is short
+        out.append(" " * max(0, min(label_width + 1, width - len(low) - len(top) - 18)) + f"{low} ")
         for x in np.linspace(0, 1, 8):
             r_, g_, b_ = (int(c) for c in viridis(x))
             out.append("  ", style=f"on #{r_:02x}{g_:02x}{b_:02x}")
-        out.append(f" {vmax:.2f} (max){scale}\n")
+        out.append(f" {top}\n")
     elif not values:
-        out.append(" " * (label_width + 1) + f"' '={low}  ░ ▒ ▓  █={vmax:.2f} (max){scale}\n")
-    if block > 1:
+        legend = f"' '={low}  ░ ▒ ▓  █={top}"
+        out.append(" " * max(0, min(label_width + 1, width - cell_len(legend))) + legend + "\n")
+    if pool_rows:
         key = f"{T} tokens pooled in blocks of {block} (rows: mean, columns: sum); numbers are token positions"
+    elif block > 1:
+        key = (f"rows: queries, numbered; columns: keys in blocks of {block} from the number above "
+               "(their weights summed)")
     else:
         key = "rows: queries, numbered; columns: keys, same numbers"
     for line in textwrap.wrap(key, max(20, width)):  # wrapped at words, never cut into '…'
         out.append(line + "\n", style="italic")
+    if pool_rows or cut:  # every token, whole: the pooled rows' words, or the labels cut short
+        listed = range(T) if pool_rows else cut
+        words = [f"{i}:{_visible(tokens[i])}" for i in listed]
+        for line in textwrap.wrap("tokens: " + "  ".join(words), max(20, width), break_long_words=True,
+                                  break_on_hyphens=False):
+            out.append(line + "\n", style="dim")
     out.rstrip()
     return out
 
@@ -289,21 +334,42 @@ def summary_table(summary: HeadSummary, *, color: bool = True) -> SummaryTable:
     return SummaryTable(summary, color=color)
 
 
-def side_by_side(left: Text, right: Text, *, gap: int = 3) -> Text:
-    """Two multi-line Texts next to each other."""
-    left_lines = left.split("\n")
-    right_lines = right.split("\n")
-    left_width = max((line.cell_len for line in left_lines), default=0)
-    out = Text(no_wrap=True, overflow="crop")
-    for i in range(max(len(left_lines), len(right_lines))):
-        a = left_lines[i] if i < len(left_lines) else Text("")
-        b = right_lines[i] if i < len(right_lines) else Text("")
-        out.append_text(a)
-        out.append(" " * (left_width - a.cell_len + gap))
-        out.append_text(b)
-        out.append("\n")
-    out.rstrip()
-    return out
+class SideBySide:
+    """Two multi-line Texts next to each other when the width they are printed at holds both,
+    else one under the other (never cropped): a rich renderable."""
+
+    def __init__(self, left: Text, right: Text, *, gap: int = 3) -> None:
+        self.left, self.right, self.gap = left, right, gap
+
+    def joined(self) -> Text:
+        left_lines = self.left.split("\n")
+        right_lines = self.right.split("\n")
+        left_width = max((line.cell_len for line in left_lines), default=0)
+        out = Text(no_wrap=True, overflow="crop")
+        for i in range(max(len(left_lines), len(right_lines))):
+            a = left_lines[i] if i < len(left_lines) else Text("")
+            b = right_lines[i] if i < len(right_lines) else Text("")
+            out.append_text(a)
+            out.append(" " * (left_width - a.cell_len + self.gap))
+            out.append_text(b)
+            out.append("\n")
+        out.rstrip()
+        return out
+
+    def __rich_console__(self, console, options):
+        joined = self.joined()
+        if max((line.cell_len for line in joined.split("\n")), default=0) <= options.max_width:
+            yield joined
+        else:
+            yield self.left
+            yield Text("")
+            yield self.right
+
+
+def side_by_side(left: Text, right: Text, *, gap: int = 3) -> SideBySide:
+    """Two multi-line Texts next to each other, `gap` cells apart, or one under the other
+    when the console is narrower than both (a rich renderable: `SideBySide`)."""
+    return SideBySide(left, right, gap=gap)
 
 
 def maps_heatmap(

@@ -236,6 +236,30 @@ def test_cli_generate_streams_and_reports_speed(folder, model):
     assert "tokens/s" in result.output
 
 
+def test_cli_generate_reads_the_prompt_from_stdin_for_a_dash(folder, model):
+    """`echo TEXT | attnkit generate -`, as embed and similarity read '-': the text without
+    echo's line break is the prompt."""
+    runner = CliRunner()
+    from_stdin = runner.invoke(app, ["generate", "-", "--model", str(folder), "-n", "6"], input="the cat\n")
+    from_argument = runner.invoke(app, ["generate", "the cat", "--model", str(folder), "-n", "6"])
+    assert from_stdin.exit_code == 0, from_stdin.output
+    ids = model.tokenizer.encode("the cat")
+    expected = model.tokenizer.decode(model.generate(np.array(ids), 6)[len(ids):], skip_special_tokens=True)
+    assert from_stdin.stdout == from_argument.stdout
+    assert from_stdin.stdout.startswith("the cat" + printable(expected, lines=True).rstrip("\ufffd"))
+    assert f"after a prompt of {len(ids)} tokens;" in from_stdin.stderr
+    empty = runner.invoke(app, ["generate", "-", "--model", str(folder)], input="")
+    assert empty.exit_code == 1 and "at least one token" in empty.stderr
+
+
+def test_cli_generate_counts_one_token_in_the_singular(folder, model):
+    assert len(model.tokenizer.encode("a")) == 1
+    result = CliRunner().invoke(app, ["generate", "a", "--model", str(folder), "-n", "1"])
+    assert result.exit_code == 0, result.output
+    assert "1 token in " in result.stderr and "after a prompt of 1 token;" in result.stderr
+    assert "1 tokens" not in result.output
+
+
 def test_cli_generate_bad_input(folder):
     runner = CliRunner()
     result = runner.invoke(app, ["generate", "the", "--model", str(folder), "-n", "-1"])
@@ -262,7 +286,7 @@ def test_cli_chat_reuses_its_cache_exactly(folder, model):
     result = runner.invoke(app, ["chat", "--model", str(folder), "-n", "6", "--system", "Be brief.",
                                  "--repetition-penalty", "1"], input="the\nhe the\n")
     assert result.exit_code == 0, result.output
-    replies = [chunk.rsplit("\nyou> ", 1)[0] for chunk in result.stdout.split("model> ")[1:]]
+    replies = [chunk[:-1] for chunk in result.stdout.split("model> ")[1:]]  # each reply ends its line
     assert len(replies) == 2
     tokenizer = model.tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the"}]

@@ -182,7 +182,7 @@ def test_grid_letters_sit_on_a_dark_badge_and_the_title_clears_the_column_labels
     labels = [t for t in fig.axes[0].get_xticklabels() if t.get_text()]
     top_of_labels = max(t.get_window_extent(renderer).y1 for t in labels)
     assert title.get_window_extent(renderer).y0 > top_of_labels  # no overlap
-    # Pixels: around each letter the badge is dark, though the cell under it is yellow.
+    # Pixels: around each letter the badge is dark, and the letter white.
     from PIL import Image
 
     image = np.asarray(Image.open(tmp_path / "g.png").convert("RGB")).astype(int)
@@ -191,6 +191,88 @@ def test_grid_letters_sit_on_a_dark_badge_and_the_title_clears_the_column_labels
     patch = image[int(h - box.y1) + 2: int(h - box.y0) - 2, int(box.x0) + 2: int(box.x1) - 2]
     assert patch.size and (patch.max(-1) < 100).mean() > 0.3  # mostly dark (on yellow): the badge
     assert (patch.min(-1) > 200).any()  # and white: the letter
+
+
+def _first_token_maps(causal: bool, T: int = 6) -> AttentionMaps:
+    """Every head puts all its weight on the first token: weight 0 everywhere else, and in a
+    causal model the cells above the diagonal masked."""
+    first = np.zeros((T, T))
+    first[:, 0] = 1.0
+    return AttentionMaps(tokens=[f"t{i}" for i in range(T)], weights=np.broadcast_to(first, (2, 3, T, T)).copy(),
+                         model="m", causal=causal)
+
+
+def _pixel(image: np.ndarray, fig, ax, x: float, y: float) -> np.ndarray:
+    """The RGB of the PNG at data point (x, y) of `ax`."""
+    px, py = ax.transData.transform((x, y))
+    return image[int(round(image.shape[0] - py)), int(round(px))]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_masked_cells_are_grey_and_weight_0_keeps_the_lowest_colour(tmp_path, figures, causal):
+    """A causal model cannot attend to later tokens: those cells are excluded, not weighted 0,
+    and every PNG draws them apart (grey, with a key); a model that attends everywhere has none."""
+    from matplotlib import colormaps
+    from PIL import Image
+
+    from attnkit.viz.png import BADGE_BAND_PIXELS, MASKED_GREY, MASKED_KEY, THUMBNAIL_PIXELS, save_grid_png, save_head_png
+
+    maps = _first_token_maps(causal)
+    save_head_png(maps, tmp_path / "h.png", 0, 0)
+    save_grid_png(maps, tmp_path / "g.png")
+    save_head_png(maps.hide_special(), tmp_path / "hidden.png", 0, None, log_scale=True)
+    grey = np.rint(np.array(MASKED_GREY) * 255)
+    lowest = np.rint(np.array(colormaps["viridis"](0.0)[:3]) * 255)  # matplotlib's colour of weight 0
+    cell = THUMBNAIL_PIXELS / 6  # a grid thumbnail of 6 tokens: 16 pixels a cell
+    for fig, name in zip(figures, ("h.png", "g.png", "hidden.png")):
+        image = np.asarray(Image.open(tmp_path / name).convert("RGB")).astype(float)
+        ax = fig.axes[0]
+        if name == "g.png":  # the thumbnail of L1 h2: row 1, column 4 is above the diagonal; row 4, column 2 below
+            top, left = BADGE_BAND_PIXELS + (BADGE_BAND_PIXELS + THUMBNAIL_PIXELS + 8), 2 * (THUMBNAIL_PIXELS + 8)
+            above = _pixel(image, fig, ax, left + 4.5 * cell, top + 1.5 * cell)
+            below = _pixel(image, fig, ax, left + 2.5 * cell, top + 4.5 * cell)
+        else:
+            above, below = _pixel(image, fig, ax, 4, 1), _pixel(image, fig, ax, 2, 4)
+        assert np.abs(below - lowest).max() <= 2, name  # weight 0, allowed: the scale's lowest colour
+        if causal:
+            assert np.abs(above - grey).max() <= 2, name  # masked: grey
+            assert np.abs(above - below).sum() > 200, name  # told apart at a glance
+            assert MASKED_KEY in _texts(fig)
+        else:
+            assert np.abs(above - lowest).max() <= 2, name
+            assert MASKED_KEY not in _texts(fig)
+
+
+def test_grid_letters_sit_outside_every_thumbnail(tmp_path, figures):
+    """The "F" of a first-token head once covered the first-token column it names: every badge
+    now lies in the band above its thumbnail, inside the mosaic, clear of all cells."""
+    from matplotlib.transforms import Bbox
+
+    from attnkit.viz.png import BADGE_BAND_PIXELS, THUMBNAIL_PIXELS, save_grid_png
+
+    maps = _first_token_maps(causal=False)
+    save_grid_png(maps, tmp_path / "g.png")
+    fig = figures[0]
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    thumbnails = []
+    for layer in range(2):
+        for head in range(3):
+            top = BADGE_BAND_PIXELS + layer * (BADGE_BAND_PIXELS + THUMBNAIL_PIXELS + 8)
+            left = head * (THUMBNAIL_PIXELS + 8)
+            corners = ax.transData.transform([(left - 0.5, top - 0.5), (left + THUMBNAIL_PIXELS - 0.5,
+                                                                          top + THUMBNAIL_PIXELS - 0.5)])
+            thumbnails.append(Bbox.from_extents(*corners.min(0), *corners.max(0)))
+    badges = [t.get_bbox_patch().get_window_extent(renderer) for t in ax.texts]
+    assert len(badges) == 6
+    axes_box = ax.get_window_extent(renderer)
+    for index, badge in enumerate(badges):
+        assert not any(badge.overlaps(thumbnail) for thumbnail in thumbnails), index
+        assert badge.y0 >= thumbnails[index].y1 and badge.x0 >= thumbnails[index].x0  # above its own
+        assert axes_box.y1 >= badge.y1  # under the column labels, which sit above the mosaic
+    labels = [t.get_window_extent(renderer) for t in ax.get_yticklabels() if t.get_text()]
+    for label, thumbnail in zip(labels, thumbnails[::3]):  # L0, L1 centred on their thumbnails' rows
+        assert abs((label.y0 + label.y1) / 2 - (thumbnail.y0 + thumbnail.y1) / 2) < 2
 
 
 # ----------------------------------------------------------------------------- HTML

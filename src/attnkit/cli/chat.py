@@ -4,8 +4,11 @@ In a terminal the prompt is prompt_toolkit's: line editing (arrows, Home/End,
 Ctrl-A/E/W...), history across runs in a file under the user's data folder
 (Up/Down, Ctrl-R), and multi-line messages (Alt+Enter, or a line ending in a
 backslash, starts a new line; a paste keeps its line breaks). Piped input is
-read line by line, with the same commands. Lines that start with `/` are
-commands, never sent to the model: /help, /system, /reset, /attention, /quit.
+read line by line, with the same commands, and no prompt is echoed. Lines that
+start with `/` are commands, never sent to the model: /help, /system, /reset,
+/set, /save, /load, /attention, /quit. In a terminal a reply wraps between words
+(`_wrap.WordWrap`), and each reply ends with its timing (on stderr, when stderr is a
+terminal).
 
 The conversation is kept in a KV cache: each turn prefills only the new
 tokens. The repetition penalty counts every token of the conversation, as a
@@ -21,31 +24,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import typer
+from rich.cells import cell_len
 from rich.text import Text
 
-from attnkit.cli._app import app, check_text, console, fail, note, say, usage, warn
+from attnkit.cli._app import app, check_text, console, err_console, fail, note, say, usage, warn
 from attnkit.cli._input import StdinLines, read_text_file
+from attnkit.cli import _chat_commands as commands
+from attnkit.cli._wrap import cells_prefix, wrap_width
 from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option, require_pieces
 from attnkit.cli.generate import (
-    MODEL_HELP, PENALTY_HELP, TEMPERATURE_HELP, Printer, check_sampling, end_reply, load_decoder, run, was_cut,
+    MODEL_HELP, PENALTY_HELP, TEMPERATURE_HELP, Printer, check_sampling, counted, end_reply, load_decoder, run,
+    was_cut,
 )
-from attnkit.viz.text import printable, token_label
+from attnkit.viz.text import printable
 
 DEFAULT_REPETITION_PENALTY = 1.1
 """Chat's default: enough to stop SmolLM2-135M repeating one sentence until the token limit
 (at 1.0 it does, asked "What is attention in a transformer?" with the explainer prompt), too
 little to push it off its words (at 1.3 its sentences run on)."""
-ATTENTION_WINDOW = 384
-"""/attention runs the model again on at most this many of the conversation's last tokens
-(the weights of 30 layers x 9 heads at 384 tokens: 160 MB)."""
-
 HELP = """Commands (a line that starts with / is never sent to the model; //text sends /text):
   /help             this list
   /system           show the system prompt
   /system TEXT      use TEXT as the system prompt and start over ('/system -' removes it)
   /reset            forget the conversation (the system prompt stays)
+  /set              show the sampling settings
+  /set NAME VALUE   change one: temperature, top_p, top_k, max_tokens, seed, repetition_penalty
+                    ('/set top_p off' turns top_p, top_k or seed off)
+  /save FILE        write the conversation as JSON messages (OpenAI's shape)
+  /load FILE        continue a conversation saved by /save (or any such JSON list of messages)
   /attention        where the last reply looked: its attention, summed over layers and heads
   /quit             leave (or Ctrl-D)
 Keys: arrows and Ctrl-A/E/W edit the line; Up/Down and Ctrl-R search the history;
@@ -75,9 +82,7 @@ class _PipedInput:
         self.lines = StdinLines()
 
     def __call__(self) -> Optional[str]:
-        console.out("you> ", end="", style="bold green", highlight=False)
-        console.file.flush()
-        parts: list[str] = []
+        parts: list[str] = []  # no 'you> ': the messages are not echoed, so it would stand alone
         while True:
             line = self.lines.read()
             if line is None:
@@ -168,10 +173,13 @@ def _history_file(enabled: bool) -> Optional[Path]:
 
 @dataclass
 class Conversation:
-    """Messages, the KV cache that holds them, and the last reply (for /attention)."""
+    """Messages, the KV cache that holds them, the sampling settings, and the last reply
+    (for /attention)."""
 
     model: Any
     system: Optional[str]
+    sampling: dict[str, Any]
+    model_path: Optional[str] = None  # --model as given (None: the embedded smollm2)
     messages: list[dict[str, str]] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)  # the token ids whose keys and values are in `cache`
     last_prompt: list[int] = field(default_factory=list)  # the ids before the last reply
@@ -181,15 +189,21 @@ class Conversation:
         self.cache = self.model.new_cache(1, self.model.context_length)
         self.reset()
 
-    def reset(self) -> None:
-        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+    def reset(self, messages: Optional[list[dict[str, str]]] = None) -> None:
+        """Start over: from the system prompt alone, or from `messages` (a loaded conversation,
+        whose system prompt, if it has one, comes first)."""
+        if messages is None:
+            messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+        else:
+            self.system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        self.messages = list(messages)
         self.cache.crop(0)
         self.cached, self.last_prompt, self.last_reply = [], [], []
 
-    def reply(self, text: str, sampling: dict[str, Any]) -> Optional[tuple[list[int], float, bool, bool]]:
-        """Answer `text`, streaming the reply. Returns (new ids, seconds, interrupted, cut), or
-        None when the conversation no longer fits the context."""
-        model, tokenizer = self.model, self.model.tokenizer
+    def reply(self, text: str) -> Optional[tuple[list[int], float, bool, bool]]:
+        """Answer `text`, streaming the reply, then its timing. Returns (new ids, seconds,
+        interrupted, cut), or None when the conversation no longer fits the context."""
+        model, tokenizer, sampling = self.model, self.model.tokenizer, self.sampling
         messages = [*self.messages, {"role": "user", "content": text}]
         try:
             ids = tokenizer.encode_chat(messages)
@@ -204,18 +218,22 @@ class Conversation:
             common += 1
         self.cache.crop(common)
         limit = min(sampling["max_new_tokens"], room)
-        console.out("model> ", end="", style="bold cyan", highlight=False)
+        console.out(REPLY_PROMPT, end="", style="bold cyan", highlight=False)
+        printer = Printer(tokenizer, wrap_width(console), column=len(REPLY_PROMPT))
         new, seconds, interrupted = run(
-            model, ids[common:], Printer(tokenizer), cache=self.cache, penalty_context=ids[:common],
+            model, ids[common:], printer, cache=self.cache, penalty_context=ids[:common],
             **{**sampling, "max_new_tokens": limit},
         )
+        printer.finish()
         cut = not interrupted and was_cut(model, new, limit)
         end_reply(cut)
         if interrupted:
             note("reply stopped", style="yellow")
         elif cut:
             why = "the context is full" if limit < sampling["max_new_tokens"] else f"--max-new-tokens is {limit}"
-            note(f"reply cut at {limit} tokens: {why}", style="yellow")
+            note(f"reply cut at {counted(limit, 'token')}: {why}", style="yellow")
+        if timing_wanted():
+            note(turn_timing(len(new), seconds))
         # The cache holds the prompt and every new token but the last (never fed back). After
         # Ctrl-C in the middle of a step some layers may hold one more: crop them all alike.
         cached = ids + new[:-1] if new else list(ids)
@@ -227,77 +245,60 @@ class Conversation:
         return new, seconds, interrupted, cut
 
 
-# ----------------------------------------------------------------------------- /attention
+REPLY_PROMPT = "model> "
 
 
-def attention_summary(model: Any, prompt: list[int], reply: list[int], window: int = ATTENTION_WINDOW) -> list[str]:
-    """Where a reply looked, in a few lines: the attention of the positions that chose its
-    tokens, averaged over every layer and head, on the conversation's last `window` tokens.
-
-    Arguments:
-        model: the decoder.
-        prompt: the token ids before the reply; reply: the reply's ids.
-    """
-    from attnkit.viz.data import AttentionMaps
-    from attnkit.viz.summary import summarize_heads
-
-    fed = prompt + reply[:-1]  # the reply's last token was chosen, never fed back
-    start = max(0, len(fed) - window)
-    ids = fed[start:]
-    rows = np.arange(len(prompt) - 1 - start, len(fed) - start)  # each chose the next reply token
-    rows = rows[rows >= 0]
-    tokens, weights = model.attention(np.asarray(ids, dtype=np.int64))  # (layers, heads, T, T)
-    looked = weights[:, :, rows].astype(np.float64).mean(axis=(0, 1, 2))  # (T,) sums to 1
-    in_reply = np.arange(len(ids)) >= len(prompt) - start
-    layers, heads = weights.shape[:2]
-    where = f"the last {len(ids)} tokens of the conversation" if start else f"the {len(ids)} tokens of the conversation"
-    lines = [
-        f"The last reply ({len(reply)} tokens): attention of the positions that chose its tokens, "
-        f"the mean of {layers} layers x {heads} heads, over {where}:",
-        f"  {100 * looked[0]:5.1f}% on the first token, where decoders park attention they do not need (a sink)",
-        f"  {100 * looked[1:][~in_reply[1:]].sum():5.1f}% on the prompt (system prompt and messages), "
-        f"{100 * looked[in_reply].sum():.1f}% on the reply itself",
-    ]
-    order = [int(i) for i in np.argsort(-looked) if i > 0][:8]
-    tops = [f"{100 * looked[i]:.1f}% {_quoted(tokens[i])} ({'reply' if in_reply[i] else 'prompt'})" for i in order]
-    lines.append("  most attended after the first token: " + ", ".join(tops))
-    maps = AttentionMaps(tokens=tokens, weights=weights, causal=True)
-    pattern = summarize_heads(maps).pattern
-    counts = {name: int((pattern == name).sum()) for name in ("first", "previous", "self", "broad", "mixed")}
-    lines.append(
-        f"  heads on this text: {counts['first']} first-token (F), {counts['previous']} previous-token (P), "
-        f"{counts['self']} self (S), {counts['broad']} broad (B), {counts['mixed']} mixed"
-    )
-    lines.append("  (for the picture of every head: attnkit show --model smollm2 \"TEXT\" --html out.html)")
-    return lines
+def timing_wanted() -> bool:
+    """Whether each reply ends with its timing: when someone watches stderr (a terminal).
+    Piped to a file or a program, stderr keeps notes and errors, and the total comes at the end."""
+    return err_console.is_terminal
 
 
-def _quoted(token: str) -> str:
-    return "“" + token_label(token) + "”"
+def turn_timing(tokens: int, seconds: float) -> str:
+    """A reply's timing, as shown (dim) after it: '(42 tokens, 1.3 s, 32 tok/s)'; the time
+    includes the prefill of the turn's new message."""
+    rate = tokens / seconds if seconds > 0 else float("inf")
+    shown = f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}"
+    return f"({counted(tokens, 'token')}, {shown} s, {rate:.0f} tok/s)" if rate >= 10 else \
+        f"({counted(tokens, 'token')}, {shown} s, {rate:.1f} tok/s)"
 
 
-# ----------------------------------------------------------------------------- the command
+# ----------------------------------------------------------------------------- the banner and commands
 
 
-def _banner(model: Any, model_path: Optional[str], system: Optional[str], system_name: str,
-            sampling: dict[str, Any], history: Optional[Path]) -> None:
-    name = model_path or "smollm2 (SmolLM2-135M-Instruct, embedded)"
+def fit_line(prefix: str, text: str, width: int) -> str:
+    """`prefix` then `text` on one line of at most `width` cells: the text made one line and
+    shortened with '…' at its end when it does not fit (at least 8 cells of it shown; a
+    prefix too long for that is shortened too)."""
+    text = " ".join(text.split())
+    line = prefix + text
+    if cell_len(line) <= width:
+        return line
+    room = width - cell_len(prefix) - 1
+    if room < 8:  # keep some of the text: shorten the prefix instead
+        prefix = cells_prefix(prefix, max(0, width - 11)) + "… "
+        room = width - cell_len(prefix) - 1
+    return prefix + cells_prefix(text, max(0, room)) + "…"
+
+
+def _banner(conversation: Conversation, system_name: str, history: Optional[Path]) -> None:
+    model, system, sampling = conversation.model, conversation.system, conversation.sampling
+    name = conversation.model_path or "smollm2 (SmolLM2-135M-Instruct, embedded)"
     layers = getattr(getattr(model, "config", None), "num_layers", None)
     say(f"attnkit chat: {name}{f', {layers} layers' if layers else ''}, context of {model.context_length} tokens",
         style="bold")
     if system is None:
         note("system prompt: none (/system TEXT sets one)")
     else:
-        tokens = len(model.tokenizer.encode(system))
-        first = " ".join(system.split())
-        first = first if len(first) <= 60 else first[:59] + "…"
-        note(f"system prompt: {system_name} ({tokens} tokens): {first}")
+        tokens = counted(len(model.tokenizer.encode(system)), "token")
+        note(fit_line(f"system prompt: {printable(system_name)} ({tokens}): ", printable(system),
+                      err_console.size.width - 1))
     how = "greedy" if sampling["temperature"] == 0 else f"temperature {sampling['temperature']:g}"
     if sampling["temperature"] != 0:
         how += "".join(f", {name} {sampling[key]}" for name, key in (("top-k", "top_k"), ("top-p", "top_p"),
                                                                        ("seed", "seed")) if sampling[key] is not None)
     note(f"sampling: {how}, repetition penalty {sampling['repetition_penalty']:g}, "
-         f"at most {sampling['max_new_tokens']} tokens a reply")
+         f"at most {counted(sampling['max_new_tokens'], 'token')} a reply")
     note(f"history: {history}" if history else "history: off")
     note("/help lists the commands; Ctrl-C stops a reply, Ctrl-D quits.")
 
@@ -323,18 +324,52 @@ def _command(line: str, conversation: Conversation) -> bool:
             conversation.system = None if rest == "-" else rest
             conversation.reset()
             note("system prompt removed; starting over" if rest == "-" else "new system prompt; starting over")
+    elif name == "/set":
+        if not rest:
+            note(commands.settings_line(conversation.sampling))
+        else:
+            try:
+                note(commands.set_sampling(conversation.sampling, rest))
+            except ValueError as error:
+                note(str(error), style="yellow")
+    elif name == "/save":
+        try:
+            note(commands.save_messages(conversation.messages, rest))
+        except ValueError as error:
+            note(str(error), style="yellow")
+    elif name == "/load":
+        _load(conversation, rest)
     elif name == "/attention":
         if not conversation.last_reply:
             note("no reply yet: /attention shows where the last reply looked")
         else:
             with console.status("running the model again on the conversation..."):
-                lines = attention_summary(conversation.model, conversation.last_prompt, conversation.last_reply)
+                lines = commands.attention_summary(conversation.model, conversation.last_prompt,
+                                                   conversation.last_reply, model_path=conversation.model_path)
             for line_ in lines:
                 say(line_)
     else:
-        note(f"unknown command {name}: /help lists them (start with // to send a message beginning with /)",
-             style="yellow")
+        note(f"unknown command {name}{commands.suggestion(name)} (/help lists them; start with // to send "
+             "a message beginning with /)", style="yellow")
     return True
+
+
+def _load(conversation: Conversation, rest: str) -> None:
+    """/load FILE: continue the conversation saved there, if it is one this model can take."""
+    model = conversation.model
+    try:
+        path, messages = commands.load_messages(rest)
+        tokens = len(model.tokenizer.encode_chat(messages)) if messages else 0
+    except ValueError as error:
+        note(str(error), style="yellow")
+        return
+    if tokens >= model.context_length:
+        note(f"cannot load {path}: its {counted(tokens, 'token')} leave no room in the model's context of "
+             f"{model.context_length}", style="yellow")
+        return
+    conversation.reset(messages)
+    system = "with a system prompt" if conversation.system is not None else "without a system prompt"
+    note(f"loaded {path}: {counted(len(messages), 'message')} ({counted(tokens, 'token')}), {system}")
 
 
 @app.command()
@@ -391,9 +426,9 @@ def chat(
                 "seed": seed, "repetition_penalty": repetition_penalty}
     history_file = _history_file(history) if interactive else None
     read: Callable[[], Optional[str]] = _TerminalInput(history_file) if interactive else _PipedInput()
+    conversation = Conversation(model, system, sampling, model_path)
     if interactive:  # piped, stderr stays for errors and notes
-        _banner(model, model_path, system, system_name, sampling, history_file)
-    conversation = Conversation(model, system)
+        _banner(conversation, system_name, history_file)
     total_new, total_seconds = 0, 0.0
     while True:
         try:
@@ -401,7 +436,8 @@ def chat(
         except KeyboardInterrupt:
             text = None
         if text is None:
-            console.out("")
+            if interactive:  # end the prompt's line
+                console.out("")
             break
         if not text.strip():
             continue
@@ -411,7 +447,7 @@ def chat(
             continue
         if text.startswith("//"):
             text = text[1:]
-        answer = conversation.reply(text, sampling)
+        answer = conversation.reply(text)
         if answer is None:
             warn("the conversation no longer fits the model's context; /reset starts over")
             continue
@@ -420,4 +456,4 @@ def chat(
         total_seconds += seconds
     if total_new:
         rate = total_new / total_seconds if total_seconds > 0 else float("inf")
-        note(f"{total_new} tokens in {total_seconds:.2f} s: {rate:.1f} tokens/s")
+        note(f"{counted(total_new, 'token')} in {total_seconds:.2f} s: {rate:.1f} tokens/s")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
-from attnkit.cli._app import app, check_float, check_int, check_text, console, err_console, fail, note, usage
+from attnkit.cli._app import app, check_text, console, err_console, fail, note, usage
+from attnkit.cli._input import read_stdin
+from attnkit.cli._wrap import WordWrap, wrap_width
 from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option, require_pieces
 from attnkit.viz.text import printable
 
@@ -19,6 +21,11 @@ PENALTY_HELP = ("transformers' repetition penalty: the logits of tokens already 
                 "(multiplied when negative); 1 = off, at most 10.")
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
 """Sampling temperatures other than 0 (greedy) lie in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
+
+
+def counted(count: int, noun: str, plural: Optional[str] = None) -> str:
+    """`count` and the noun, singular for exactly one: '1 token', '0 tokens', '42 tokens'."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 def load_decoder(model_path: Optional[str], command: str, backend: str = "naive"):
@@ -38,32 +45,79 @@ def load_decoder(model_path: Optional[str], command: str, backend: str = "naive"
     return model if backend == "naive" else model.set_attention_backend(backend)  # models start on naive
 
 
+def sampling_problem(key: str, value, name: Optional[str] = None) -> Optional[str]:
+    """What is wrong with one sampling setting, or None when it is in range: the one place
+    that says the ranges, for the command line and for chat's /set.
+
+    Arguments:
+        key: max_new_tokens, temperature, top_k, top_p, seed or repetition_penalty.
+        value: its value (None is allowed for top_k, top_p and seed: off).
+        name: how the message names the setting (default: its option, `--top-k`).
+    """
+    name = name or "--" + key.replace("_", "-")
+    if value is None:
+        return None if key in ("top_k", "top_p", "seed") else f"expected a value for {name}, got none"
+    if key in ("max_new_tokens", "top_k", "seed"):
+        low = 1 if key == "top_k" else 0
+        return None if value >= low else f"expected {name} >= {low}, got {value}"
+    if key == "temperature":
+        if value == 0 or (math.isfinite(value) and MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+            return None
+        return f"expected {name} 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {value}"
+    high = {"top_p": 1.0, "repetition_penalty": 10.0}[key]
+    if math.isfinite(value) and 0.0 < value <= high:
+        return None
+    return f"expected a finite {name} in (0, {high:g}], got {value}"
+
+
 def check_sampling(
     max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float], seed: Optional[int],
     repetition_penalty: float = 1.0,
 ) -> None:
     """Usage errors for sampling options out of range, before the model loads."""
-    check_int("--max-new-tokens", max_new_tokens, 0)
-    check_float("--repetition-penalty", repetition_penalty, 0.0, 10.0, low_open=True)
-    if temperature != 0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        usage(f"expected --temperature 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {temperature}")
-    check_int("--top-k", top_k, 1)
-    check_float("--top-p", top_p, 0.0, 1.0, low_open=True)
-    check_int("--seed", seed, 0)
+    for key, value in (("max_new_tokens", max_new_tokens), ("repetition_penalty", repetition_penalty),
+                       ("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        problem = sampling_problem(key, value)
+        if problem:
+            usage(problem)
 
 
 class Printer:
-    """Streams token ids to the terminal as text (complete UTF-8 characters only)."""
+    """Streams token ids to stdout as text (complete UTF-8 characters only).
 
-    def __init__(self, tokenizer) -> None:
+    Arguments:
+        tokenizer: the model's `DecoderTokenizer`.
+        width: in a terminal, a function giving its width (`_wrap.wrap_width`): lines then
+            break between words, never in one; None writes the text as it comes (a pipe).
+        column: the cells already used on the first line (chat's `model> `).
+    """
+
+    def __init__(self, tokenizer, width: Optional[Callable[[], int]] = None, column: int = 0) -> None:
         self.tokenizer = tokenizer
         self.decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+        self.wrap = None if width is None else WordWrap(width, column)
+
+    def write(self, text: str) -> None:
+        """Write text (a model can produce escape sequences too: shown, never sent raw)."""
+        text = printable(text, lines=True)
+        if self.wrap is not None:
+            text = self.wrap.feed(text)
+        if text:
+            console.out(text, end="", highlight=False)
+            console.file.flush()
 
     def __call__(self, token: int) -> None:
         piece = self.decoder.step(self.tokenizer.tokenizer, int(token))
-        if piece:  # a model can produce escape sequences too: shown, never sent raw
-            console.out(printable(piece, lines=True), end="", highlight=False)
-            console.file.flush()
+        if piece:
+            self.write(piece)
+
+    def finish(self) -> None:
+        """Write the last word, which wrapping holds back until it is complete."""
+        if self.wrap is not None:
+            rest = self.wrap.flush()
+            if rest:
+                console.out(rest, end="", highlight=False)
+                console.file.flush()
 
 
 def run(model, prompt_ids, printer, *, cache=None, **sampling) -> tuple[list[int], float, bool]:
@@ -108,13 +162,21 @@ def end_reply(cut: bool) -> None:
 
 def _report(prompt_tokens: int, new_tokens: int, seconds: float) -> None:
     rate = new_tokens / seconds if seconds > 0 else float("inf")
-    note(f"{new_tokens} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
-         f"(after a prompt of {prompt_tokens} tokens; the time includes its prefill)")
+    note(f"{counted(new_tokens, 'token')} in {seconds:.2f} s: {rate:.1f} tokens/s "
+         f"(after a prompt of {counted(prompt_tokens, 'token')}; the time includes its prefill)")
+
+
+def _without_final_line_break(text: str) -> str:
+    """Text read from stdin without the line break `echo` (or an editor) puts at its end."""
+    for end in ("\r\n", "\n"):
+        if text.endswith(end):
+            return text[: -len(end)]
+    return text
 
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="Text to continue."),
+    prompt: str = typer.Argument(..., help="Text to continue; '-' reads it from stdin (one final line break dropped)."),
     model_path: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help=TEMPERATURE_HELP),
@@ -125,11 +187,16 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as one user message with the chat template."),
     backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP),
 ) -> None:
-    """Continue PROMPT, printing the text as it is generated, then tokens/s."""
+    """Continue PROMPT, printing the text as it is generated, then tokens/s.
+
+    PROMPT '-' reads the prompt from stdin: `echo "The capital of France is" | attnkit generate -`.
+    """
     check_text("PROMPT", prompt)
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)
     check_backend(backend)
     require_pieces(model_option(model_path, DECODER, "generate"), DECODER, "generate", template=chat)
+    if prompt == "-":
+        prompt = _without_final_line_break(read_stdin())
     model = load_decoder(model_path, "generate", backend)
     tokenizer = model.tokenizer
     if chat:
@@ -142,18 +209,20 @@ def generate(
     if not ids:
         fail("expected a prompt with at least one token, got an empty prompt")
     if len(ids) > model.context_length:
-        fail(f"the prompt has {len(ids)} tokens, more than the model's context of {model.context_length}")
+        fail(f"the prompt has {counted(len(ids), 'token')}, more than the model's context of {model.context_length}")
+    printer = Printer(tokenizer, wrap_width(console))
     if not chat:
-        console.out(printable(prompt, lines=True), end="", highlight=False)
+        printer.write(prompt)
     limit = min(max_new_tokens, model.context_length - len(ids))
     new, seconds, interrupted = run(
-        model, ids, Printer(tokenizer), max_new_tokens=limit, temperature=temperature, top_k=top_k, top_p=top_p,
+        model, ids, printer, max_new_tokens=limit, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, repetition_penalty=repetition_penalty,
     )
+    printer.finish()
     cut = not interrupted and was_cut(model, new, limit)
     end_reply(cut)
     if interrupted:
         note("interrupted", style="yellow")
     elif cut:
-        note(f"stopped at the limit of {limit} new tokens (--max-new-tokens)", style="yellow")
+        note(f"stopped at the limit of {counted(limit, 'new token')} (--max-new-tokens)", style="yellow")
     _report(len(ids), len(new), seconds)

@@ -21,7 +21,54 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-__all__ = ["DecoderTokenizer", "folder_tokenizer", "render_chat_template", "load_prompt"]
+__all__ = ["DecoderTokenizer", "check_messages", "folder_tokenizer", "render_chat_template", "load_prompt"]
+
+ROLES = ("system", "user", "assistant")
+"""The roles a conversation's messages take (OpenAI's chat messages; chat templates know these)."""
+
+
+def check_messages(value: Any) -> list[dict[str, str]]:
+    """A conversation in OpenAI's messages shape, checked: what `attnkit chat`'s /load reads.
+
+    Arguments:
+        value: a list of `{"role": "system" | "user" | "assistant", "content": str}` dicts
+            (as `json.load` gives them), or a dict holding such a list under "messages" (an
+            OpenAI chat request body). Other keys of a message (`name`) are dropped.
+
+    Returns:
+        A new list of `{"role": ..., "content": ...}` dicts.
+
+    Raises:
+        ValueError: not a list, or a message that is not a dict, lacks a role or a content,
+            has a role outside `ROLES` or a content that is not a string; the message names
+            the first such message by its index and what arrived.
+    """
+    if isinstance(value, dict) and "messages" in value:
+        value = value["messages"]
+    if not isinstance(value, list):
+        raise ValueError(f"expected a JSON list of messages ([{{\"role\": ..., \"content\": ...}}, ...]), "
+                         f"got {_json_type(value)}")
+    checked = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise ValueError(f"expected messages[{index}] to be an object with 'role' and 'content', "
+                             f"got {_json_type(message)}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"expected messages[{index}] to have '{key}', got keys {sorted(message)}")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise ValueError(f"expected messages[{index}]['role'] to be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"expected messages[{index}]['content'] to be a string, got {_json_type(content)}")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
 
 
 @lru_cache(maxsize=8)

@@ -23,6 +23,14 @@ MAX_MATRIX_INCHES = 57.0  # 512 tokens still get a label each
 MIN_MATRIX_INCHES = 4.0
 THUMBNAIL_PIXELS = 96
 _GAP_PIXELS = 8
+BADGE_BAND_PIXELS = 22
+"""The band above each row of thumbnails that holds their pattern letters, so that a letter
+never covers a thumbnail's cells (its first-token column least of all)."""
+MASKED_GREY = (0.82, 0.82, 0.82)
+"""The colour of the cells a causal model cannot attend to (a later token): excluded, which is
+not the same as weight 0 (the lowest colour of the scale)."""
+MASKED_KEY = "masked\n(later token)"
+"""The words beside the grey square that every PNG of a causal model carries."""
 
 
 def _label_font(inches_per_token: float) -> float:
@@ -66,6 +74,25 @@ PATTERN_WORDS = {
 LETTER_LEGEND = "Letters: P previous token · F first token · S itself · B broad (near uniform) · none: mixed"
 """The legend of the head-pattern letters, as every PNG prints it."""
 _BADGE = {"boxstyle": "round,pad=0.18", "facecolor": "black", "alpha": 0.7, "linewidth": 0}
+
+
+def masked_cells(maps: AttentionMaps) -> np.ndarray | None:
+    """(T, T) booleans, True where the query's model could not attend (a causal model: the keys
+    after the query); None for a model that attends everywhere."""
+    if not maps.causal:
+        return None
+    T = maps.num_tokens
+    return np.triu(np.ones((T, T), dtype=bool), k=1)
+
+
+def _masked_key(fig, x: float, y: float, width: float, height: float) -> None:
+    """The grey square and `MASKED_KEY` at (x, y) inches from the figure's bottom left."""
+    from matplotlib.patches import Rectangle
+
+    fig.add_artist(Rectangle((x / width, y / height), 0.18 / width, 0.18 / height, transform=fig.transFigure,
+                             facecolor=MASKED_GREY, edgecolor="0.45", linewidth=0.6))
+    fig.text((x + 0.24) / width, (y + 0.09) / height, MASKED_KEY, fontsize=7, ha="left", va="center",
+             linespacing=1.1)
 
 
 def _pattern_line(maps: AttentionMaps, weights: np.ndarray) -> str:
@@ -119,7 +146,9 @@ def save_head_png(
     Rows are queries (the token attending), columns keys (the token attended to);
     every token gets a tick label up to 512 tokens. A colour bar gives the scale
     (linear from 0, or with `log_scale` the 3 decades below the largest weight), and
-    two lines under the picture name the head's pattern and the pattern letters.
+    two lines under the picture name the head's pattern and the pattern letters. In a
+    causal model's picture the cells it cannot attend to (the later tokens) are grey,
+    not the colour of weight 0, and a grey square under the colour bar says so.
 
     Returns:
         The (width, height) of the file in pixels.
@@ -141,6 +170,11 @@ def save_head_png(
     )
     vmax = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
     image = ax.imshow(weights, cmap=_viridis(), norm=_norm(vmax, log_scale), interpolation="nearest", aspect="auto")
+    masked = masked_cells(maps)
+    if masked is not None and masked.any():  # grey over the cells a causal model cannot attend to
+        overlay = np.zeros((T, T, 4))  # (T, T, RGBA), transparent where the model may attend
+        overlay[masked] = (*MASKED_GREY, 1.0)
+        ax.imshow(overlay, interpolation="nearest", aspect="auto")
     step = max(1, math.ceil(T / (MAX_MATRIX_INCHES / INCHES_PER_TOKEN)))
     ticks = np.arange(0, T, step)
     labels = [_short(maps.tokens[i]) for i in ticks]
@@ -157,6 +191,8 @@ def save_head_png(
         ((lay["left"] + lay["side"] + 0.25) / width, lay["bottom"] / height, 0.2 / width, lay["side"] / height)
     )
     fig.colorbar(image, cax=cax, label="attention weight" + (" (log scale)" if log_scale else ""))
+    if masked is not None and masked.any():  # under the colour bar
+        _masked_key(fig, lay["left"] + lay["side"] + 0.25, lay["bottom"] - 0.45, width, height)
     for line, text in enumerate((_pattern_line(maps, weights), LETTER_LEGEND)):
         fig.text(0.15 / width, (0.32 - 0.18 * line) / height, text, fontsize=8, ha="left", va="center",
                  parse_math=False)
@@ -176,21 +212,34 @@ def resample(weights: np.ndarray, size: int) -> np.ndarray:
     return weights[np.ix_(source, source)]
 
 
-def grid_image(maps: AttentionMaps, thumbnail: int = THUMBNAIL_PIXELS, *, log_scale: bool = False) -> np.ndarray:
+def grid_image(maps: AttentionMaps, thumbnail: int = THUMBNAIL_PIXELS, *, log_scale: bool = False,
+               label_band: int = 0) -> np.ndarray:
     """All heads as one RGB mosaic, (layers x heads) thumbnails, each scaled to its own max.
+    In a causal model's thumbnails, the pixels that stand only for cells it cannot attend
+    to are `MASKED_GREY`.
+
+    Arguments:
+        label_band: white pixels above each row of thumbnails (room for their letters).
 
     Returns:
-        uint8 array of shape (layers * (thumbnail + gap) - gap, heads * (...) - gap, 3).
+        uint8 array of shape (layers * (label_band + thumbnail + gap) - gap, heads * (thumbnail + gap) - gap, 3).
     """
     L, H = maps.num_layers, maps.num_heads
     step = thumbnail + _GAP_PIXELS
-    mosaic = np.full((L * step - _GAP_PIXELS, H * step - _GAP_PIXELS, 3), 255, dtype=np.uint8)
+    row_step = label_band + step
+    mosaic = np.full((L * row_step - _GAP_PIXELS, H * step - _GAP_PIXELS, 3), 255, dtype=np.uint8)
+    masked = masked_cells(maps)
+    # a pixel is grey when every cell it stands for is masked (a block mean of "may attend" of 0)
+    grey = None if masked is None else resample((~masked).astype(np.float64), thumbnail) == 0  # (thumbnail,) * 2
     for layer in range(L):
         for head in range(H):
             small = resample(maps.weights[layer, head].astype(np.float64), thumbnail)
             top = float(small.max())
             rgb = viridis(colour_scale(small, top if top > 0 else 1.0, log_scale))
-            mosaic[layer * step : layer * step + thumbnail, head * step : head * step + thumbnail] = rgb
+            if grey is not None:
+                rgb[grey] = np.rint(np.asarray(MASKED_GREY) * 255).astype(np.uint8)
+            y = layer * row_step + label_band
+            mosaic[y : y + thumbnail, head * step : head * step + thumbnail] = rgb
     return mosaic
 
 
@@ -201,7 +250,8 @@ GRID_MARGINS = {"left": 0.6, "right": 1.1, "top": 0.75, "bottom": 0.75, "min_wid
 def grid_figure_size(maps: AttentionMaps, dpi: int = 100) -> tuple[float, float]:
     """(width, height) in inches of `save_grid_png`'s figure."""
     step = THUMBNAIL_PIXELS + _GAP_PIXELS
-    cols, rows = maps.num_heads * step - _GAP_PIXELS, maps.num_layers * step - _GAP_PIXELS
+    cols = maps.num_heads * step - _GAP_PIXELS
+    rows = maps.num_layers * (BADGE_BAND_PIXELS + step) - _GAP_PIXELS
     m = GRID_MARGINS
     width = max(m["left"] + cols / dpi + m["right"], m["min_width"])
     return width, m["top"] + rows / dpi + m["bottom"]
@@ -211,9 +261,10 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     """Write every head as a thumbnail, layers down and heads across.
 
     Each thumbnail is scaled to its own largest weight (the colour bar: 0 to that
-    maximum, or its 3 decades below with `log_scale`); a badge in its corner names the
-    head's dominant pattern (P previous, F first, S self, B broad), and the legend under
-    the grid says so.
+    maximum, or its 3 decades below with `log_scale`); a badge above its top left corner,
+    outside its cells, names the head's dominant pattern (P previous, F first, S self,
+    B broad), and the legend under the grid says so. A causal model's masked cells are
+    grey, as in `save_head_png`.
 
     Returns:
         The (width, height) of the file in pixels.
@@ -227,7 +278,7 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
-    mosaic = grid_image(maps, log_scale=log_scale)
+    mosaic = grid_image(maps, log_scale=log_scale, label_band=BADGE_BAND_PIXELS)
     rows, cols = mosaic.shape[:2]
     m = GRID_MARGINS
     width, height = grid_figure_size(maps, dpi)
@@ -236,11 +287,12 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     ax = fig.add_axes((m["left"] / width, m["bottom"] / height, cols / dpi / width, rows / dpi / height))
     ax.imshow(mosaic, interpolation="nearest")
     step = THUMBNAIL_PIXELS + _GAP_PIXELS
+    row_step = BADGE_BAND_PIXELS + step  # a row: the letters' band, the thumbnails, the gap
     centers = np.arange(THUMBNAIL_PIXELS / 2, step * maps.num_heads, step)[: maps.num_heads]
     ax.set_xticks(centers)
     ax.set_xticklabels([f"h{h}" for h in range(maps.num_heads)], fontsize=8)
     ax.xaxis.tick_top()
-    centers = np.arange(THUMBNAIL_PIXELS / 2, step * maps.num_layers, step)[: maps.num_layers]
+    centers = BADGE_BAND_PIXELS + THUMBNAIL_PIXELS / 2 + row_step * np.arange(maps.num_layers)
     ax.set_yticks(centers)
     ax.set_yticklabels([f"L{layer}" for layer in range(maps.num_layers)], fontsize=8)
     ax.tick_params(length=0)
@@ -250,16 +302,20 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     for layer in range(maps.num_layers):
         for head in range(maps.num_heads):
             code = PATTERN_WORDS[summary.pattern[layer, head]][0]
-            if code:  # white on a dark badge: readable on any colour
-                ax.text(head * step + 5, layer * step + 5, code, color="white", fontsize=9, va="top", ha="left",
-                        fontweight="bold", bbox=_BADGE)
+            if code:  # white on a dark badge, in the band above the thumbnail: never on its cells
+                ax.text(head * step + 3, layer * row_step + BADGE_BAND_PIXELS / 2, code, color="white", fontsize=9,
+                        va="center", ha="left", fontweight="bold", bbox=_BADGE)
     title = f"{printable(maps.model)}: all heads ({maps.num_tokens} tokens"
     title += f"; {maps.hidden_note})" if maps.hidden else ")"
     # The title sits in its own band above the column labels, never on them.
     fig.text(0.5, 1 - 0.2 / height, title, fontsize=10, ha="center", va="center", parse_math=False)
-    bar_height = min(rows / dpi, 2.5)  # beside the first rows of the mosaic
+    causal = maps.causal and maps.num_tokens > 1
+    key_room = 0.45 if causal else 0.0  # under the bar: the grey square of the masked cells
+    bar_height = min(rows / dpi - key_room, 2.5)  # beside the first rows of the mosaic
     cax = fig.add_axes(((m["left"] + cols / dpi + 0.3) / width, (m["bottom"] + rows / dpi - bar_height) / height,
                         0.18 / width, bar_height / height))
+    if causal:
+        _masked_key(fig, m["left"] + cols / dpi + 0.3, m["bottom"] + rows / dpi - bar_height - 0.4, width, height)
     bar = fig.colorbar(ScalarMappable(norm=Normalize(0, 1), cmap=_viridis()), cax=cax)
     bar.set_ticks([0, 1])
     low = f"max/10^{LOG_DECADES}" if log_scale else "0"

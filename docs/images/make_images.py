@@ -72,6 +72,7 @@ def main() -> None:
     png("minilm-layer2-mean.png", "--layer", "2", "--mean")
     png("minilm-layer3-head5-hidden.png", "--layer", "3", "--head", "5", "--hide-special")
     png("minilm-layer0-head0-log.png", "--layer", "0", "--head", "0", "--log-scale")
+    png("smollm2-layer3-head0-causal.png", "--model", "smollm2", "--layer", "3", "--head", "0")  # masked cells grey
 
     # HTML: the files --html writes, and a notebook's inline view.
     attnkit("show", SENTENCE, "--layer", "0", "--head", "2", "--no-summary", "--html", str(tmp / "view.html"))

@@ -327,3 +327,79 @@ def test_served_on_ipv6_loopback_end_to_end(browser, tmp_path):
         server.send_signal(signal.SIGINT)
         _, errors = server.communicate(timeout=30)
     assert server.returncode == 130 and b"Traceback" not in errors  # stopped by Ctrl+C, as a shell reports it
+
+
+# ----------------------------------------------------------------------------- the served page's form
+
+
+@pytest.fixture(scope="module")
+def small_server_url():
+    """A server whose page takes at most 60 characters, offering MiniLM and the random model."""
+    from attnkit.viz.server import BackgroundServer, create_app
+
+    with BackgroundServer(create_app(models=["random", "minilm"], max_chars=60, max_tokens=512)) as running:
+        yield running.url + "/"
+
+
+def _open_form(browser, url: str, model: str = "random") -> Watched:
+    w = Watched(browser)
+    w.page.goto(url)
+    w.page.wait_for_selector("#input-form:not([hidden])")
+    wait_ready(w.page)  # the example, drawn with the first model
+    w.page.select_option("#model", model)
+    return w
+
+
+def test_served_page_enter_and_ctrl_enter_submit_and_shift_enter_breaks_the_line(browser, small_server_url):
+    w = _open_form(browser, small_server_url)
+    box = w.page.locator("#text")
+    for keys in ("Enter", "Control+Enter"):
+        box.fill(f"pressing {keys} sends")
+        box.press(keys)
+        # the submit handler sets the status at once; it clears when the answer is drawn
+        w.page.wait_for_selector('body[data-ready="1"] .doc')
+        assert w.page.locator(".col.left .tok").all_text_contents() == ["pressing", keys, "sends"]
+    box.fill("one line")
+    box.press("End")
+    box.press("Shift+Enter")
+    assert box.input_value() == "one line\n"
+    assert w.page.locator("#form-status").text_content() == ""  # nothing was sent
+    assert w.page.locator(".col.left .tok").all_text_contents() == ["pressing", "Control+Enter", "sends"]
+    w.check_clean(small_server_url.rstrip("/"))
+    w.page.close()
+
+
+def test_served_page_states_each_models_own_token_limit(browser, small_server_url, minilm_folder):
+    from attnkit.models.bert import SentenceEncoder
+
+    limit = SentenceEncoder.from_pretrained("minilm").max_seq_length  # 256, from the model's config
+    w = _open_form(browser, small_server_url, "minilm")
+    header = w.page.locator("#subtitle").text_content()
+    assert f"minilm reads at most {limit} tokens" in header and "At most 60 characters" in header
+    assert "512" not in header
+    w.page.select_option("#model", "random")
+    assert "random reads at most 512 tokens" in w.page.locator("#subtitle").text_content()
+    w.check_clean(small_server_url.rstrip("/"))
+    w.page.close()
+
+
+def test_served_page_says_a_paste_is_too_long_instead_of_cutting_it(browser, small_server_url):
+    w = _open_form(browser, small_server_url)
+    box = w.page.locator("#text")
+    long_text = "word " * 20  # 100 characters, the page takes 60
+    box.fill("")
+    box.focus()
+    w.page.keyboard.insert_text(long_text)  # as a paste arrives: one input event
+    assert box.input_value() == long_text  # kept whole, not cut at 60
+    note = w.page.locator("#too-long")
+    assert note.text_content() == "The text has 100 characters; this page takes at most 60. Shorten it to see its attention."
+    assert w.page.locator("#submit").is_disabled()
+    box.press("Enter")
+    assert w.page.locator("#form-status").text_content() == ""  # not sent
+    box.fill("short enough")
+    assert note.text_content() == "" and not w.page.locator("#submit").is_disabled()
+    box.press("Enter")
+    w.page.wait_for_selector('body[data-ready="1"] .doc')
+    assert w.page.locator(".col.left .tok").all_text_contents() == ["short", "enough"]
+    w.check_clean(small_server_url.rstrip("/"))
+    w.page.close()

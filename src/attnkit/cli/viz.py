@@ -24,6 +24,8 @@ MAX_TOKENS = 1024
 """The largest --max-tokens: weights are layers x heads x T x T (SmolLM2 at 1024 tokens: 1.1 GB)."""
 MAX_SERVE_CHARS = 100_000
 """The largest `serve --max-chars`."""
+MAX_SERVE_NEW_TOKENS = 8192
+"""The largest `serve --max-new-tokens`."""
 
 
 def _check_texts(max_tokens: int, *texts: tuple[str, str]) -> None:
@@ -288,8 +290,20 @@ def serve(
     max_tokens: int = typer.Option(
         512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
     ),
+    max_new_tokens: int = typer.Option(
+        1024, "--max-new-tokens", help="The most tokens one completion of the OpenAI API generates "
+        f"(its default when a request gives no max_tokens; at most {MAX_SERVE_NEW_TOKENS})."
+    ),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="ATTNKIT_API_KEY", show_envvar=True,
+        help="Answer the OpenAI API only with `Authorization: Bearer KEY` (the openai client's api_key).",
+    ),
+    preload: bool = typer.Option(
+        False, "--preload", help="Load the API's models before serving instead of on their first request."
+    ),
 ) -> None:
-    """A local web page: type a sentence, pick a model, explore its attention."""
+    """A local web page: type a sentence, pick a model, explore its attention. Beside it, an
+    OpenAI-compatible API under /v1 (embeddings from encoders, completions and chat from decoders)."""
     from attnkit.viz.providers import ModelNotAvailableError, check_model_name
 
     check_text("--host", host)
@@ -298,6 +312,11 @@ def serve(
     check_int("--port", port, 1, 65535)
     check_int("--max-chars", max_chars, 1, MAX_SERVE_CHARS)
     check_int("--max-tokens", max_tokens, 1, MAX_TOKENS)
+    check_int("--max-new-tokens", max_new_tokens, 1, MAX_SERVE_NEW_TOKENS)
+    if api_key is not None:
+        check_text("--api-key", api_key)
+        if not api_key.strip() or not api_key.isprintable():
+            usage("expected --api-key to be printable text, got an empty or unprintable key")
     models = list(dict.fromkeys(model))  # once each, in order
     for name in models:
         try:
@@ -318,11 +337,49 @@ def serve(
     # On this machine only, answer only requests addressed to it (no DNS rebinding).
     allowed = sorted({"127.0.0.1", "localhost", "::1", address, name.lower()}) if loopback else None
     try:
-        application = create_app(models=models, max_chars=max_chars, max_tokens=max_tokens, allowed_hosts=allowed)
+        application = create_app(models=models, max_chars=max_chars, max_tokens=max_tokens, allowed_hosts=allowed,
+                                  max_new_tokens=max_new_tokens, api_key=api_key)
+        if preload:
+            _preload(application.state.models)
     except ValueError as error:
         sock.close()
         fail(str(error))
     if not loopback:
-        warn(f"binding {host}: other machines can reach this page")
-    say(f"attnkit: open http://{_url_host(name)}:{port}/ (Ctrl+C to stop)")
+        warn(f"binding {host}: other machines can reach this page" + ("" if api_key else " and its API (--api-key)"))
+    bound = ipaddress.ip_address(address.split("%")[0])
+    if bound.is_unspecified:  # 0.0.0.0 or ::, which no browser opens: this machine's own names instead
+        say(f"attnkit: open http://{'[::1]' if bound.version == 6 else '127.0.0.1'}:{port}/ (Ctrl+C to stop)")
+        for url in _network_urls(port):
+            say(f"attnkit: from other machines: {url}")
+    else:
+        say(f"attnkit: open http://{_url_host(name)}:{port}/ (Ctrl+C to stop)")
     _run_server(application, sock)
+
+
+def _preload(pool) -> None:
+    """Load the API's models now (`serve --preload`), saying which."""
+    from attnkit.cli._app import err_console
+    from attnkit.viz.openai_models import ModelLoadError
+
+    for name in pool.kinds:
+        with err_console.status(f"loading {name}..."):
+            try:
+                pool.get(name)
+            except ModelLoadError as error:
+                raise ValueError(str(error)) from None
+
+
+def _network_urls(port: int) -> list[str]:
+    """The URLs other machines may use: this machine's name and its addresses that are not loopback."""
+    name = socket.gethostname()
+    urls = [f"http://{name}:{port}/"] if name else []
+    try:
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError):
+        infos = []
+    for info in infos:
+        found = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        url = f"http://{_url_host(str(found))}:{port}/"
+        if not (found.is_loopback or found.is_link_local) and url not in urls:
+            urls.append(url)
+    return urls

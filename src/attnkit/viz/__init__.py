@@ -23,6 +23,7 @@ _LAZY = {
     "render_html": "html",
     "save_html": "html",
     "create_app": "server",
+    "BackgroundServer": "server",
     "head_view": "notebook",
     "model_view": "notebook",
     "NotebookView": "notebook",

@@ -1,10 +1,12 @@
-"""`attnkit serve`: a local page to type a sentence, pick a model and explore its attention.
+"""`attnkit serve`: a local page to type a sentence, pick a model and explore its attention,
+and an OpenAI-compatible API beside it (`attnkit.viz.openai_api`).
 
 Built on FastAPI (imported only here; `pip install 'attnkit[serve]'`). The page
 is the same viewer as the HTML file, in server mode: it posts the text to
 `/api/attention` on its own origin and draws the answer. Inputs are capped:
-at most `max_chars` characters (longer requests are refused with 413) and at
-most `max_tokens` tokens (longer texts are truncated, with a warning).
+at most `max_chars` characters (longer requests are refused with 413; the page
+says so before it sends one) and at most `max_tokens` tokens, or fewer where
+the model reads fewer (MiniLM: 256); longer texts are truncated, with a warning.
 
 `/api/attention` reads only requests that say `Content-Type: application/json`
 (others get 415): a page of another site can make a browser post a form or
@@ -16,10 +18,21 @@ The body of `/api/attention` is read as strict JSON: `NaN` and `Infinity`
 """
 
 
-import json
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Sequence
 
 from attnkit.viz.html import content_security_policy, payload, render_page
+from attnkit.viz.http_checks import (  # noqa: F401 - host_name, HostCheck, parse_json: public here too
+    HostCheck,
+    RequestRejected,
+    check_json_content_type,
+    host_name,
+    parse_json,
+    read_body,
+)
+from attnkit.viz.openai_api import add_openai_api
+from attnkit.viz.openai_models import ModelPool
 from attnkit.viz.providers import (
     DEFAULT_MAX_TOKENS,
     PROVIDERS,
@@ -30,64 +43,40 @@ from attnkit.viz.providers import (
 from attnkit.viz.text import utf8_problem
 
 DEFAULT_MAX_CHARS = 2000
+DEFAULT_MAX_NEW_TOKENS = 1024
+"""The most tokens one completion of the OpenAI API generates, unless `attnkit serve --max-new-tokens` says."""
+API_MAX_BODY = 16 * 2**20
+"""The largest body of an OpenAI API request (16 MiB: 2,048 embedding inputs of a few thousand characters)."""
 EXAMPLE = "The cat sat on the mat because it was tired."
 """The sentence the page opens with (already drawn with the first installed model)."""
 
 
-def host_name(header: str) -> str:
-    """The host of a Host header, lower case, without port or brackets: '[::1]:8000' -> '::1'."""
-    header = header.strip().lower()
-    if header.startswith("["):  # an IPv6 literal, with or without a port
-        end = header.find("]")
-        return header[1:end] if end > 0 else ""
-    if header.count(":") == 1:  # name:port
-        header = header.split(":")[0]
-    return header.rstrip(".")
+@lru_cache(maxsize=64)
+def _encoder_limit(name: str) -> int | None:
+    """The most tokens an encoder reads (its max_seq_length), read from its config files
+    without loading its weights; None when `name` is no encoder attnkit runs."""
+    from attnkit.models.checkpoint import read_config
+    from attnkit.models.embedded import ENCODER, embedded_path
+    from attnkit.models.sentence import read_max_seq_length, read_modules, read_transformer_settings
+    from attnkit.viz.openai_models import EMBEDDINGS, model_kind
 
-
-class HostCheck:
-    """ASGI middleware: answer only requests whose Host is one of `allowed` (others get 400).
-
-    Unlike a plain split at the first ':', it reads IPv6 literals ('[::1]:8000').
-    """
-
-    def __init__(self, app: Any, allowed: Sequence[str]) -> None:
-        self.app = app
-        self.allowed = {host_name(h) if h.startswith("[") else h.lower() for h in allowed}
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket"):
-            headers = dict(scope.get("headers") or [])
-            host = host_name(headers.get(b"host", b"").decode("latin-1"))
-            if host not in self.allowed:
-                from starlette.responses import PlainTextResponse
-
-                await PlainTextResponse("Invalid host header", status_code=400)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _NonFinite(ValueError):
-    pass
-
-
-def _refuse_constant(name: str) -> float:
-    raise _NonFinite(name)
-
-
-def parse_json(body: bytes) -> Any:
-    """Strict JSON: raises ValueError (with a message for the client) on NaN, Infinity,
-    bytes that are not UTF-8, nesting too deep, or anything that is not JSON."""
+    if model_kind(name) != EMBEDDINGS:
+        return None
     try:
-        return json.loads(body, parse_constant=_refuse_constant)
-    except _NonFinite as error:
-        raise ValueError(f"expected finite JSON numbers, got {error}") from None
-    except RecursionError:
-        raise ValueError("expected a JSON object, got one nested too deep") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"expected a UTF-8 body, got byte 0x{body[error.start]:02x} at offset {error.start}") from None
-    except ValueError as error:
-        raise ValueError(f"expected a JSON object: {error}") from None
+        folder = Path(embedded_path(name, ENCODER) or name).expanduser()
+        modules = read_modules(folder)
+        encoder_folder = folder if modules is None else modules[0].folder
+        positions = int(read_config(encoder_folder)["max_position_embeddings"])
+        return read_max_seq_length(encoder_folder, read_transformer_settings(encoder_folder), positions)
+    except (ImportError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def token_limit(name: str, max_tokens: int) -> int:
+    """The most tokens the page draws for model `name`: `max_tokens`, or fewer where the
+    model reads fewer (an encoder's max_seq_length: all-MiniLM-L6-v2's is 256)."""
+    own = _encoder_limit(name)
+    return max_tokens if own is None else min(own, max_tokens)
 
 
 def create_app(
@@ -96,23 +85,34 @@ def create_app(
     max_chars: int = DEFAULT_MAX_CHARS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     allowed_hosts: Sequence[str] | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    api_key: str | None = None,
+    api_max_body: int = API_MAX_BODY,
 ) -> Any:
-    """The FastAPI application behind `attnkit serve`.
+    """The FastAPI application behind `attnkit serve`: the page, its `/api/attention`, and
+    the OpenAI-compatible API under `/v1` (`attnkit.viz.openai_api`).
 
     Arguments:
-        models: the provider names the page offers (minilm, smollm2, random, or paths).
-        max_chars: longer texts are refused (HTTP 413).
+        models: the provider names the page offers (minilm, smollm2, random, or paths); the
+            encoders and decoders among them are the API's models (`app.state.models`, a
+            `ModelPool`; they load on the first request that names them).
+        max_chars: longer texts are refused by the page's API (HTTP 413).
         max_tokens: longer tokenizations are truncated, with a warning in the answer.
         allowed_hosts: Host headers to answer (others get 400), which stops DNS-rebinding
             pages from reading a local server; None answers any host.
+        max_new_tokens: the most tokens one completion of the API generates (its default
+            when a request gives no max_tokens).
+        api_key: when given, the API answers only requests with `Authorization: Bearer <api_key>`.
+        api_max_body: the largest body of an API request, in bytes (HTTP 413 beyond).
     """
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import HTMLResponse, Response
     from pydantic import BaseModel, ValidationError
     from starlette.concurrency import run_in_threadpool
 
-    if max_chars < 1 or max_tokens < 1:
-        raise ValueError(f"expected max_chars and max_tokens >= 1, got {max_chars} and {max_tokens}")
+    if max_chars < 1 or max_tokens < 1 or max_new_tokens < 1:
+        raise ValueError(f"expected max_chars, max_tokens and max_new_tokens >= 1, got {max_chars}, {max_tokens} "
+                         f"and {max_new_tokens}")
     models = list(models)
     if not models:
         raise ValueError("expected at least one model name, got none")
@@ -146,6 +146,7 @@ def create_app(
                 "available": ok,
                 "description": info.description if info else name,
                 "reason": reason,
+                "max_tokens": token_limit(name, max_tokens) if ok else max_tokens,
             })
         return out
 
@@ -154,8 +155,7 @@ def create_app(
         config = {
             "mode": "server",
             "title": "attnkit: explore attention",
-            "subtitle": "Type a sentence, pick a model, and see where every head attends. "
-            f"At most {max_chars} characters and {max_tokens} tokens.",
+            "subtitle": "Type a sentence, pick a model, and see where every head attends.",
             "models": model_list(),
             "max_chars": max_chars,
             "example": EXAMPLE if len(EXAMPLE) <= max_chars else "",  # drawn as soon as the page opens
@@ -170,27 +170,6 @@ def create_app(
     @app.get("/api/models")
     def api_models() -> list[dict[str, Any]]:
         return model_list()
-
-    def check_json_content_type(header: str | None) -> None:
-        """Only `application/json` (any parameters) is read: a page of another site can make a
-        browser send a "simple" request (text/plain, a form) with no preflight, and so make this
-        server compute; a JSON request from another origin needs a CORS preflight, never granted."""
-        media_type = (header or "").split(";")[0].strip().lower()
-        if media_type != "application/json":
-            got = repr(header) if header else "none"
-            raise HTTPException(415, f"expected Content-Type: application/json, got {got}")
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body:
-            raise HTTPException(413, f"the request has {declared} bytes; this server accepts at most {max_body}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise HTTPException(413, f"the request is larger than {max_body} bytes, the most this server accepts")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def parse_request(body: bytes) -> AttentionRequest:
         try:
@@ -214,7 +193,8 @@ def create_app(
             raise HTTPException(422, f"expected Unicode text, got a {problem}")
         if len(request.text) > max_chars:
             raise HTTPException(
-                413, f"the text has {len(request.text)} characters; this server accepts at most {max_chars}"
+                413, f"the text has {len(request.text)} characters; this server accepts at most {max_chars} "
+                "(attnkit serve --max-chars)"
             )
         try:
             provider = get_provider(request.model, max_tokens=max_tokens)
@@ -238,8 +218,74 @@ def create_app(
 
     @app.post("/api/attention")
     async def api_attention(request: Request) -> dict[str, Any]:
-        check_json_content_type(request.headers.get("content-type"))
-        parsed = parse_request(await read_body(request))
+        try:
+            check_json_content_type(request.headers.get("content-type"))
+            body = await read_body(request, max_body)
+        except RequestRejected as error:
+            raise HTTPException(error.status, error.message) from None
+        parsed = parse_request(body)
         return await run_in_threadpool(attention, parsed)  # the model runs off the event loop
 
+    app.state.models = ModelPool(models)
+    add_openai_api(app, app.state.models, max_body=max(api_max_body, max_body), max_new_tokens=max_new_tokens,
+                   api_key=api_key)
     return app
+
+
+class BackgroundServer:
+    """An app (`create_app()`) served by uvicorn in a thread of this process, for notebooks,
+    scripts and tests; `attnkit serve` is the way to run it on its own.
+
+    Arguments:
+        app: the ASGI application.
+        host: the address to bind (default: this machine only).
+        port: the port; 0 (the default) takes a free one.
+
+    Attributes:
+        url: the server's address once started, e.g. "http://127.0.0.1:53127".
+
+    Use it as a context manager (`with BackgroundServer(app) as server: ...`), or call
+    `start()` and `stop()`.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app, self.host, self.port = app, host, port
+        self.url = ""
+        self._server: Any = None
+        self._thread: Any = None
+
+    def start(self) -> "BackgroundServer":
+        """Bind, start serving in a daemon thread, and return once requests are answered."""
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="attnkit-serve")
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on {self.host}:{port} stopped while starting")
+            time.sleep(0.01)
+        self.url = f"http://{'[' + self.host + ']' if ':' in self.host else self.host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (open requests finish first) and wait for the thread."""
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join()
+            self._server = None
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

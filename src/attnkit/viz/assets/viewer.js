@@ -517,8 +517,34 @@
     }
     const firstAvailable = config.models.find((m) => m.available);
     if (firstAvailable) model.value = firstAvailable.name;
-    $("text").maxLength = config.max_chars;
-    $("text").placeholder = "Type a sentence (at most " + config.max_chars + " characters)";
+    const text = $("text");
+    text.placeholder = "Type a sentence (at most " + config.max_chars + " characters); Enter shows its attention, " +
+      "Shift+Enter starts a new line";
+    // The header states the limits of the model chosen: a model reads at most its own number of
+    // tokens (MiniLM: 256), the server at most max_chars characters.
+    const limits = () => {
+      const m = config.models.find((x) => x.name === model.value);
+      const tokens = m && m.max_tokens ? "; " + m.name + " reads at most " + m.max_tokens +
+        " tokens (a longer text is cut, with a warning)" : "";
+      $("subtitle").textContent = (config.subtitle ? config.subtitle + " " : "") + "At most " +
+        config.max_chars + " characters" + tokens + ".";
+    };
+    model.addEventListener("change", limits);
+    limits();
+    // A text over max_chars is never cut silently: the page says so and does not send it.
+    const tooLong = el("span", "error");
+    tooLong.id = "too-long";
+    tooLong.setAttribute("role", "alert");
+    form.appendChild(tooLong);
+    const overLimit = () => {
+      const length = [...text.value].length;  // characters, as the server counts them
+      const over = length > config.max_chars;
+      tooLong.textContent = over ? "The text has " + length + " characters; this page takes at most " +
+        config.max_chars + ". Shorten it to see its attention." : "";
+      $("submit").disabled = over;
+      return over;
+    };
+    text.addEventListener("input", overLimit);
     // Only the answer to the latest request is drawn (the example may still be computing
     // when a sentence is submitted).
     let latest = 0;
@@ -553,10 +579,17 @@
         document.body.dataset.ready = "1";
       }
     };
-    form.addEventListener("submit", (ev) => { ev.preventDefault(); submit(); });
+    const send = () => { if (!overLimit()) submit(); };
+    form.addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
+    // Enter and Ctrl+Enter (Cmd+Enter) send the text; Shift+Enter is a new line.
+    text.addEventListener("keydown", (ev) => {
+      if (ev.key !== "Enter" || ev.isComposing || (ev.shiftKey && !ev.ctrlKey && !ev.metaKey)) return;
+      ev.preventDefault();
+      send();
+    });
     // The page opens on an example, already drawn with the first model that is installed.
     if (config.example && firstAvailable) {
-      $("text").value = config.example;
+      text.value = config.example;
       submit();
     } else {
       document.body.dataset.ready = "1";

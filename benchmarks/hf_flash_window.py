@@ -1,7 +1,7 @@
 """The "attnkit_flash" route with a sliding window: the band in the kernel against query slicing.
 
 transformers' FlashAttention route calls `attnkit.hf.flash_api.flash_attn_func` with
-`window_size=(left, right)`. Until issue 28 that function cut the queries into blocks
+`window_size=(left, right)`. That function used to cut the queries into blocks
 of 128 rows and ran `attnkit.torch.flash_attention` on each with a dense (128, span)
 boolean mask, because the kernel took no window; now the window goes to the kernel,
 which skips the tiles outside the band forward and backward. This script times both

@@ -29,10 +29,12 @@ import json
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from attnkit.bench.measure import cpu_count, system_info
 from attnkit.bench.torch_modules import GOAL_RATIO, _block_contenders, _contenders, time_round_robin
+from attnkit.viz.tables import fitted_table
+
+COLUMNS = ["causal", "pass", "impl", "best ms", "median ms", "best ratio", "paired median ratio"]
 
 
 def main() -> None:
@@ -49,11 +51,9 @@ def main() -> None:
         parser.error("--clock cpu measures one thread: pass --threads 1")
     torch.set_num_threads(args.threads)
     console = Console()
-    table = Table(title=f"attnkit.torch MHA vs direct SDPA, L=S={args.L}, d_model=512, 8 heads, float32, "
-                        f"{args.threads} thread(s), {args.rounds} rounds, {args.clock} clock")
-    for col in ("causal", "pass", "impl", "best ms", "median ms", "best ratio", "paired median ratio"):
-        table.add_column(col, justify="right" if "ms" in col or "ratio" in col else "left")
-    results = []
+    title = (f"attnkit.torch MHA vs direct SDPA, L=S={args.L}, d_model=512, 8 heads, float32, "
+             f"{args.threads} thread(s), {args.rounds} rounds, {args.clock} clock")
+    rows, results = [], []
     worst = worst_paired = float("inf")
     for causal in (False, True):
         for passes in ("fwd", "fwd+bwd"):
@@ -63,8 +63,8 @@ def main() -> None:
             for impl, t in timed.items():
                 ratio = base / t["best_s"]
                 runs = sorted(t["runs_s"])
-                table.add_row(str(causal), passes, impl, f"{t['best_s'] * 1e3:.1f}",
-                              f"{runs[len(runs) // 2] * 1e3:.1f}", f"{ratio:.3f}", f"{t['paired_median']:.3f}")
+                rows.append([str(causal), passes, impl, f"{t['best_s'] * 1e3:.1f}",
+                             f"{runs[len(runs) // 2] * 1e3:.1f}", f"{ratio:.3f}", f"{t['paired_median']:.3f}"])
                 results.append(dict(causal=causal, passes=passes, impl=impl, ratio=ratio, **t))
                 if impl == "attnkit.torch MHA":
                     worst = min(worst, ratio)
@@ -77,10 +77,12 @@ def main() -> None:
                 for impl, t in timed.items():
                     ratio = base / t["best_s"]
                     runs = sorted(t["runs_s"])
-                    table.add_row(str(causal), passes, impl, f"{t['best_s'] * 1e3:.1f}",
-                                  f"{runs[len(runs) // 2] * 1e3:.1f}", f"{ratio:.3f}", f"{t['paired_median']:.3f}")
+                    rows.append([str(causal), passes, impl, f"{t['best_s'] * 1e3:.1f}",
+                                 f"{runs[len(runs) // 2] * 1e3:.1f}", f"{ratio:.3f}", f"{t['paired_median']:.3f}"])
                     results.append(dict(causal=causal, passes=passes, impl=impl, ratio=ratio, **t))
-    console.print(table)
+    # columns that do not fit the width (a pipe: 80) go on in blocks, every cell whole
+    console.print(fitted_table(COLUMNS, rows, title=title, keys=3,
+                               justify=["right" if "ms" in c or "ratio" in c else "left" for c in COLUMNS]))
     for name, value in (("best-time ratio", worst), ("paired median ratio", worst_paired)):
         verdict = "PASS" if value >= GOAL_RATIO else "MISS"
         console.print(f"{verdict}: worst {name} of attnkit.torch MHA over direct SDPA: {value:.3f} "

@@ -218,3 +218,156 @@ def test_heatmap_pools_says_what_heatmap_does(T, width):
     Console(file=out, width=width, color_system=None).print(heatmap(weights, tokens, color=False, width=width))
     assert heatmap_pools(tokens, width) == ("in blocks of" in out.getvalue())
     assert all(f"tok{i} " in out.getvalue() for i in range(T))  # a row per token, named
+
+
+# ------------------------------------------------- compare's table, demo, walkthrough, similarity
+
+
+def _compare_oracle(top: int = 8):
+    """The rows `compare A B --model random` lists: the provider's maps, the library's
+    pattern difference and head summary, largest difference first."""
+    import numpy as np
+
+    from attnkit.viz.providers import get_provider
+    from attnkit.viz.summary import pattern_difference, summarize_heads
+
+    provider = get_provider("random")
+    maps_a, maps_b = provider.attention(A), provider.attention(B)
+    diff = pattern_difference(maps_a, maps_b)
+    sa, sb = summarize_heads(maps_a), summarize_heads(maps_b)
+
+    def describe(summary, ly, h):
+        scores = [f"{code}{min(99, int(round(100 * float(values[ly, h])))):02d}"
+                  for code, values in (("P", summary.previous), ("F", summary.first), ("S", summary.self))]
+        return [str(summary.pattern[ly, h]), *scores, f"{summary.entropy[ly, h]:.1f}b"]
+
+    order = sorted(((float(diff[index]), index) for index in np.ndindex(diff.shape)), reverse=True)[:top]
+    rows = [([str(ly), str(h)], [f"{value:.3f}", *describe(sa, ly, h), *describe(sb, ly, h)])
+            for value, (ly, h) in order]
+    return maps_a, maps_b, rows
+
+
+def _keyed_cells(lines: list[str], keys: list[str]) -> list[str]:
+    """The words after `keys` on every line that opens with them, block after block."""
+    prefix = re.compile(r"^\s*" + r"\s+".join(re.escape(k) for k in keys) + r"(\s|$)")
+    return [word for line in lines if prefix.match(line) for word in prefix.sub("", line).split()]
+
+
+@pytest.mark.parametrize("width", [40, 80, None])
+def test_compare_differ_table_whole_and_maps_unpooled_where_they_fit(width):
+    """The differing heads' table keeps every cell whole (it read `differ…` at 40 columns);
+    each map gets the whole width when half would sum key columns in blocks, so at 80
+    columns (and piped: rich's 80) every key has a column of its own."""
+    from attnkit.viz.terminal import heatmap_pools
+
+    env = {"NO_COLOR": "1", "COLUMNS": "" if width is None else str(width)}
+    result = runner.invoke(app, ["compare", A, B, "--model", "random", "--no-color"], env=env)
+    assert result.exit_code == 0, result.output
+    limit = width or 80
+    views, table = result.stdout.split("Where the patterns differ most")
+    assert "…" not in result.stdout
+    assert all(len(line.rstrip()) <= limit for line in result.stdout.splitlines()), result.stdout
+    maps_a, maps_b, rows = _compare_oracle()
+    # a map sums key columns only when even the whole width holds no column per key
+    pooled = [heatmap_pools(maps.tokens, limit) for maps in (maps_a, maps_b)]
+    assert views.count("in blocks of") == sum(pooled), views
+    assert views.count("columns: keys, same numbers") == 2 - sum(pooled), views
+    if limit >= 80:
+        assert not any(pooled)  # the 15-token sentences fit at 80: no block of keys
+    lines = table.split("difference: mean total variation")[0].splitlines()
+    for header in ("layer", "head", "difference", "A", "B"):
+        assert header in " ".join(lines).split(), (header, table)
+    for keys, cells in rows:
+        assert _keyed_cells(lines, keys) == cells, (keys, table)
+
+
+def _box_rows(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """(first cell, other cells) of each body line of a boxed table ('│' between cells)."""
+    found = []
+    for line in lines:
+        if "│" in line:
+            first, *rest = [cell.strip() for cell in line.split("│")]
+            found.append((first, rest))
+    return found
+
+
+def test_demo_weight_table_whole_at_40_columns():
+    """`attnkit demo` at 40 columns printed 6 cells as `0.…`: now the word columns go on in
+    blocks, each repeating the row's word, every weight whole."""
+    import numpy as np
+
+    from attnkit.cli.demo import DEMO_SENTENCE
+    from attnkit.nn import SingleHeadSelfAttention
+
+    result = runner.invoke(app, ["demo", "--heads", "1"], env={"COLUMNS": "40", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout.split("Attention weights:")[1].split("rows: queries")[0]
+    assert "…" not in text and all(len(line.rstrip()) <= 40 for line in text.splitlines()), text
+    tokens = DEMO_SENTENCE.split()
+    # the oracle: the demo's head on the demo's embeddings (seed 42, d_model 16)
+    x = np.random.default_rng(42).standard_normal((len(tokens), 16)).astype(np.float32)
+    _, weights = SingleHeadSelfAttention(16, 8, seed=42)(x)
+    headers = [word for line in text.splitlines() if "┃" in line for word in line.replace("┃", " ").split()]
+    assert headers == tokens, text  # every word's column, in order, once
+    rows = _box_rows(text.splitlines())
+    for i, token in enumerate(tokens):
+        shown = [cell for first, rest in rows if first == token for cell in rest]
+        assert shown == [f"{w:.3f}" for w in weights[i]], (token, text)
+
+
+def test_walkthrough_matrices_whole_at_30_columns():
+    """Each matrix of `attnkit walkthrough` at 30 columns: every value whole, in blocks that
+    repeat the row names, and the values are the step-by-step math in float64."""
+    import numpy as np
+
+    from attnkit.walkthrough import walkthrough
+
+    result = runner.invoke(app, ["walkthrough"], env={"COLUMNS": "30", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.stdout
+    assert all(len(line.rstrip()) <= 30 for line in result.stdout.splitlines()), result.stdout
+    trace = walkthrough()
+    x = trace.x.astype(np.float64)
+    matrices = [x]
+    for h, head in enumerate(trace.heads):
+        q = x[:, 2 * h:2 * h + 2]  # identity projections: Q = K = V = these columns
+        scores = q @ q.T
+        scaled = scores / np.sqrt(2)
+        weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        truth = [q, scores, scaled, weights, weights @ q]
+        got = [head.query, head.scores, head.scaled_scores, head.weights, head.output]
+        for g, t in zip(got, truth):
+            np.testing.assert_allclose(g, t, atol=1e-6)
+        matrices += got
+    matrices.append(trace.concatenated)
+    # the body rows in order: blocks of (t0, t1, t2); a matrix is one block or several side by side
+    rows = _box_rows(result.stdout.splitlines())
+    blocks = [rows[i:i + 3] for i in range(0, len(rows), 3)]
+    assert all([first for first, _ in block] == ["t0", "t1", "t2"] for block in blocks), rows
+    for matrix in matrices:
+        cells = [[] for _ in range(3)]
+        while len(cells[0]) < matrix.shape[1]:
+            for i, (_, rest) in enumerate(blocks.pop(0)):
+                cells[i] += rest
+        assert cells == [[f"{v:.4f}" for v in row] for row in matrix], (matrix, result.stdout)
+    assert not blocks
+
+
+@pytest.mark.usefixtures("minilm_folder")
+def test_similarity_table_cells_whole_at_40_columns():
+    """`attnkit similarity` at 40 columns cut `about tax…`: now the columns go on in blocks
+    (each repeating # and the text) or, narrower than that, a record per sentence."""
+    import json
+
+    texts = ["A man is eating food.", "A man eats bread.", "The girl carries a baby.", "About taxes and roads."]
+    data = json.loads(runner.invoke(app, ["similarity", *texts, "--json"]).stdout)
+    matrix = data["similarity"]
+    columns = ["#", "text", *(str(i) for i in range(len(texts)))]
+    rows = [[str(i), text, *("—" if j == i else f"{v:.3f}" for j, v in enumerate(row))]
+            for i, (text, row) in enumerate(zip(texts, matrix))]
+    for width in (40, 80):
+        result = runner.invoke(app, ["similarity", *texts], env={"COLUMNS": str(width), "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        out = result.stdout.split("cosine similarity", 1)[1].split("bold: each sentence")[0]
+        check_table(out, BenchReport("similarity", columns, rows, []), width, 2)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import typer
+from rich.box import HEAVY_HEAD
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from attnkit.cli._app import app, check_int, check_text, console, usage, use_color
+from attnkit.viz.tables import fitted_table
 from attnkit.viz.text import printable
 
 DEMO_SENTENCE = "The cat sat on the mat"
@@ -23,22 +24,20 @@ MAX_HEADS = 64
 
 
 def _weight_table(weights: np.ndarray, tokens: list[str], title: str) -> Group:
-    table = Table(show_edge=False, pad_edge=False)
-    table.add_column("", style="bold")
-    for token in tokens:
-        table.add_column(Text(printable(token)), justify="right")
-    for token, row in zip(tokens, weights):
-        table.add_row(Text(printable(token)), *(f"{w:.3f}" for w in row))
+    """(T, T) weights with a row and a column per word; at a width where the columns do not
+    fit they go on in blocks, each repeating the row's word (every value whole)."""
+    words = [printable(token) for token in tokens]
+    rows = [[Text(word, style="bold"), *(f"{w:.3f}" for w in row)] for word, row in zip(words, weights)]
+    table = fitted_table(["", *words], rows, keys=1, justify=["left"] + ["right"] * len(words), box=HEAVY_HEAD)
     return Group(Text(title, style="italic"), table)
 
 
 def _matrix_table(matrix: np.ndarray, title: str, labels: list[str] | None = None) -> Group:
-    table = Table(show_header=labels is not None, show_edge=False)
-    table.add_column("", style="bold")
-    for label in labels or [""] * matrix.shape[1]:
-        table.add_column(label, justify="right")
-    for i, row in enumerate(matrix):
-        table.add_row(f"t{i}", *(f"{v:.4f}" for v in row))
+    """A (T, D) matrix, rows t0, t1, ...; columns in blocks when they do not fit the width."""
+    columns = ["", *(labels or [""] * matrix.shape[1])]
+    rows = [[Text(f"t{i}", style="bold"), *(f"{v:.4f}" for v in row)] for i, row in enumerate(matrix)]
+    table = fitted_table(columns, rows, keys=1, justify=["left"] + ["right"] * matrix.shape[1], box=HEAVY_HEAD,
+                         show_header=labels is not None)
     return Group(Text(title, style="italic"), table)
 
 

@@ -213,7 +213,8 @@ def similarity(
 ) -> None:
     """Print the cosine similarity of every pair of sentences."""
     import numpy as np
-    from rich.table import Table
+
+    from attnkit.viz.tables import fitted_table
 
     _check_sizes(batch_size, threads)
     check_backend(backend)
@@ -239,11 +240,7 @@ def similarity(
         console.print(Text.assemble("cosine similarity: ", (f"{matrix[0, 1]:.4f}", "bold")))
         console.print(Text.assemble("  A: ", _short(sentences[0], 70), "\n  B: ", _short(sentences[1], 70)))
         return
-    table = Table(title="cosine similarity", show_edge=False)
-    table.add_column("#", justify="right")
-    table.add_column("text")
-    for index in range(len(sentences)):
-        table.add_column(str(index), justify="right")
+    rows = []
     for index, (text, row) in enumerate(zip(sentences, matrix)):
         others = np.delete(np.arange(len(row)), index)
         closest = others[np.argmax(row[others])]
@@ -251,6 +248,9 @@ def similarity(
         for j, value in enumerate(row):
             cell = "—" if j == index else f"{value:.3f}"
             cells.append(Text(cell, style="bold" if j == closest else ""))
-        table.add_row(str(index), _short(text, 40), *cells)
-    console.print(table)
+        rows.append([str(index), _short(text, 40), *cells])
+    # the columns go on in blocks when they do not fit, each block repeating # and text
+    columns = ["#", "text", *(str(index) for index in range(len(sentences)))]
+    console.print(fitted_table(columns, rows, title="cosine similarity", keys=2,
+                               justify=["right", "left"] + ["right"] * len(sentences)))
     console.print("bold: each sentence's closest match", style="dim")

@@ -165,10 +165,10 @@ def compare(
 ) -> None:
     """The same model on two sentences, side by side, and the heads whose patterns differ most."""
     import numpy as np
-    from rich.table import Table
 
     from attnkit.viz.summary import pattern_difference, summarize_heads
-    from attnkit.viz.terminal import maps_heatmap, side_by_side
+    from attnkit.viz.tables import fitted_table
+    from attnkit.viz.terminal import heatmap_pools, maps_heatmap, side_by_side
 
     _check_texts(max_tokens, ("A", text_a), ("B", text_b))
     check_int("--top", top, 0)
@@ -179,17 +179,17 @@ def compare(
     maps_a, maps_b = (full_a.hide_special(), full_b.hide_special()) if hide_special else (full_a, full_b)
     layer, chosen = _selection(maps_a, layer, head, mean)
     color = use_color(no_color)
+    # side by side when both fit at half the width with a column per key; else each map
+    # gets the whole width and they stand one under the other
     half = max(30, (console.width - 3) // 2)
-    left = maps_heatmap(maps_a, layer, chosen, color=color, width=half, log_scale=log_scale)
-    right = maps_heatmap(maps_b, layer, chosen, color=color, width=half, log_scale=log_scale)
+    width = console.width if any(heatmap_pools(m.tokens, half) for m in (maps_a, maps_b)) else half
+    left = maps_heatmap(maps_a, layer, chosen, color=color, width=width, log_scale=log_scale)
+    right = maps_heatmap(maps_b, layer, chosen, color=color, width=width, log_scale=log_scale)
     console.print(side_by_side(left, right))
 
     diff = pattern_difference(maps_a, maps_b)
     same_length = maps_a.num_tokens == maps_b.num_tokens
     sa, sb = summarize_heads(maps_a), summarize_heads(maps_b)
-    table = Table(title="Where the patterns differ most", box=None, padding=(0, 1))
-    for name in ("layer", "head", "difference", "A", "B"):
-        table.add_column(name, justify="right" if name in ("layer", "head", "difference") else "left")
     order = sorted(((float(diff[index]), index) for index in np.ndindex(diff.shape)), reverse=True)
     def describe(summary, ly: int, h: int) -> str:
         """'first P03 F91 S02 1.2b': the pattern, the three scores in %, the entropy in bits."""
@@ -199,10 +199,11 @@ def compare(
         )
         return f"{summary.pattern[ly, h]:<8} {scores} {summary.entropy[ly, h]:.1f}b"
 
-    for value, (ly, h) in order[:top]:
-        table.add_row(str(ly), str(h), f"{value:.3f}", describe(sa, ly, h), describe(sb, ly, h))
-    console.print()
-    console.print(table)
+    rows = [[str(ly), str(h), f"{value:.3f}", describe(sa, ly, h), describe(sb, ly, h)]
+            for value, (ly, h) in order[:top]]
+    console.print()  # at a width where the five columns do not fit, blocks that repeat layer and head
+    console.print(fitted_table(["layer", "head", "difference", "A", "B"], rows, title="Where the patterns differ most",
+                               keys=2, justify=["right"] * 3 + ["left"] * 2, box=None))
     how = (
         "difference: mean total variation distance of matching rows (0 same, 1 disjoint)"
         if same_length

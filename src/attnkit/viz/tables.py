@@ -68,40 +68,53 @@ class FittedTable:
     def _cells_width(self, j: int) -> int:
         return max((row[j].cell_len for row in self.rows), default=0)
 
-    def _table(self, indices: Sequence[int], widths: dict[int, int] | None) -> Table:
-        """The columns `indices`; `widths` fixes a column's width (its header wraps at spaces)."""
+    def _widest(self) -> list[Text]:
+        """One row holding each column's widest cell: a table of it measures as wide as the
+        whole table (every column is as wide as its widest cell), at a cost that does not
+        grow with the rows."""
+        def width(cell: Text) -> int:
+            return max((cell_len(line) for line in cell.plain.split("\n")), default=0)
+
+        return [max((row[j] for row in self.rows), key=width, default=Text("")) for j in range(len(self.columns))]
+
+    def _table(self, indices: Sequence[int], widths: dict[int, int] | None,
+               rows: Sequence[Sequence[Text]] | None = None) -> Table:
+        """The columns `indices` of `rows` (default: all rows); `widths` fixes a column's width
+        (its header wraps at spaces)."""
         table = Table(box=self.box, header_style=self.header_style, show_edge=False, pad_edge=False,
                       padding=(0, 1), show_header=self.show_header)
         for j in indices:
             width = None if widths is None else widths.get(j)
             table.add_column(Text(self.columns[j]), justify=self.justify[j], width=width,
                              no_wrap=width is None, overflow="fold")
-        for row in self.rows:
+        for row in self.rows if rows is None else rows:
             table.add_row(*(row[j] for j in indices))
         return table
 
     def blocks(self, console, options) -> list[Table]:
         """The tables to print at `options.max_width`: one when everything fits, else blocks."""
         width = options.max_width
+        widest = [self._widest()]
 
-        def fits(table: Table) -> bool:
+        def fits(indices: Sequence[int], widths: dict[int, int] | None) -> bool:
+            """Whether the columns `indices` fit the width (measured on the widest cells only)."""
+            table = self._table(indices, widths, widest)
             return Measurement.get(console, options.update(width=10**6), table).maximum <= width
 
         everything = range(len(self.columns))
-        whole = self._table(everything, None)
-        if fits(whole):
-            return [whole]
+        if fits(everything, None):
+            return [self._table(everything, None)]
         # headers wrapped at their spaces: a column is as wide as its widest cell or header word
         narrow = {j: max(self._cells_width(j), _longest_word(self.columns[j]), 1) for j in everything}
-        if fits(self._table(everything, narrow)):
+        if fits(everything, narrow):
             return [self._table(everything, narrow)]
         keys = list(range(self.keys))
         blocks: list[list[int]] = []
         current: list[int] = []
         for j in range(self.keys, len(self.columns)):
-            if not fits(self._table(keys + [j], narrow)):  # not even one column beside the keys
+            if not fits(keys + [j], narrow):  # not even one column beside the keys
                 return [self._records(width)]
-            if current and not fits(self._table(keys + current + [j], narrow)):
+            if current and not fits(keys + current + [j], narrow):
                 blocks.append(current)
                 current = []
             current.append(j)
@@ -110,15 +123,10 @@ class FittedTable:
             rest = [j for block in blocks for j in block]
             size = math.ceil(len(rest) / len(blocks))
             even = [rest[i:i + size] for i in range(0, len(rest), size)]
-            if len(even) == len(blocks) and all(fits(self._table(keys + block, narrow)) for block in even):
+            if len(even) == len(blocks) and all(fits(keys + block, narrow) for block in even):
                 blocks = even
-        tables = []
-        for block in blocks:
-            table = self._table(keys + block, None)  # headers whole where the block allows
-            if not fits(table):
-                table = self._table(keys + block, narrow)
-            tables.append(table)
-        return tables
+        # headers whole where the block allows
+        return [self._table(keys + block, None if fits(keys + block, None) else narrow) for block in blocks]
 
     def _records(self, width: int) -> Table:
         """Each row as a record, one `column  value` line per cell, records apart by a blank

@@ -170,6 +170,10 @@ CASES = [
     ("chat", ["chat", "--system-file", "binary.bin"], None, 1, "--system-file binary.bin is not valid UTF-8: byte 0x80"),
     ("demo", ["demo", "--text", "a " + BAD], None, 2, "--text is not valid UTF-8: byte 0xff at offset 2"),
     ("serve", ["serve", "--host", BAD], None, 2, "--host is not valid UTF-8"),
+    ("heads", ["heads", "hi", "-m", "gpt5"], None, 1, "unknown model 'gpt5': expected one of minilm, smollm2"),
+    ("heads", ["heads", "hi", "--top", "-1"], None, 2, "expected --top >= 0, got -1"),
+    ("lens", ["lens", "hi", "--top", "0"], None, 2, "expected --top in 1..5, got 0"),
+    ("patch", ["patch", "--clean", "a"], None, 2, "missing option '--corrupt'"),
     # files that cannot be read
     ("embed", ["embed", "--file", "sub"], None, 1, "cannot read --file sub: it is a folder"),
     ("embed", ["embed", "--file", "none.txt"], None, 1, "cannot read --file none.txt: no such file or directory"),

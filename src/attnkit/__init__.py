@@ -37,10 +37,10 @@ _LAZY = {
     "record_attention": "nn.interface",
 }
 # Subpackages reachable as attributes, imported on first access.
-_SUBMODULES = ("functional", "masks", "nn", "models", "viz")
+_SUBMODULES = ("functional", "masks", "nn", "models", "interpret", "viz")
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ loads these
-    from attnkit import functional, masks, models, nn, viz  # noqa: F401
+    from attnkit import functional, interpret, masks, models, nn, viz  # noqa: F401
     from attnkit.functional import (  # noqa: F401
         ATTENTION_BACKENDS,
         AttentionGrads,

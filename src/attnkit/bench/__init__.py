@@ -53,6 +53,7 @@ SUITES: dict[str, str] = {
     "distributed": "attnkit.bench.distributed",
     "cache": "attnkit.bench.cache",
     "hf": "attnkit.bench.hf",
+    "interpret": "attnkit.bench.interpret",
 }
 
 

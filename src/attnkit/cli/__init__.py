@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from attnkit.cli import _interrupt
 
 # Command modules: each registers its commands on `app` when imported.
-_SUBMODULES = ("demo", "bench", "embed", "viz", "train", "generate", "chat", "models")
+_SUBMODULES = ("demo", "bench", "embed", "viz", "train", "generate", "chat", "models", "interpret")
 
 if TYPE_CHECKING:
     from attnkit.cli._app import app

@@ -103,6 +103,43 @@ def _wrote(what: str) -> None:
     say("wrote " + what)
 
 
+FLOW_PROBLEMS_NOTED = 2000
+"""`show --flow` warns that it will be slow above this many max-flow problems (layers x T²)."""
+_ROLLOUT_HELP = ("Show attention rollout instead (Abnar & Zuidema): per layer, how much each input token "
+                 "is in each token after that layer; heads averaged, residual folded in.")
+_FLOW_HELP = ("Show attention flow instead (Abnar & Zuidema): per layer, the maximum flow from each token "
+              "down to each input token; slow on long texts.")
+_VALUE_WEIGHTED_HELP = ("Show value-weighted attention instead (Kobayashi et al.): the norm of what each key "
+                        "token adds, ||weight x value x output projection||, rows scaled to sum to 1.")
+
+
+def _derived_kind(rollout: bool, flow: bool, value_weighted: bool, mean: bool, head: int) -> str:
+    """Which map `show` draws: 'attention', or one of the derived maps (at most one flag)."""
+    chosen = [name for name, on in (("rollout", rollout), ("flow", flow), ("value-weighted", value_weighted)) if on]
+    if len(chosen) > 1:
+        usage(f"--{chosen[0]} and --{chosen[1]} exclude each other; choose one map to show")
+    kind = chosen[0] if chosen else "attention"
+    if kind in ("rollout", "flow") and (mean or head != 0):
+        usage(f"--{kind} averages the heads itself: it has one map per layer, so --head and --mean do not apply")
+    return kind
+
+
+def _derive(maps, kind: str, model: str):
+    """`maps`, or the map `kind` derived from them (viz/derived.py), or a clean exit with the reason."""
+    if kind == "attention":
+        return maps
+    from attnkit.viz.derived import derive
+
+    problems = maps.num_layers * maps.num_tokens ** 2
+    if kind == "flow" and problems > FLOW_PROBLEMS_NOTED:
+        warn(f"attention flow on {maps.num_tokens} tokens and {maps.num_layers} layers solves {problems} "
+             "maximum-flow problems; this can take minutes (--rollout is immediate)")
+    try:
+        return derive(maps, kind, model=model)
+    except (ValueError, TypeError, OSError, KeyError) as error:
+        fail(str(error))
+
+
 @app.command()
 def show(
     text: str = typer.Argument(..., help="The sentence to look at."),
@@ -124,21 +161,29 @@ def show(
     max_tokens: int = typer.Option(
         512, "--max-tokens", help=f"Truncate longer texts to this many tokens (at most {MAX_TOKENS})."
     ),
+    rollout: bool = typer.Option(False, "--rollout", help=_ROLLOUT_HELP),
+    flow: bool = typer.Option(False, "--flow", help=_FLOW_HELP),
+    value_weighted: bool = typer.Option(False, "--value-weighted", help=_VALUE_WEIGHTED_HELP),
 ) -> None:
     """Show where a model's attention goes on TEXT: heatmap of one head and a summary of all."""
     from attnkit.viz.summary import summarize_heads
     from attnkit.viz.terminal import maps_heatmap, summary_table
 
     _check_texts(max_tokens, ("TEXT", text))
+    kind = _derived_kind(rollout, flow, value_weighted, mean, head)
     model_option(model, ANY, "show")
     outputs = _plan_views(png, html)
-    maps = _compute(text, model, max_tokens)
-    layer, chosen = _selection(maps, layer, head, mean)
+    maps = _derive(_compute(text, model, max_tokens), kind, model)
+    layer, chosen = _selection(maps, layer, 0 if kind in ("rollout", "flow") else head, mean)
     color = use_color(no_color)
     shown = maps.hide_special() if hide_special else maps
     console.print(maps_heatmap(shown, layer, chosen, color=color, values=values, width=console.width,
                                log_scale=log_scale))
-    if summary:
+    if kind != "attention":
+        from attnkit.viz.derived import DESCRIPTIONS
+
+        console.print(DESCRIPTIONS[kind], style="dim")
+    if summary and kind not in ("rollout", "flow"):  # one map per layer: the heatmap is all there is
         console.print()
         console.print(summary_table(summarize_heads(shown), color=color))
     _write_views(outputs, maps, layer, chosen, hide_special=hide_special, log_scale=log_scale)

@@ -62,7 +62,7 @@ from attnkit.models.sentence import (
     read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
-from attnkit.nn.interface import AttentionModule, active_recorders, record_attention
+from attnkit.nn.interface import AttentionModule, active_edits, active_recorders, record_attention
 from attnkit.nn.layers import gelu
 from attnkit.runtime import FastestSchedule, blas_threads, cpu_count, renamed_keyword
 
@@ -288,7 +288,8 @@ class BertModel(Module):
         Attention: a padded batch attends through each layer's attention module
         (`attend`: its backend, recorded by `record_attention`). A packed batch
         runs `attnkit.functional.varlen_attention` with the module's backend
-        ("naive" or "flash"); while the model is recorded, or for a backend
+        ("naive" or "flash"); while the model is recorded or intervened on
+        (`attnkit.nn.interface.intervene`), or for a backend
         varlen_attention does not know (one registered by a user), it goes
         through `attend` instead, for groups of up to ATTENTION_GROUP
         consecutive sequences padded to the group's longest.
@@ -394,10 +395,10 @@ class BertModel(Module):
         H, E = self.config.num_attention_heads, self.config.head_dim
         N = qkv.shape[0]
         heads = qkv.reshape(N, 3, H, E)
-        if module.backend in VARLEN_BACKENDS and not active_recorders(module):
+        if module.backend in VARLEN_BACKENDS and not (active_recorders(module) or active_edits(module)):
             out = varlen_attention(heads[:, 0], heads[:, 1], heads[:, 2], cu, cu, backend=module.backend)
             return out.reshape(N, H * E)
-        # Through `attend` (recorded, or a backend varlen_attention does not know): pad
+        # Through `attend` (recorded, edited, or a backend varlen_attention does not know): pad
         # groups of consecutive sequences into contiguous (3, G, H, L, E) heads, masked.
         context = np.empty((N, H * E), qkv.dtype)
         lengths = np.diff(cu)

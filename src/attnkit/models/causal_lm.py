@@ -1,8 +1,10 @@
 """The `CausalLM` base class of attnkit's decoders: forward, generation, streaming, attention maps.
 
-Every decoder (Llama/SmolLM2, GPT-2) subclasses `CausalLM` and supplies three
-things: `new_cache`, `_hidden_states` (embeddings -> blocks -> final norm) and
-`_logits` (the output head). Everything else is written once here:
+Every decoder (Llama/SmolLM2, GPT-2) subclasses `CausalLM` and supplies
+`new_cache`, the residual stream piece by piece (`embed_inputs`, `run_layers` from
+any layer to any layer, `final_norm`: `_hidden_states` composes them, and
+`attnkit.interpret` reads and patches between them) and `_logits` (the output
+head). Everything else is written once here:
 
 - `model(input_ids)` -> logits (B, T, vocab), through a KV cache (a fresh one if
   none is given), so the same code path serves prompts and decode steps.
@@ -93,12 +95,48 @@ class CausalLM(Module):
         raise NotImplementedError
 
     def _hidden_states(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
-        """ids (B, T), positions (B, T) -> final hidden states (B, T, d)."""
-        raise NotImplementedError
+        """ids (B, T), positions (B, T) -> final hidden states (B, T, d): embed_inputs, every
+        layer (run_layers), final_norm. A subclass implements those three, or this."""
+        return self.final_norm(self.run_layers(self.embed_inputs(ids, positions), positions, cache))
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         """(B, T, d) -> (B, T, vocab) float32."""
         raise NotImplementedError
+
+    # -- the residual stream, piece by piece (what attnkit.interpret reads and patches) ------
+    def embed_inputs(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The residual stream before the first layer.
+
+        Arguments:
+            ids, positions: (B, T) integer token ids and their positions.
+
+        Returns:
+            (B, T, d) in the dtype the model carries its residual stream in (Llama: float64).
+        """
+        raise NotImplementedError
+
+    def run_layers(
+        self, x: np.ndarray, positions: np.ndarray, cache: KVCache, start: int = 0, stop: int | None = None
+    ) -> np.ndarray:
+        """Layers `start` .. `stop - 1` (default: to the last) on the residual stream.
+
+        Arguments:
+            x: (B, T, d) the residual stream entering layer `start` (never written to).
+            positions: (B, T) the tokens' positions.
+            cache: the KV cache those layers append to (layers below `start` are not touched).
+
+        Returns:
+            (B, T, d) the residual stream leaving layer `stop - 1`.
+        """
+        raise NotImplementedError
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """The final norm: residual stream (B, T, d) -> hidden states in the parameters' dtype."""
+        raise NotImplementedError
+
+    def unembed(self, hidden: np.ndarray) -> np.ndarray:
+        """Hidden states (B, T, d) (after `final_norm`) -> logits (B, T, vocab)."""
+        return self._logits(hidden)
 
     # -- forward ---------------------------------------------------------------------------
     @property

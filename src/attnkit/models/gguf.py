@@ -5,13 +5,15 @@ GGUF is llama.cpp's single-file format: a header of typed key/value metadata
 the chat template) followed by tensors, often quantized in blocks (Q4_1 stores
 32 weights as 4-bit integers with one float16 scale and one float16 minimum).
 
-The `gguf` package (the reference reader, maintained in llama.cpp; the pip
-extra `attnkit[gguf]`) parses the file and dequantizes, through its public API
-only (`gguf.GGUFReader`, `gguf.quants.dequantize`, `gguf.GGML_QUANT_SIZES`).
+attnkit reads the layout itself (`attnkit.models.gguf_layout`, from a memory map, every
+length and offset checked against the file); the `gguf` package (llama.cpp's reference, the
+pip extra `attnkit[gguf]`) dequantizes tensors to float32 through its public API
+(`gguf.quants.dequantize`). `attnkit.models.quantized` runs the blocks without dequantizing.
 This module knows the format and nothing about any one model:
 
     gguf_file = GGUFFile(path)                    # metadata, tensor shapes and types
     gguf_file.tensor("token_embd.weight")         # one tensor, float32
+    gguf_file.raw("token_embd.weight")            # its stored blocks, a view of the map
     tokenizer = tokenizer_from_gguf(gguf_file)    # the `tokenizer.*` keys, rebuilt
     check_metadata_keys(gguf_file, ...)           # every key read, harmless, or refused
 
@@ -24,6 +26,7 @@ is in `attnkit.models.llama`. `attnkit.models.auto` picks the model class by
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnkit.models.checkpoint import CheckpointError, ConfigReader, TensorInfo, is_model_file
+from attnkit.models.gguf_layout import GGML_TYPES, read_layout
 from attnkit.runtime import require
 
 __all__ = [
@@ -117,20 +121,17 @@ def check_tensor_table(
     """Refuse a tensor table that llama.cpp's loader (`gguf_init_from_file_impl`) would refuse.
 
     For each tensor, in file order: at most 4 dims, each >= 0; a name shorter than 64 bytes,
-    seen once; a type GGML knows (`gguf.GGML_QUANT_SIZES`); a first dim that is a multiple
-    of the type's block size; a data offset that is a multiple of `general.alignment` and
-    equals the running sum of the previous tensors' byte sizes, each padded to the
-    alignment (so no overlap, no gap, no reordering); its bytes (type size x elements /
-    block size) inside the file. And, beyond llama.cpp: nothing after the last tensor's padded
-    data (which a changed type of the last tensor would leave). Nothing is read from the data
-    section.
+    seen once; a type GGML knows (`GGML_TYPES`, the gguf package's `GGML_QUANT_SIZES`); a
+    first dim that is a multiple of the type's block size; a data offset that is a multiple
+    of `general.alignment` and equals the running sum of the previous tensors' byte sizes,
+    each padded to the alignment (so no overlap, no gap, no reordering); its bytes (type size
+    x elements / block size) inside the file. And, beyond llama.cpp: nothing after the last
+    tensor's padded data (which a changed type of the last tensor would leave). Nothing is
+    read from the data section.
 
     Raises:
         CheckpointError: naming the file, the tensor, the field, what was expected and found.
     """
-    gguf = _gguf()
-    sizes = gguf.GGML_QUANT_SIZES
-    known = {int(kind): kind for kind in sizes}
     seen: set[str] = set()
     expected_offset = 0
     for entry in entries:
@@ -142,13 +143,13 @@ def check_tensor_table(
         seen.add(entry.name)
         if not 1 <= len(entry.dims) <= _GGML_MAX_DIMS:
             raise CheckpointError(f"{where}: expected 1 to {_GGML_MAX_DIMS} dims (n_dims), got {len(entry.dims)}")
-        kind = known.get(entry.raw_type)
+        kind = GGML_TYPES.get(entry.raw_type)
         if kind is None:
             raise CheckpointError(
                 f"{where}: type is {entry.raw_type}, which is not a GGML tensor type; expected one of "
-                f"{', '.join(f'{int(k)} ({k.name})' for k in sizes)}"
+                f"{', '.join(f'{k.number} ({k.name})' for k in GGML_TYPES.values())}"
             )
-        block_size, type_size = sizes[kind]
+        block_size, type_size = kind.block_size, kind.type_size
         if entry.dims[0] % block_size:
             raise CheckpointError(
                 f"{where}: type {kind.name} stores blocks of {block_size} values, but its first dimension is "
@@ -190,42 +191,16 @@ def check_tensor_table(
         )
 
 
-def _reader_class():
-    """`gguf.GGUFReader` that checks the tensor table (`check_tensor_table`) before it builds
-    any tensor view: a type it does not know would otherwise surface as the enum's error, and
-    data past the end of the file as NumPy's."""
-    gguf = _gguf()
-
-    class CheckedReader(gguf.GGUFReader):
-        checked = False
-
-        def _build_tensors(self, start_offs, fields):  # the reader's step after the tensor-info table
-            entries = [
-                GGUFTensorEntry(
-                    str(bytes(field.parts[1]), encoding="utf-8"),
-                    tuple(int(n) for n in field.parts[3].tolist()),
-                    int(field.parts[4][0]),
-                    int(field.parts[5][0]),
-                )
-                for field in fields
-            ]
-            check_tensor_table(entries, data_start=int(start_offs), alignment=int(self.alignment),
-                               file_size=int(self.data.shape[0]), source=self._path)
-            self.checked = True
-            return super()._build_tensors(start_offs, fields)
-
-        def __init__(self, path):
-            self._path = path
-            super().__init__(path)
-
-    return CheckedReader
-
-
 class GGUFFile:
     """An opened GGUF file: `metadata` (a dict of plain Python values) and its tensors.
 
-    Tensors are memory-mapped; `tensor_infos` gives their shapes and types without reading
-    them, and `tensor(name)` dequantizes one.
+    The file is memory-mapped and its header read by attnkit's own reader of the GGUF layout
+    (`attnkit.models.gguf_layout`: numeric arrays in one NumPy call each, no Python object per
+    vocabulary entry beyond its string); the tensor table is checked (`check_tensor_table`)
+    before any tensor is touched. `tensor_infos` gives shapes and types without reading data;
+    `tensor(name)` dequantizes one to float32 (`attnkit.kernels.quant.dequantize` for the types
+    it knows, value for value the gguf package's; the package for the others);
+    `raw(name)` is its stored blocks, a read-only view of the map (no copy).
 
     Arguments:
         path: the `.gguf` file.
@@ -233,43 +208,28 @@ class GGUFFile:
     Raises:
         ValueError: the file does not exist, is not GGUF, or its header is truncated or corrupt;
             the message names the file.
-        MissingExtraError: the `gguf` package is not installed (`pip install 'attnkit[gguf]'`).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         _check_magic(self.path)
-        reader_class = _reader_class()  # a MissingExtraError naming the extra, outside the try below
         try:
-            self._reader = reader_class(self.path)
-            if not self._reader.checked:  # a gguf release whose reader no longer has the hook
-                reader = self._reader
-                check_tensor_table(
-                    [GGUFTensorEntry(t.name, tuple(int(n) for n in t.shape.tolist()), int(t.tensor_type),
-                                     int(t.data_offset) - int(reader.data_offset)) for t in reader.tensors],
-                    data_start=int(reader.data_offset), alignment=int(reader.alignment),
-                    file_size=int(reader.data.shape[0]), source=self.path,
-                )
-            self.metadata: dict[str, Any] = {
-                key: field.contents() for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
-            }
-            self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
-            self.tensor_infos: dict[str, TensorInfo] = {
-                tensor.name: TensorInfo(
-                    tuple(int(n) for n in reversed(tensor.shape.tolist())),  # GGML lists dims fastest-first
-                    tensor.tensor_type.name,
-                    self.path,
-                )
-                for tensor in self._reader.tensors
-            }
-        except CheckpointError:
+            layout = read_layout(self.path)
+        except ValueError:
             raise
-        except Exception:  # noqa: BLE001 - a third-party parser on untrusted bytes; none may escape
-            # The reader's own errors are NumPy's ("index 0 is out of bounds for axis 0 ..."),
-            # which say nothing about the file, so the message is ours.
-            raise ValueError(
-                f"could not read GGUF file {str(self.path)!r}: its header or tensor table is truncated or corrupt"
-            ) from None
+        except (OSError, OverflowError, MemoryError, struct.error) as error:
+            raise ValueError(f"could not read GGUF file {str(self.path)!r}: {error}") from None
+        entries = [GGUFTensorEntry(t.name, t.dims, t.raw_type, t.offset) for t in layout.tensors]
+        check_tensor_table(entries, data_start=layout.data_start, alignment=layout.alignment,
+                           file_size=layout.file_size, source=self.path)
+        self._buffer = layout.buffer
+        self._data_start = layout.data_start
+        self.metadata: dict[str, Any] = layout.metadata
+        self._entries = {entry.name: entry for entry in entries}
+        self.tensor_infos: dict[str, TensorInfo] = {
+            entry.name: TensorInfo(tuple(reversed(entry.dims)), GGML_TYPES[entry.raw_type].name, self.path)
+            for entry in entries  # GGML lists dims fastest-first
+        }
 
     @property
     def architecture(self) -> str:
@@ -277,7 +237,7 @@ class GGUFFile:
 
     @property
     def tensor_names(self) -> list[str]:
-        return list(self._tensors)
+        return list(self._entries)
 
     def tensor_type(self, name: str) -> str:
         """The GGML type name of tensor `name` (`"Q4_1"`, `"F32"`, ...)."""
@@ -287,6 +247,23 @@ class GGUFFile:
         if name not in self.tensor_infos:
             raise ValueError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
         return self.tensor_infos[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s stored bytes as a read-only uint8 view of the map, (rows, bytes per row).
+
+        Rows are the NumPy shape's leading dims flattened; a row holds `shape[-1]` values in
+        blocks of the type (`GGML_TYPES`). Nothing is copied or read until used.
+        """
+        self._info(name)  # an unknown name is a ValueError naming the file
+        entry = self._entries[name]
+        kind = GGML_TYPES[entry.raw_type]
+        columns = entry.dims[0]
+        rows = 1
+        for n in entry.dims[1:]:
+            rows *= n
+        row_bytes = columns // kind.block_size * kind.type_size
+        start = self._data_start + entry.offset
+        return self._buffer[start:start + rows * row_bytes].reshape(rows, row_bytes)
 
     def check_tensor_types(self, names: Any = None) -> None:
         """Refuse, before anything is dequantized, a tensor whose GGML type has no dequantizer.
@@ -312,23 +289,29 @@ class GGUFFile:
         Raises:
             ValueError: no tensor of that name, a type with no dequantizer, or data that does
                 not fit its shape; naming the file and the tensor.
+            MissingExtraError: the gguf package (the dequantizer of the types attnkit does not
+                dequantize itself) is not installed.
         """
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+        from attnkit.kernels.quant import QUANT_TYPES, dequantize as dequantize_blocks
 
-        self.check_tensor_types([name])
         info = self._info(name)
-        tensor = self._tensors[name]
-        kind = tensor.tensor_type
+        if info.dtype not in QUANT_TYPES and info.dtype != "F64":
+            self.check_tensor_types([name])
+        raw = self.raw(name)
         try:
-            if kind == GGMLQuantizationType.F64:
-                values = np.asarray(tensor.data).view(np.float64).astype(np.float32)
+            if info.dtype == "F64":
+                values = raw.view(np.float64).astype(np.float32)
+            elif info.dtype in QUANT_TYPES:  # attnkit's NumPy reference, value for value the package's
+                values = dequantize_blocks(raw, info.dtype, info.shape[-1] if info.shape else 1)
             else:
-                values = dequantize(tensor.data, kind)
+                gguf = _gguf()
+                from gguf.quants import dequantize
+
+                values = dequantize(raw, gguf.GGMLQuantizationType[info.dtype])
             return np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape)
         except (ValueError, IndexError, TypeError, NotImplementedError):
             raise ValueError(
-                f"could not read tensor {name!r} ({kind.name}, shape {info.shape}) from {str(self.path)!r}: "
+                f"could not read tensor {name!r} ({info.dtype}, shape {info.shape}) from {str(self.path)!r}: "
                 "its data is truncated or does not match its type and shape"
             ) from None
 

@@ -178,10 +178,15 @@ class GPT2LMHeadModel(CausalLM):
         head_dim = c.hidden_size // c.num_heads
         return KVCache(c.num_layers, batch_size, c.num_heads, head_dim, max_length, dtype=self.dtype)
 
-    def _hidden_states(self, ids, positions, cache):
-        x = self.embed.weight[ids] + self.pos_embed.weight[positions]  # (B, T, d)
-        for index, block in enumerate(self.layers):
-            x = block(x, cache, index)
+    def embed_inputs(self, ids, positions):
+        return self.embed.weight[ids] + self.pos_embed.weight[positions]  # (B, T, d)
+
+    def run_layers(self, x, positions, cache, start=0, stop=None):
+        for index in range(start, len(self.layers) if stop is None else stop):
+            x = self.layers[index](x, cache, index)
+        return x
+
+    def final_norm(self, x):
         return self.norm(x)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -72,6 +72,14 @@ from attnkit.models.checkpoint import (
 )
 from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gguf import GGUFFile, check_metadata_keys, tokenizer_from_gguf
+from attnkit.models.quantized import (
+    QuantizedCausalSelfAttention,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedSwiGLU,
+    QuantizedTensor,
+    quantized_types,
+)
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, RotaryEmbedding, SwiGLU
 from attnkit.nn.linear import Linear
@@ -599,21 +607,26 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_length, dtype=self.dtype)
 
-    def _hidden_states(self, ids, positions, cache):
+    def embed_inputs(self, ids, positions):
         # The residual stream is carried in float64: 30 layers each add a float32
         # sublayer output to it, and rounding those sums in float32 doubled the
         # logits' distance from transformers (1.04e-4 -> 7.9e-5 on SmolLM2). It is
         # one d-wide vector per token, so this costs nothing next to the matmuls.
-        x = self.embed.weight[ids].astype(np.float64)  # (B, T, d)
+        return self.embed.weight[ids].astype(np.float64)  # (B, T, d)
+
+    def run_layers(self, x, positions, cache, start=0, stop=None):
         cos, sin = self.rotary.cos_sin(positions)  # (B, T, E) each
-        for index, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache, index)
-        return self.norm(x).astype(self.embed.weight.dtype, copy=False)
+        for index in range(start, len(self.layers) if stop is None else stop):
+            x = self.layers[index](x, cos, sin, cache, index)
+        return x
+
+    def final_norm(self, x):
+        return self.norm(x).astype(self.norm.weight.dtype, copy=False)  # the parameters' dtype
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         source = self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if self._head_from is not source:
-            self._head_t = np.ascontiguousarray(source.T)  # (d, vocab)
+        if self._head_from is not source:  # (d, vocab); blocks stay blocks (`QuantizedTensor.T`)
+            self._head_t = source.T if isinstance(source, QuantizedTensor) else np.ascontiguousarray(source.T)
             self._head_from = source
         return hidden @ self._head_t  # (B, T, vocab)
 
@@ -628,14 +641,19 @@ class LlamaForCausalLM(CausalLM):
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile) -> "LlamaForCausalLM":
-        """Load a llama.cpp GGUF file (weights dequantized to float32, tokenizer from metadata).
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile, *, quantized: bool | None = None) -> "LlamaForCausalLM":
+        """Load a llama.cpp GGUF file (tokenizer from metadata).
 
-        The metadata and the tensor shapes are checked before any tensor is dequantized; every
+        The metadata and the tensor shapes are checked before any tensor is read; every
         tensor is used (`LlamaConfig.from_gguf`, `state_from_gguf`).
 
         Arguments:
             path: the `.gguf` file, or the `GGUFFile` already opened on it.
+            quantized: True: weight matrices stay in the file's blocks, memory-mapped, and run
+                on the compiled kernels (`attnkit.models.quantized`; no float32 copy, loads in a
+                fraction of a second); False: every weight dequantized to float32 (the
+                reference); None (default): quantized when `attnkit.kernels.enabled()`, every
+                matrix's type is one `quantized_types()` lists and no layer has a sliding window.
 
         Raises:
             ValueError: naming the file: not a GGUF file, not a Llama model, a key or tensor
@@ -645,6 +663,10 @@ class LlamaForCausalLM(CausalLM):
         gguf_file = path if isinstance(path, GGUFFile) else GGUFFile(path)
         config = LlamaConfig.from_gguf(gguf_file)
         tokenizer = tokenizer_from_gguf(gguf_file)
+        if quantized is None:
+            quantized = _runs_quantized(gguf_file, config)
+        if quantized:
+            return _quantized_model(cls, config, state_from_gguf(gguf_file, config, quantized=True), tokenizer)
         state = state_from_gguf(gguf_file, config)
         model = cls(config, seed=0, tokenizer=tokenizer)
         model.load_state_dict(state)
@@ -821,12 +843,14 @@ def gguf_tensor_shapes(config: LlamaConfig) -> tuple[dict[str, tuple[int, ...]],
     return expected, optional
 
 
-def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.ndarray]:
+def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig, *, quantized: bool = False) -> dict[str, Any]:
     """All weights of a Llama GGUF as float32 arrays under attnkit's names.
 
     Every tensor's name and shape is checked against `config` first (nothing is dequantized
     before); query and key rows, and their biases, are un-permuted (`unpermute_rotary_rows`);
-    a bias missing from a set the file has is zero.
+    a bias missing from a set the file has is zero. With `quantized`, every matrix is a
+    `QuantizedTensor` on the file's blocks instead (query and key rows un-permuted by
+    `row_order`, no byte moved), norms and biases float32.
 
     Raises:
         CheckpointError (a ValueError): naming the file and every missing, unused or mis-shaped tensor.
@@ -842,7 +866,10 @@ def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.nd
             f"head_count_kv={c.num_kv_heads}, head dimension {c.head_dim}, vocabulary {c.vocab_size}"
         ),
     )
-    gguf_file.check_tensor_types()
+    if quantized:
+        _check_quantized_types(gguf_file)
+    else:
+        gguf_file.check_tensor_types()
     wanted = {**optional, **expected}
     state: dict[str, np.ndarray] = {}
     for layer in [None, *range(c.num_layers)]:
@@ -858,6 +885,14 @@ def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.nd
                 if is_bias:
                     state[ours] = np.zeros(wanted[gguf_name], np.float32)
                 continue  # output.weight of a tied model
+            if quantized and len(wanted[gguf_name]) == 2:
+                heads = c.num_heads if ".attn_q." in gguf_name else c.num_kv_heads
+                order = None
+                if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+                    order = unpermute_rotary_rows(np.arange(wanted[gguf_name][0]), heads)
+                state[ours] = QuantizedTensor(gguf_file.raw(gguf_name), gguf_file.tensor_type(gguf_name),
+                                              wanted[gguf_name][1], row_order=order)
+                continue
             weight = gguf_file.tensor(gguf_name)
             if permuted and ".attn_q." in gguf_name:
                 weight = unpermute_rotary_rows(weight, c.num_heads)
@@ -865,3 +900,70 @@ def state_from_gguf(gguf_file: GGUFFile, config: LlamaConfig) -> dict[str, np.nd
                 weight = unpermute_rotary_rows(weight, c.num_kv_heads)
             state[ours] = weight
     return state
+
+
+# ----------------------------------------------------------------------------- GGUF blocks, kept
+
+
+def _check_quantized_types(gguf_file: GGUFFile) -> None:
+    """Refuse a matrix whose GGML type the quantized products do not run (naming it)."""
+    runs = quantized_types()
+    for name, info in gguf_file.tensor_infos.items():
+        if len(info.shape) == 2 and info.dtype not in runs:
+            raise ValueError(
+                f"tensor {name!r} in {str(gguf_file.path)!r} has GGML type {info.dtype}, which attnkit's quantized "
+                f"products do not run; expected one of {', '.join(runs)} (load it with quantized=False)"
+            )
+
+
+def _runs_quantized(gguf_file: GGUFFile, config: LlamaConfig) -> bool:
+    """Whether `from_gguf` keeps the blocks by default: compiled kernels on, every matrix of a
+    type they run, no sliding-window layer (those run the float32 model)."""
+    from attnkit.kernels.quant import compiled_available
+
+    if not compiled_available() or any(config.window_of(i) is not None for i in range(config.num_layers)):
+        return False
+    runs = set(quantized_types())
+    return all(info.dtype in runs for info in gguf_file.tensor_infos.values() if len(info.shape) == 2)
+
+
+def _quantized_model(cls, config: LlamaConfig, state: dict[str, Any], tokenizer) -> "LlamaForCausalLM":
+    """A `LlamaForCausalLM` whose matrices are `state`'s `QuantizedTensor`s: built part by part
+    as `LlamaForCausalLM.__init__` builds it, without drawing random weights to replace."""
+    c = config
+    if any(c.window_of(i) is not None for i in range(c.num_layers)):
+        raise ValueError("attnkit's quantized Llama has no sliding-window layers; load it with quantized=False")
+
+    def norm(name: str) -> RMSNorm:
+        module = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        module.weight = state[name]
+        return module
+
+    def linear(name: str) -> QuantizedLinear:
+        return QuantizedLinear(state[name + ".weight"], state.get(name + ".bias"))
+
+    model = cls.__new__(cls)
+    CausalLM.__init__(model)
+    model.config = c
+    model.tokenizer = tokenizer
+    model.embed = QuantizedEmbedding(state["embed.weight"])
+    blocks = []
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        block = LlamaBlock.__new__(LlamaBlock)
+        Module.__init__(block)
+        block.attn_norm = norm(p + "attn_norm.weight")
+        block.attn = QuantizedCausalSelfAttention(
+            *(linear(p + f"attn.{part}_proj") for part in ("q", "k", "v", "out")),
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        )
+        block.mlp_norm = norm(p + "mlp_norm.weight")
+        block.mlp = QuantizedSwiGLU(*(linear(p + f"mlp.{part}_proj") for part in ("gate", "up", "down")))
+        blocks.append(block)
+    model.layers = ModuleList(blocks)
+    model.norm = norm("norm.weight")
+    if not c.tie_word_embeddings:
+        model.lm_head = linear("lm_head")
+    model.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+    model._head_from = None
+    return model

@@ -8,7 +8,15 @@ True = a real token. See docs/nn.md.
 
 from __future__ import annotations
 
-from attnkit.nn.interface import AttentionModule, AttentionRecording, active_recorders, record_attention
+from attnkit.nn.interface import (
+    AttentionCall,
+    AttentionModule,
+    AttentionRecording,
+    active_edits,
+    active_recorders,
+    intervene,
+    record_attention,
+)
 from attnkit.nn.attention import AttentionResult, MultiHeadAttention, SingleHeadSelfAttention
 from attnkit.nn.block import BlockOutput, TransformerBlock
 from attnkit.nn.layers import ACTIVATIONS, FeedForward, LayerNorm, dropout, gelu, gelu_tanh, layer_norm, relu
@@ -50,6 +58,9 @@ __all__ = [
     "layer_norm",
     "linear",
     "record_attention",
+    "intervene",
+    "active_edits",
+    "AttentionCall",
     "relu",
     "sinusoidal_positional_encoding",
 ]

@@ -24,6 +24,16 @@ context variable, so it sees the attention calls made by the thread (or asyncio 
 that opened it, and the work that thread hands to attnkit's own worker threads. Another
 thread running the same model at the same time records nothing into it, and leaves
 nothing behind when it ends: `record_attention` never writes to a module.
+
+`intervene({module: edit, ...})` is the one way to change what a module's attention
+returns, scoped the same way (per call, never written to a module): while open, each
+call of a listed module hands `edit` an `AttentionCall` (the query, key, value and
+per-head output (B, H, L, E), before the output projection: TransformerLens's hook_z)
+and continues with what `edit` returns (None: unchanged). `attnkit.interpret` builds
+ablation, activation capture and patching on it:
+
+    with intervene({model.layers[3].attn: zero_head_2}):   # attnkit.nn.interface.intervene
+        model(input_ids)   # layer 3's head 2 is off, in this call and nowhere else
 """
 
 from __future__ import annotations
@@ -39,11 +49,14 @@ from attnkit.functional import WEIGHTLESS_BACKENDS, AttentionOutput, get_attenti
 from attnkit.nn.module import Module
 
 __all__ = [
+    "AttentionCall",
     "AttentionModule",
     "AttentionRecording",
     "RECORDING_ADAPTERS",
     "RecordingAdapter",
+    "active_edits",
     "active_recorders",
+    "intervene",
     "record_attention",
 ]
 
@@ -69,6 +82,92 @@ def active_recorders(module: Any) -> tuple[Any, ...]:
         return ()
     key = id(module)
     return tuple(entry.sink for entry in open_recordings if key in entry.ids)
+
+
+class AttentionCall(NamedTuple):
+    """One attention call as an `intervene` edit sees it.
+
+    module: the attention module called.
+    query: (B, Hq, L, E), after any rotary embedding; key, value: (B, Hkv, S, E) (everything
+        attended over, cached positions included; Hkv < Hq with grouped-query attention).
+    output: (B, Hq, L, E) per-head output, before the output projection.
+    scale: the score scale (None: 1/sqrt(E)).
+    """
+
+    module: Any
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    output: np.ndarray
+    scale: float | None
+
+
+class _Edits(NamedTuple):
+    """An intervention open in this context: module identity -> edit (modules held, so that
+    an identity cannot be reused while it is open)."""
+
+    edits: dict[int, Callable[[AttentionCall], "np.ndarray | None"]]
+    modules: tuple[Any, ...]
+
+
+_EDITS: ContextVar[tuple[_Edits, ...]] = ContextVar("attnkit_open_interventions", default=())
+
+
+def active_edits(module: Any) -> tuple[Callable[[AttentionCall], "np.ndarray | None"], ...]:
+    """The edits open on `module` in the calling context (see `intervene`), outermost first;
+    empty outside `intervene` and in every other thread."""
+    open_edits = _EDITS.get()
+    if not open_edits:
+        return ()
+    key = id(module)
+    return tuple(entry.edits[key] for entry in open_edits if key in entry.edits)
+
+
+@contextmanager
+def intervene(edits: Any) -> Iterator[None]:
+    """Change the per-head output of attention modules while open.
+
+    Arguments:
+        edits: a mapping {attention module: edit}, each edit a function of an
+            `AttentionCall` returning the new (B, H, L, E) output (same shape; float
+            arrays are cast to the output's dtype) or None to keep it (an edit may also
+            read the call, or write to `call.output` in place).
+
+    Every call of a listed module made by the opening thread (or asyncio task, and the
+    work it hands to attnkit's worker threads) while open goes through its edits, in
+    the order the contexts were opened; other threads are untouched. A backend that
+    forms no weights keeps its speed: the edit sees the output only. Edits never change
+    the attention weights that `record_attention` records.
+
+    Raises:
+        TypeError: a key is not an `AttentionModule`, or an edit is not callable.
+    """
+    items = list(dict(edits).items())
+    for module, edit in items:
+        if not isinstance(module, AttentionModule):
+            raise TypeError(f"expected attention modules (AttentionModule) as keys, got {type(module).__name__}")
+        if not callable(edit):
+            raise TypeError(f"expected a callable edit for {type(module).__name__}, got {type(edit).__name__}")
+    entry = _Edits({id(module): edit for module, edit in items}, tuple(module for module, _ in items))
+    _EDITS.set(_EDITS.get() + (entry,))
+    try:
+        yield
+    finally:  # by identity, as record_attention
+        _EDITS.set(tuple(other for other in _EDITS.get() if other is not entry))
+
+
+def _edited(module: Any, edits: tuple, query, key, value, output: np.ndarray, scale) -> np.ndarray:
+    """`output` after each edit in turn."""
+    for edit in edits:
+        changed = edit(AttentionCall(module, query, key, value, output, scale))
+        if changed is not None:
+            changed = np.asarray(changed)
+            if changed.shape != output.shape:
+                raise ValueError(
+                    f"expected an edit to return the per-head output's shape {output.shape}, got {changed.shape}"
+                )
+            output = changed.astype(output.dtype, copy=False)
+    return output
 
 
 class AttentionModule(Module):
@@ -109,15 +208,23 @@ class AttentionModule(Module):
         (`WEIGHTLESS_BACKENDS`, e.g. "flash") gives way to "naive" for that call, as it
         does for a module whose every result holds its weights (`returns_weights`).
         Otherwise `return_weights=True` asks the module's own backend for them (flash refuses).
+        While an `intervene` edit is open on the module, the output goes through it.
         """
         recorders = active_recorders(self)
+        edits = active_edits(self)
         if not (return_weights or recorders):
-            return get_attention(self.backend)(query, key, value, **options)
+            output = get_attention(self.backend)(query, key, value, **options)
+            if edits:
+                output = _edited(self, edits, query, key, value, output, options.get("scale"))
+            return output
         asked = return_weights and not self.returns_weights  # a caller asks this backend for weights
         name = "naive" if self.backend in WEIGHTLESS_BACKENDS and not asked else self.backend
         result = get_attention(name)(query, key, value, return_weights=True, **options)
         for maps in recorders:
             maps.append(result.weights)
+        if edits:
+            result = result._replace(
+                output=_edited(self, edits, query, key, value, result.output, options.get("scale")))
         return result if return_weights else result.output
 
 

@@ -324,3 +324,37 @@ def model_view(
                          "decoder_tokens": decoder_tokens},
         options=options,
     )
+
+
+# ----------------------------------------------------------------------------- derived maps
+
+
+def derived_view(
+    source: AttentionMaps | str,
+    kind: str,
+    *,
+    model: str = "minilm",
+    show: str = "all",
+    layer: int = -1,
+    max_tokens: int = 512,
+    **options: Any,
+) -> NotebookView:
+    """Attention rollout, attention flow or value-weighted maps, inline (`attnkit show --rollout`,
+    `--flow`, `--value-weighted` in a notebook cell).
+
+    Arguments:
+        source: AttentionMaps, or a text run through `model`.
+        kind: "rollout", "flow" or "value-weighted" (see `attnkit.viz.derived`); value-weighted
+            maps need the model itself, so `source` is then a text and `model` an attnkit model
+            (minilm, smollm2, or a model path).
+        show, layer, **options: `view`'s (the last layer first: the whole model for rollout and flow).
+    """
+    from attnkit.viz.derived import derive
+
+    maps = _maps(source, model, max_tokens)
+    if not isinstance(maps, AttentionMaps):
+        raise TypeError(f"expected one AttentionMaps or one text, got {type(source).__name__}")
+    if kind == "value-weighted" and not isinstance(source, str):
+        raise ValueError("value-weighted maps need the model's weights: pass the text and model=, not maps")
+    shown = derive(maps, kind, model=model)
+    return view(shown, show=show, layer=layer, head=0, model=model, max_tokens=max_tokens, **options)

@@ -1,0 +1,600 @@
+"""Products with GGUF's quantized weights, straight from their blocks.
+
+A weight matrix W (R, K) stays as the file stores it: `raw` (R, bytes per row), uint8, each
+row a run of blocks of the GGML type (docs/kernels.md draws them). `matmul(x, raw, kind, K)`
+computes x @ W.T without ever building W in float32:
+
+- decode (a few rows of x): one compiled loop per output row reads the row's blocks once,
+  expands each 4-, 5- or 8-bit value and its block scale in registers, and accumulates in
+  float32 (`_matvec_*`); with more than one thread allowed (the BLAS thread limit in force),
+  the output rows are split into contiguous ranges run side by side (`prange`);
+- prefill (many rows of x): a tile of W's rows is dequantized into a float32 scratch tile
+  (`_dequantize_rows`), then one BLAS product per tile, as llama.cpp does for batches.
+
+The NumPy reference beside them, `dequantize(raw, kind, K)`, writes out the block formats
+as ggml-quants.c's `dequantize_row_*` do (the gguf package's `gguf.quants.dequantize` is its
+oracle in the tests); `matmul_reference` is its float32 BLAS product. What runs: the
+compiled loops when `attnkit.kernels.enabled()`, else the reference, tile by tile.
+
+Error budget (tests/test_quant_kernels.py): against the float64 product of the dequantized
+weights, the kernel's error is at most twice the float32 reference product's plus one
+float32 rounding of |W| @ |x|: both sum K float32 products, in different orders, and the
+kernel applies each block's scale once per block instead of once per weight.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from attnkit import kernels
+
+__all__ = [
+    "QUANT_TYPES", "BlockType", "compiled_available", "dequantize", "dequantize_compiled", "matmul",
+    "matmul_reference", "matmul_stack", "row_bytes",
+]
+
+
+class BlockType(NamedTuple):
+    """A GGML block type the products run on: values per block, bytes per block, its code here."""
+
+    block_size: int
+    type_size: int
+    code: int
+
+
+QUANT_TYPES: dict[str, BlockType] = {
+    "F32": BlockType(1, 4, 0), "F16": BlockType(1, 2, 1), "BF16": BlockType(1, 2, 2),
+    "Q4_0": BlockType(32, 18, 3), "Q4_1": BlockType(32, 20, 4), "Q5_0": BlockType(32, 22, 5),
+    "Q5_1": BlockType(32, 24, 6), "Q8_0": BlockType(32, 34, 7),
+    "Q4_K": BlockType(256, 144, 8), "Q5_K": BlockType(256, 176, 9), "Q6_K": BlockType(256, 210, 10),
+}
+
+DECODE_ROWS = 8
+"""x with at most this many rows runs the fused matrix-vector loop; more run dequantized tiles
+through BLAS."""
+_TILE_VALUES = 1 << 20  # a prefill tile: about 4 MB of float32 weights
+
+
+def compiled_available() -> bool:
+    """Whether the compiled loops will run, answered without importing numba (a model can
+    decide at load time and pay numba's import at its first product): numba is installed and
+    `ATTNKIT_KERNELS` is not "numpy". Once numba is imported, `attnkit.kernels.enabled()`."""
+    import importlib.util
+    import os
+    import sys
+
+    if "numba" in sys.modules:
+        return kernels.enabled()
+    if os.environ.get("ATTNKIT_KERNELS", "").strip().lower() == "numpy":
+        return False
+    return importlib.util.find_spec("numba") is not None
+
+
+def row_bytes(kind: str, columns: int) -> int:
+    """Bytes of one row of `columns` values of GGML type `kind`."""
+    block = _block(kind)
+    if columns % block.block_size:
+        raise ValueError(f"expected a row length that is a multiple of {block.block_size} for {kind}, got {columns}")
+    return columns // block.block_size * block.type_size
+
+
+def _block(kind: str) -> BlockType:
+    if kind not in QUANT_TYPES:
+        raise ValueError(f"expected a GGML type of {', '.join(QUANT_TYPES)}, got {kind!r}")
+    return QUANT_TYPES[kind]
+
+
+def _check(raw: np.ndarray, kind: str, columns: int) -> None:
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
+        raise TypeError(f"expected raw blocks as a 2-D uint8 array (rows, bytes per row), got {getattr(raw, 'dtype', type(raw))}"
+                        f" {getattr(raw, 'shape', '')}")
+    if raw.shape[1] != row_bytes(kind, columns):
+        raise ValueError(
+            f"expected {row_bytes(kind, columns)} bytes per row for {columns} {kind} values, got {raw.shape[1]}"
+        )
+
+
+# ----------------------------------------------------------------------------- NumPy reference
+
+def _half(raw: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block: (rows, blocks) float32."""
+    return np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 8 six-bit scales and minimums from 12 bytes (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def dequantize(raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
+    """The reference: blocks (rows, bytes per row) -> float32 (rows, columns), with NumPy.
+
+    Arguments:
+        raw: uint8 (rows, bytes per row), rows of blocks of type `kind`.
+        kind: a name of `QUANT_TYPES` ("Q4_1", ...).
+        columns: values per row (K).
+    Returns:
+        (rows, columns) float32, value for value what ggml's `dequantize_row_*` gives.
+    """
+    _check(raw, kind, columns)
+    rows = raw.shape[0]
+    if kind == "F32":
+        return np.ascontiguousarray(raw).view(np.float32).reshape(rows, columns).copy()
+    if kind == "F16":
+        return np.ascontiguousarray(raw).view(np.float16).astype(np.float32).reshape(rows, columns)
+    if kind == "BF16":
+        return (np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, columns)
+    block = QUANT_TYPES[kind]
+    b = raw.reshape(rows, -1, block.type_size)  # (R, blocks, bytes)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d = _half(b, 0)[..., None]  # (R, blocks, 1)
+        offset = 4 if kind in ("Q4_1", "Q5_1") else 2
+        qh_at = offset
+        if kind in ("Q5_0", "Q5_1"):
+            offset += 4
+        qs = b[..., offset:offset + 16]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)  # (R, blocks, 32)
+        if kind in ("Q5_0", "Q5_1"):
+            qh = np.ascontiguousarray(b[..., qh_at:qh_at + 4]).view("<u4")  # (R, blocks, 1)
+            q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int32)
+        if kind in ("Q4_1", "Q5_1"):
+            values = d * q.astype(np.float32) + _half(b, 2)[..., None]
+        else:
+            values = d * (q - (8 if kind == "Q4_0" else 16)).astype(np.float32)
+    elif kind == "Q8_0":
+        values = _half(b, 0)[..., None] * b[..., 2:].view(np.int8).astype(np.float32)
+    elif kind in ("Q4_K", "Q5_K"):
+        d, dmin = _half(b, 0)[..., None], _half(b, 2)[..., None]
+        sc, mn = _k_scales(b[..., 4:16])  # (R, blocks, 8)
+        qs = b[..., -128:].reshape(rows, -1, 4, 32)  # 4 groups of 32 bytes: sub-blocks 2g (low), 2g+1 (high)
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32).astype(np.float32)
+        if kind == "Q5_K":
+            qh = b[..., 16:48]  # (R, blocks, 32): bit j of byte l is value l of sub-block j
+            q += (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4).astype(np.float32)
+        values = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+    else:  # Q6_K: ql[128], qh[64], scales int8[16], d
+        ql, qh = b[..., :128].reshape(rows, -1, 2, 64), b[..., 128:192].reshape(rows, -1, 2, 32)
+        scales = b[..., 192:208].view(np.int8).astype(np.float32)  # (R, blocks, 16)
+        d = _half(b, 208)[..., None]
+        low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+        high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)  # (R, blocks, 2, 4, 32)
+        q = ((low | (high << 4)).astype(np.int32) - 32).astype(np.float32).reshape(rows, -1, 16, 16)
+        values = (d * scales)[..., None] * q
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(rows, columns)
+
+
+def matmul_reference(x: np.ndarray, raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
+    """x @ W.T with W dequantized by `dequantize` a tile of rows at a time, in BLAS.
+
+    Arguments:
+        x: (N, K), float32 (float16 is converted), or float64 (then computed in float64).
+        raw, kind, columns: W (R, K) as blocks (see `dequantize`).
+    Returns:
+        (N, R) in x's dtype (float32 or float64).
+    """
+    _check(raw, kind, columns)
+    dtype = np.float64 if x.dtype == np.float64 else np.float32
+    x = np.ascontiguousarray(x, dtype=dtype)
+    out = np.empty((x.shape[0], raw.shape[0]), dtype)
+    step = max(1, _TILE_VALUES // columns)
+    for start in range(0, raw.shape[0], step):
+        tile = dequantize(raw[start:start + step], kind, columns)  # (rows, K)
+        out[:, start:start + step] = x @ tile.T.astype(dtype, copy=False)
+    return out
+
+
+# ----------------------------------------------------------------------------- compiled loops
+# Plain Python, compiled by numba in `_compiled()`; `half` is the float16 -> float32 table
+# (65,536 entries), so a block scale is one lookup of its two bytes.
+
+
+def _matvec_q4_1(raw, half, xlo, xhi, xsum, out):  # pragma: no cover - compiled
+    """Q4_1, two rows of W at a time (they share the loads of x).
+
+    W[r, 32b + j] = d (qs[j] & 15) + m,  W[r, 32b + 16 + j] = d (qs[j] >> 4) + m
+    so  sum_k W[r, k] x[k] = sum_b d_b sum_j (lo_j xlo[16b + j] + hi_j xhi[16b + j]) + m_b xsum[b].
+    The 16 lanes j accumulate apart (a vector register per row) and are summed once per row.
+    """
+    rows, blocks, n = raw.shape[0], xsum.shape[1], xsum.shape[0]
+    a0 = np.empty(16, np.float32)
+    a1 = np.empty(16, np.float32)
+    for i in range(n):
+        xl, xh, xs = xlo[i], xhi[i], xsum[i]
+        for pair in range((rows + 1) // 2):
+            r0 = 2 * pair
+            r1 = min(r0 + 1, rows - 1)  # an odd last row is computed twice
+            row0, row1 = raw[r0], raw[r1]
+            a0[:] = 0.0
+            a1[:] = 0.0
+            m0 = np.float32(0.0)
+            m1 = np.float32(0.0)
+            for b in range(blocks):
+                o = 20 * b
+                d0 = half[np.int32(row0[o]) | (np.int32(row0[o + 1]) << 8)]
+                d1 = half[np.int32(row1[o]) | (np.int32(row1[o + 1]) << 8)]
+                m0 += half[np.int32(row0[o + 2]) | (np.int32(row0[o + 3]) << 8)] * xs[b]
+                m1 += half[np.int32(row1[o + 2]) | (np.int32(row1[o + 3]) << 8)] * xs[b]
+                for j in range(16):
+                    xa = xl[16 * b + j]
+                    xb = xh[16 * b + j]
+                    q0 = np.int32(row0[o + 4 + j])
+                    q1 = np.int32(row1[o + 4 + j])
+                    a0[j] += d0 * (np.float32(q0 & 15) * xa + np.float32(q0 >> 4) * xb)
+                    a1[j] += d1 * (np.float32(q1 & 15) * xa + np.float32(q1 >> 4) * xb)
+            out[i, r0] = a0.sum() + m0
+            out[i, r1] = a1.sum() + m1
+
+
+def _matvec_q4_0(raw, half, xlo, xhi, xsum, out):  # pragma: no cover - compiled
+    """Q4_0 as `_matvec_q4_1`: W = d (q - 8), so the block's minimum term is -8 d_b xsum[b]."""
+    rows, blocks, n = raw.shape[0], xsum.shape[1], xsum.shape[0]
+    a0 = np.empty(16, np.float32)
+    a1 = np.empty(16, np.float32)
+    for i in range(n):
+        xl, xh, xs = xlo[i], xhi[i], xsum[i]
+        for pair in range((rows + 1) // 2):
+            r0 = 2 * pair
+            r1 = min(r0 + 1, rows - 1)
+            row0, row1 = raw[r0], raw[r1]
+            a0[:] = 0.0
+            a1[:] = 0.0
+            m0 = np.float32(0.0)
+            m1 = np.float32(0.0)
+            for b in range(blocks):
+                o = 18 * b
+                d0 = half[np.int32(row0[o]) | (np.int32(row0[o + 1]) << 8)]
+                d1 = half[np.int32(row1[o]) | (np.int32(row1[o + 1]) << 8)]
+                m0 -= np.float32(8.0) * d0 * xs[b]
+                m1 -= np.float32(8.0) * d1 * xs[b]
+                for j in range(16):
+                    xa = xl[16 * b + j]
+                    xb = xh[16 * b + j]
+                    q0 = np.int32(row0[o + 2 + j])
+                    q1 = np.int32(row1[o + 2 + j])
+                    a0[j] += d0 * (np.float32(q0 & 15) * xa + np.float32(q0 >> 4) * xb)
+                    a1[j] += d1 * (np.float32(q1 & 15) * xa + np.float32(q1 >> 4) * xb)
+            out[i, r0] = a0.sum() + m0
+            out[i, r1] = a1.sum() + m1
+
+
+def _matvec_q8_0(raw, values, half, x, out):  # pragma: no cover - compiled
+    """Q8_0, two rows at a time: W[r, 32b + j] = d * qs[j] (int8; `values` is raw viewed as int8)."""
+    rows, n, blocks = raw.shape[0], x.shape[0], x.shape[1] // 32
+    a0 = np.empty(32, np.float32)
+    a1 = np.empty(32, np.float32)
+    for i in range(n):
+        xi = x[i]
+        for pair in range((rows + 1) // 2):
+            r0 = 2 * pair
+            r1 = min(r0 + 1, rows - 1)
+            row0, row1, v0, v1 = raw[r0], raw[r1], values[r0], values[r1]
+            a0[:] = 0.0
+            a1[:] = 0.0
+            for b in range(blocks):
+                o = 34 * b
+                d0 = half[np.int32(row0[o]) | (np.int32(row0[o + 1]) << 8)]
+                d1 = half[np.int32(row1[o]) | (np.int32(row1[o + 1]) << 8)]
+                for j in range(32):
+                    xa = xi[32 * b + j]
+                    a0[j] += d0 * (np.float32(v0[o + 2 + j]) * xa)
+                    a1[j] += d1 * (np.float32(v1[o + 2 + j]) * xa)
+            out[i, r0] = a0.sum()
+            out[i, r1] = a1.sum()
+
+
+def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - compiled
+    """Row r of W into out (K,) float32, as `dequantize` does (codes: QUANT_TYPES)."""
+    columns = out.shape[0]
+    if code == 0 or code == 2:  # F32, BF16 (the high half of a float32): bits put together, then viewed
+        bits = np.empty(columns, np.uint32)
+        for k in range(columns):
+            if code == 0:
+                at = 4 * k
+                bits[k] = np.uint32(raw[r, at]) | (np.uint32(raw[r, at + 1]) << np.uint32(8)) \
+                    | (np.uint32(raw[r, at + 2]) << np.uint32(16)) | (np.uint32(raw[r, at + 3]) << np.uint32(24))
+            else:
+                bits[k] = (np.uint32(raw[r, 2 * k]) << np.uint32(16)) | (np.uint32(raw[r, 2 * k + 1]) << np.uint32(24))
+        out[:] = bits.view(np.float32)
+    elif code == 1:  # F16
+        for k in range(columns):
+            out[k] = half[raw[r, 2 * k] | (np.int32(raw[r, 2 * k + 1]) << 8)]
+    elif code <= 6:  # Q4_0, Q4_1, Q5_0, Q5_1
+        size = (18, 20, 22, 24)[code - 3]
+        has_min = code == 4 or code == 6
+        five = code >= 5
+        for b in range(columns // 32):
+            o = size * b
+            d = half[raw[r, o] | (np.int32(raw[r, o + 1]) << 8)]
+            m = np.float32(0.0)
+            at = o + 2
+            if has_min:
+                m = half[raw[r, at] | (np.int32(raw[r, at + 1]) << 8)]
+                at += 2
+            qh = np.uint32(0)
+            if five:
+                qh = raw[r, at] | (np.uint32(raw[r, at + 1]) << 8) | (np.uint32(raw[r, at + 2]) << 16) \
+                    | (np.uint32(raw[r, at + 3]) << 24)
+                at += 4
+            shift = 0 if has_min else (16 if five else 8)
+            for j in range(16):
+                q = raw[r, at + j]
+                lo = np.int32(q & 15)
+                hi = np.int32(q >> 4)
+                if five:
+                    lo |= np.int32((qh >> j) & 1) << 4
+                    hi |= np.int32((qh >> (j + 16)) & 1) << 4
+                if has_min:
+                    out[32 * b + j] = d * np.float32(lo) + m
+                    out[32 * b + 16 + j] = d * np.float32(hi) + m
+                else:
+                    out[32 * b + j] = d * np.float32(lo - shift)
+                    out[32 * b + 16 + j] = d * np.float32(hi - shift)
+    elif code == 7:  # Q8_0
+        for b in range(columns // 32):
+            o = 34 * b
+            d = half[raw[r, o] | (np.int32(raw[r, o + 1]) << 8)]
+            for j in range(32):
+                out[32 * b + j] = d * np.float32(values[r, o + 2 + j])
+    elif code == 8 or code == 9:  # Q4_K, Q5_K: 8 sub-blocks of 32, six-bit scales and minimums
+        size = 144 if code == 8 else 176
+        for b in range(columns // 256):
+            o = size * b
+            d = half[raw[r, o] | (np.int32(raw[r, o + 1]) << 8)]
+            dmin = half[raw[r, o + 2] | (np.int32(raw[r, o + 3]) << 8)]
+            qs = o + size - 128
+            for sub in range(8):
+                if sub < 4:
+                    sc = raw[r, o + 4 + sub] & 63
+                    mn = raw[r, o + 8 + sub] & 63
+                else:
+                    sc = (raw[r, o + 8 + sub] & 15) | ((raw[r, o + sub] >> 6) << 4)
+                    mn = (raw[r, o + 8 + sub] >> 4) | ((raw[r, o + 4 + sub] >> 6) << 4)
+                scale = d * np.float32(sc)
+                low = dmin * np.float32(mn)
+                group = qs + 32 * (sub // 2)
+                for j in range(32):
+                    q = raw[r, group + j]
+                    v = np.int32(q & 15) if sub % 2 == 0 else np.int32(q >> 4)
+                    if code == 9:
+                        v |= np.int32((raw[r, o + 16 + j] >> sub) & 1) << 4
+                    out[256 * b + 32 * sub + j] = scale * np.float32(v) - low
+    else:  # Q6_K: ql[128], qh[64], scales int8[16], d
+        for b in range(columns // 256):
+            o = 210 * b
+            d = half[raw[r, o + 208] | (np.int32(raw[r, o + 209]) << 8)]
+            for half_block in range(2):
+                ql = o + 64 * half_block
+                qh = o + 128 + 32 * half_block
+                for part in range(4):  # values 32*part .. of this half: ql low/high nibble, qh bits 2*part
+                    for j in range(32):
+                        low_byte = raw[r, ql + j + 32 * (part % 2)]
+                        lo = np.int32(low_byte & 15) if part < 2 else np.int32(low_byte >> 4)
+                        hi = np.int32((raw[r, qh + j] >> (2 * part)) & 3)
+                        k = 128 * half_block + 32 * part + j
+                        scale = np.float32(values[r, o + 192 + k // 16])
+                        out[256 * b + k] = d * scale * np.float32((lo | (hi << 4)) - 32)
+
+
+def _dequantize_rows(raw, values, start, code, half, out):  # pragma: no cover - compiled
+    """Rows start .. start + len(out) of W into out."""
+    for t in range(out.shape[0]):
+        _dequantize_row(raw, values, start + t, code, half, out[t])
+
+
+def _matvec_rows(raw, values, code, half, x, out):  # pragma: no cover - compiled
+    """x @ W.T for the types without a fused loop: each row dequantized into a scratch row."""
+    rows, n, columns = raw.shape[0], x.shape[0], x.shape[1]
+    row = np.empty(columns, np.float32)
+    for r in range(rows):
+        _dequantize_row(raw, values, r, code, half, row)
+        for i in range(n):
+            s = np.float32(0.0)
+            for k in range(columns):
+                s += row[k] * x[i, k]
+            out[i, r] = s
+
+
+# The splitters: `parts` contiguous ranges of rows (an even length each, so the two-row loops
+# never straddle), one per thread; each runs the serial loop above on its range.
+
+
+def _split(rows, parts):  # pragma: no cover - compiled
+    step = (rows + parts - 1) // parts
+    return step + step % 2
+
+
+def _parallel_q4_1(raw, half, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
+    step = _split(raw.shape[0], parts)
+    for p in prange(parts):  # noqa: F821 - numba's prange, bound when compiled
+        a, b = p * step, min(raw.shape[0], (p + 1) * step)
+        if a < b:
+            _matvec_q4_1_serial(raw[a:b], half, xlo, xhi, xsum, out[:, a:b])
+
+
+def _parallel_q4_0(raw, half, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
+    step = _split(raw.shape[0], parts)
+    for p in prange(parts):  # noqa: F821
+        a, b = p * step, min(raw.shape[0], (p + 1) * step)
+        if a < b:
+            _matvec_q4_0_serial(raw[a:b], half, xlo, xhi, xsum, out[:, a:b])
+
+
+def _parallel_q8_0(raw, values, half, x, out, parts):  # pragma: no cover - compiled
+    step = _split(raw.shape[0], parts)
+    for p in prange(parts):  # noqa: F821
+        a, b = p * step, min(raw.shape[0], (p + 1) * step)
+        if a < b:
+            _matvec_q8_0_serial(raw[a:b], values[a:b], half, x, out[:, a:b])
+
+
+def _parallel_rows(raw, values, code, half, x, out, parts):  # pragma: no cover - compiled
+    step = _split(raw.shape[0], parts)
+    for p in prange(parts):  # noqa: F821
+        a, b = p * step, min(raw.shape[0], (p + 1) * step)
+        if a < b:
+            _matvec_rows_serial(raw[a:b], values[a:b], code, half, x, out[:, a:b])
+
+
+def _parallel_dequantize(raw, values, start, code, half, out, parts):  # pragma: no cover - compiled
+    step = _split(out.shape[0], parts)
+    for p in prange(parts):  # noqa: F821
+        a, b = p * step, min(out.shape[0], (p + 1) * step)
+        if a < b:
+            _dequantize_rows_serial(raw, values, start + a, code, half, out[a:b])
+
+
+_FASTMATH = {"reassoc", "contract", "nsz"}  # reorder sums; NaN and inf still propagate
+
+
+@lru_cache(maxsize=1)
+def _compiled() -> dict:
+    """The loops above compiled by numba (cached on disk), bound into this module's globals
+    under the names the splitters call."""
+    nb = kernels.numba()
+    g = globals()
+    g["prange"] = nb.prange
+    serial = dict(cache=True, fastmath=_FASTMATH, nogil=True)
+    g["_dequantize_row"] = nb.njit(**serial)(_dequantize_row)
+    g["_split"] = nb.njit(cache=True)(_split)
+    loops = {
+        "q4_1": nb.njit(**serial)(_matvec_q4_1),
+        "q4_0": nb.njit(**serial)(_matvec_q4_0),
+        "q8_0": nb.njit(**serial)(_matvec_q8_0),
+        "rows": nb.njit(**serial)(_matvec_rows),
+        "dequantize": nb.njit(**serial)(_dequantize_rows),
+    }
+    for name in ("q4_1", "q4_0", "q8_0", "rows"):
+        g[f"_matvec_{name}_serial"] = loops[name]
+    g["_dequantize_rows_serial"] = loops["dequantize"]
+    parallel = dict(serial, parallel=True)
+    loops.update({
+        "parallel q4_1": nb.njit(**parallel)(_parallel_q4_1),
+        "parallel q4_0": nb.njit(**parallel)(_parallel_q4_0),
+        "parallel q8_0": nb.njit(**parallel)(_parallel_q8_0),
+        "parallel rows": nb.njit(**parallel)(_parallel_rows),
+        "parallel dequantize": nb.njit(**parallel)(_parallel_dequantize),
+    })
+    return loops
+
+
+PARALLEL_MACS = 1 << 18
+"""Products smaller than this many multiply-adds run on one thread (a thread hand-off costs
+more than it saves)."""
+
+
+def _threads(macs: int) -> int:
+    """Threads for a product: the BLAS thread limit in force (the caller's choice, see
+    `attnkit.runtime.blas_threads`), one for small products, at most numba's pool."""
+    if macs < PARALLEL_MACS:
+        return 1
+    from attnkit.runtime import blas_thread_count
+
+    return max(1, min(blas_thread_count(), kernels.numba().config.NUMBA_NUM_THREADS))
+
+
+@lru_cache(maxsize=1)
+def _half_table() -> np.ndarray:
+    """float32 value of every float16 bit pattern (65,536 entries)."""
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def matmul(x: np.ndarray, raw: np.ndarray, kind: str, columns: int, *, compiled: bool | None = None) -> np.ndarray:
+    """x @ W.T with W (R, K) given as GGUF blocks, never dequantized whole.
+
+    Arguments:
+        x: (N, K) float32 (float16 is converted; float64 runs the reference in float64).
+        raw: (R, bytes per row) uint8, rows of blocks of type `kind` (a name of `QUANT_TYPES`).
+        kind: the GGML type ("Q4_1", ...).
+        columns: K.
+        compiled: None (default): the compiled loops when `attnkit.kernels.enabled()`; False:
+            the NumPy reference (`matmul_reference`); True: the compiled loops or an error.
+    Returns:
+        (N, R) float32 (float64 for float64 x).
+    """
+    return matmul_stack(x, [(raw, kind)], columns, compiled=compiled)
+
+
+def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = None) -> np.ndarray:
+    """x @ concatenate([W_1, W_2, ...]).T, each W_i as blocks: fused projections (query, key
+    and value) in one call, x prepared once, the outputs written side by side.
+
+    Arguments:
+        x: (N, K).
+        parts: a sequence of (raw, kind), each W_i (R_i, K) as `matmul` takes it.
+        columns: K.
+        compiled: as in `matmul`.
+    Returns:
+        (N, R_1 + R_2 + ...) float32.
+    """
+    for raw, kind in parts:
+        _check(raw, kind, columns)
+    if x.ndim != 2 or x.shape[1] != columns:
+        raise ValueError(f"expected x of shape (N, {columns}), got {x.shape}")
+    if compiled is None:
+        compiled = kernels.enabled()
+    if not compiled or x.dtype == np.float64:  # the loops are float32; float64 is the reference's
+        return np.concatenate([matmul_reference(x, raw, kind, columns) for raw, kind in parts], axis=1)
+    loops = _compiled()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = x.shape[0]
+    out = np.empty((n, sum(raw.shape[0] for raw, _ in parts)), np.float32)
+    threads = _threads(out.size * columns if n <= DECODE_ROWS else _TILE_VALUES * 8)
+    split = None
+    start = 0
+    for raw, kind in parts:
+        rows = raw.shape[0]
+        target = out[:, start:start + rows]  # (N, R_i)
+        start += rows
+        code, half, values = QUANT_TYPES[kind].code, _half_table(), raw.view(np.int8)
+        if n > DECODE_ROWS:  # prefill: dequantized tiles, BLAS products
+            step = max(2, _TILE_VALUES // columns)
+            tile = np.empty((min(step, rows), columns), np.float32)
+            for first in range(0, rows, step):
+                part = tile[: min(step, rows - first)]  # (rows of the tile, K)
+                _run(loops, "dequantize", threads, raw, values, first, code, half, part)
+                np.matmul(x, part.T, out=target[:, first:first + part.shape[0]])  # (N, rows of the tile)
+        elif kind in ("Q4_0", "Q4_1"):
+            if split is None:
+                blocks = x.reshape(n, -1, 32)  # (N, K/32, 32)
+                split = (np.ascontiguousarray(blocks[:, :, :16]).reshape(n, -1),  # (N, K/2): values 0..15 of each block
+                         np.ascontiguousarray(blocks[:, :, 16:]).reshape(n, -1),  # (N, K/2): values 16..31
+                         blocks.sum(axis=2, dtype=np.float32))  # (N, K/32)
+            _run(loops, kind.lower(), threads, raw, half, *split, target)
+        elif kind == "Q8_0":
+            _run(loops, "q8_0", threads, raw, values, half, x, target)
+        else:
+            _run(loops, "rows", threads, raw, values, code, half, x, target)
+    return out
+
+
+def _run(loops: dict, name: str, threads: int, *args) -> None:
+    """The serial loop on one thread, else the splitter over `threads` row ranges."""
+    if threads == 1:
+        loops[name](*args)
+        return
+    nb = kernels.numba()
+    previous = nb.get_num_threads()
+    nb.set_num_threads(threads)
+    try:
+        loops[f"parallel {name}"](*args, threads)
+    finally:
+        nb.set_num_threads(previous)
+
+
+def dequantize_compiled(raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
+    """`dequantize` by the compiled loop (`_dequantize_row`): the tests hold it to the reference."""
+    _check(raw, kind, columns)
+    out = np.empty((raw.shape[0], columns), np.float32)
+    _run(_compiled(), "dequantize", _threads(out.size * 8), raw, raw.view(np.int8), 0, QUANT_TYPES[kind].code,
+         _half_table(), out)
+    return out

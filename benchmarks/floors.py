@@ -1,28 +1,32 @@
-"""How far can issue 15's speed goals go on this machine? Floors, and the ceilings they set.
+"""Floors: how close each speed goal's path runs to the work it cannot skip, on this machine.
 
-Each goal compares attnkit with a peer doing the same arithmetic. Part of attnkit's
-time is work no float32 NumPy implementation can skip: the matrix products (BLAS),
-and in attention the exp of every score (one NumPy call per tile). This script
-times that work alone, round-robin with attnkit and its peers in one process, and
-prints the best ratio attnkit could reach if everything else it does were free:
+A path's floor is the work no implementation of it can avoid: its matrix products at
+BLAS speed, plus the element-wise passes that cannot be fused into them, run by
+attnkit's compiled kernels (`attnkit.kernels`; the NumPy reference's passes when the
+kernels are off: the first note says which). This script times each floor alone,
+round-robin with attnkit and its peers in one process, and prints per goal:
 
-    ceiling = peer's time / floor's time
+    ratio now = peer's time / attnkit's time        (the goal's ratio)
+    ceiling   = peer's time / floor's time          (the best ratio a free rest would give)
+    x floor   = attnkit's time / floor's time       (the path's distance to its floor)
 
-A goal whose ceiling is below it cannot pass on this machine with this NumPy and
-BLAS, whatever attnkit's code does; one whose ceiling is above it is a question of
-the rest (the "budget" column: what the non-floor work may cost at most).
+A goal whose ceiling is below it cannot pass on this machine with this NumPy and BLAS,
+whatever attnkit's code does; one whose ceiling is above it is a question of the rest
+(the "budget" column: what the work beside the floor may cost at most). Every path
+should run within 1.2x its floor (the encoder within 1.15x of its products).
 
 - encoder: all-MiniLM-L6-v2's linear products over the tokens of `attnkit bench
   encoder`'s goal row (256 varied sentences, batches of 32 sorted by length and
   packed without padding, as `SentenceEncoder.encode` runs them; the faster of the
   two weight layouts per shape), against sentence-transformers and ONNX Runtime
-  (when installed). Goals: 1.5x and 1.2x.
-- flash: `flash_attention`'s forward floor (per tile of its grid: q kᵀ, exp, P V)
-  and backward floor (per tile: q kᵀ, exp, dO Vᵀ, Pᵀ dO, dS K, dSᵀ q: the five
+  (when installed). Goals: 1.3x and 1.2x; within 1.15x of the products.
+- flash: `flash_attention`'s forward floor (per tile of its grid: q kᵀ, the exp, P V)
+  and backward floor (per tile: q kᵀ, the exp, dO Vᵀ, Pᵀ dO, dS K, dSᵀ q: the five
   products and the exp any tiled backward makes), B=1, H=8, E=64, float32, against
   torch SDPA (no_grad forward; forward + backward through autograd); the products
   64 wide and, with a zero column, 65 wide (flash's own width), the faster counted.
-  Goals: forward 0.8x, forward + backward 1.0x.
+  The exp is the one pass that cannot be fused into a product: the compiled kernel's
+  when the kernels run. Goals: forward 1.2x, forward + backward 1.0x.
 - decoder: SmolLM2's weight products of a decode step, back to back in decode
   order on the model's own arrays, against the bandwidth probe of `attnkit bench
   decoder`, and attnkit's decode step from `generate`. Goal: decode at 60% of the
@@ -36,6 +40,10 @@ many, and each floor splits its work the way attnkit can: flash's tiles by heads
 worker threads with one BLAS thread each (as flash does); the encoder's products on
 BLAS threads or, rows split, on worker threads, whichever is faster; a decode step's
 products on BLAS threads (as decode steps run them when that is faster than one).
+
+The table fits the terminal by wrapping its text columns at spaces and, if still too
+wide, leaving out whole columns (named below it); written to a file or a pipe it is
+printed at its full width.
 """
 
 from __future__ import annotations
@@ -48,7 +56,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from attnkit.bench.measure import blas_summary, system_info
 from attnkit.bench.torch_modules import time_round_robin
@@ -140,7 +147,7 @@ def _with_blas(threads: int, fn) -> None:
 
 def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
     import attnkit
-    from attnkit.bench.attention import _torch_contenders
+    from attnkit.bench.attention import GOALS, _torch_contenders
     from attnkit.functional.flash import choose_blocks
 
     import torch
@@ -171,7 +178,7 @@ def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
                 fns[f"fwd+bwd floor {width}"] = lambda f=forward_floor, b=backward_floor: (
                     _by_heads(threads, H, f), _by_heads(threads, H, b))
             timed = time_round_robin(fns, rounds)
-            for passes, goal in (("forward", 0.8), ("fwd+bwd", 1.0)):
+            for passes, goal in (("forward", GOALS["fwd_vs_sdpa"]), ("fwd+bwd", GOALS["fwd_bwd_vs_sdpa"])):
                 width = min((E, E + 1), key=lambda w: _best(timed, f"{passes} floor {w}"))
                 rows.append(dict(part="flash", goal=f"flash {passes} >= {goal}x torch SDPA, L=S={L}",
                                  floor_s=_best(timed, f"{passes} floor {width}"),
@@ -185,7 +192,7 @@ def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
 
 def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles):
     """(forward_floor, backward_floor), each work(range of heads): per tile the products and
-    the exp of flash's forward (q kᵀ, exp, P V) and backward (q kᵀ, exp, dO Vᵀ, Pᵀ dO, dS K,
+    the exp (`_exp`) of flash's forward (q kᵀ, exp, P V) and backward (q kᵀ, exp, dO Vᵀ, Pᵀ dO, dS K,
     dSᵀ q; the element-wise dS = P (dP - D) is not counted), on copies of the (1, H, L, E)
     inputs widened with zero columns to `width`."""
     H, L, E = q.shape[1:]
@@ -205,7 +212,7 @@ def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles)
         for h in heads:
             for q0, k0 in tiles:
                 s = np.matmul(qs[h, q0 : q0 + block_q], kt[h, :, k0 : k0 + block_k], out=scores)
-                np.exp(s, out=s)
+                _exp(s)
                 np.matmul(s, vw[h, k0 : k0 + block_k], out=pv)
 
     def backward_floor(heads: range) -> None:
@@ -215,13 +222,24 @@ def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles)
             for q0, k0 in tiles:
                 r, c = slice(q0, q0 + block_q), slice(k0, k0 + block_k)
                 np.matmul(qs[h, r], kt[h, :, c], out=p)
-                np.exp(p, out=p)
+                _exp(p)
                 np.matmul(dow[h, r], vt[h, :, c], out=d_p)  # dP; dS = P (dP - D) is not counted
                 dv[h, c] += np.matmul(p.T, dow[h, r], out=cols_w)
                 dq[h, r] += np.matmul(d_p, kw[h, c], out=rows_w)
                 dk[h, c] += np.matmul(d_p.T, qs[h, r], out=cols_w)
 
     return forward_floor, backward_floor
+
+
+def _exp(s: np.ndarray) -> None:
+    """s <- exp(s): the compiled kernel's pass when the kernels run (as flash's tiles
+    take it), else NumPy's."""
+    from attnkit.kernels import flash as compiled
+
+    if compiled.usable(s):
+        compiled.exp_tile(s)
+    else:
+        np.exp(s, out=s)
 
 
 def _by_heads(threads: int, heads: int, work) -> None:
@@ -296,18 +314,98 @@ def decoder(threads: int, rounds: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------- report
 
+FLOOR_GOALS = {"encoder": 1.15, "flash": 1.2, "decoder": 1.2}  # attnkit's time / its floor's, at most
+
 
 def assess(row: dict) -> dict:
     """Adds ratio (peer / attnkit), ceiling (peer / floor), budget_s (what the work beside the
-    floor may cost for the goal to pass) and a verdict to a row of floor_s, attnkit_s, peer_s
-    and goal_ratio; returns it. Ratios are peer time over attnkit time, so attnkit may take at
-    most peer / goal. (The decoder's "peer" is the bound's step time: its ratio is the
-    fraction of the bound.)"""
+    floor may cost for the goal to pass), a verdict, x_floor (attnkit / floor: the path's
+    distance to its floor, goal FLOOR_GOALS[part] when the row names its part, else 1.2)
+    and floor_verdict to a row of floor_s, attnkit_s, peer_s and goal_ratio; returns it.
+    Ratios are peer time over attnkit time, so attnkit may take at most peer / goal. (The
+    decoder's "peer" is the bound's step time: its ratio is the fraction of the bound.)"""
     floor, ours, peer, goal = row["floor_s"], row["attnkit_s"], row["peer_s"], row["goal_ratio"]
     row.update(ratio=peer / ours, ceiling=peer / floor, budget_s=peer / goal - floor)
     row["verdict"] = ("PASS now" if row["ratio"] >= goal else
                       "unreachable here" if row["ceiling"] < goal else "reachable: the rest must shrink")
+    row["floor_goal"] = FLOOR_GOALS.get(row.get("part", ""), 1.2)
+    row["x_floor"] = ours / floor
+    row["floor_verdict"] = "PASS" if row["x_floor"] <= row["floor_goal"] else "FAIL"
     return row
+
+
+# (header, justify, droppable order: lower goes first, None = always shown)
+COLUMNS = (
+    ("goal", "left", None), ("floor ms", "right", 6), ("floor", "left", 1), ("attnkit ms", "right", None),
+    ("peer ms", "right", 3), ("ratio now", "right", None), ("ceiling", "right", 4), ("budget ms", "right", 2),
+    ("verdict", "left", 7), ("x floor", "right", None), ("floor goal", "left", 5),
+)
+_WRAPPED = ("goal", "floor", "verdict")  # text columns: wrapped at spaces, never narrower than their longest word
+
+
+def _cells(r: dict) -> list[str]:
+    floor, ours, peer = r["floor_s"], r["attnkit_s"], r["peer_s"]
+    return [r["goal"], f"{floor * 1e3:,.1f}", r["floor_note"], f"{ours * 1e3:,.1f}", f"{peer * 1e3:,.1f}",
+            f"{r['ratio']:.2f}", f"{r['ceiling']:.2f}", f"{r['budget_s'] * 1e3:,.1f}", r["verdict"],
+            f"{r['x_floor']:.2f}", f"<= {r['floor_goal']}x {r['floor_verdict']}"]
+
+
+def _table(cells: list[list[str]], title: str, widths: dict[int, int | None]):
+    """The table of these columns (index -> width; None: the column's own, unwrapped)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for index, width in widths.items():
+        name, justify, _ = COLUMNS[index]
+        if width is None:
+            table.add_column(name, justify=justify, no_wrap=True)
+        else:  # wraps at spaces; never narrower than its longest word, so no word is cut
+            table.add_column(name, justify=justify, width=width)
+    for row in cells:
+        table.add_row(*(row[i] for i in widths))
+    return table
+
+
+def render(rows: list[dict], title: str, console) -> list[str]:
+    """Print the assessed rows as a table that fits `console`: a terminal's width, text
+    columns wrapped at spaces and, when still too wide, whole columns left out (the least
+    needed first); a file or pipe gets the table at its full width, nothing wrapped.
+    Returns the names of the columns left out."""
+    cells = [_cells(r) for r in rows]
+    shown = list(range(len(COLUMNS)))
+    if not console.is_terminal:  # no width to fit: every cell on one line
+        console.width = max(console.width, sum(_widest(cells, i) + 3 for i in shown) + 1)
+        console.print(_table(cells, title, dict.fromkeys(shown)))
+        return []
+    droppable = sorted((order, i) for i, (_, _, order) in enumerate(COLUMNS) if order is not None)
+    while sum(_least(cells, i) + 3 for i in shown) + 1 > console.width and droppable:  # 3: a border, 2 spaces
+        shown.remove(droppable.pop(0)[1])
+    spare = console.width - (sum(_least(cells, i) + 3 for i in shown) + 1)
+    widths: dict[int, int | None] = {}
+    for i in shown:  # the text columns share what is left, up to their widest cell
+        if COLUMNS[i][0] in _WRAPPED:
+            extra = max(0, min(spare, _widest(cells, i) - _least(cells, i)))
+            widths[i], spare = _least(cells, i) + extra, spare - extra
+        else:
+            widths[i] = None
+    console.print(_table(cells, title, widths))
+    dropped = [COLUMNS[i][0] for i in range(len(COLUMNS)) if i not in shown]
+    if dropped:
+        console.print(f"columns left out to fit {console.width} columns: {', '.join(dropped)} "
+                      "(a wider terminal, a file, or --json shows them)")
+    return dropped
+
+
+def _widest(cells: list[list[str]], index: int) -> int:
+    """A column's width with every cell on one line."""
+    return max([len(COLUMNS[index][0])] + [len(row[index]) for row in cells])
+
+
+def _least(cells: list[list[str]], index: int) -> int:
+    """A column's narrowest width that cuts nothing: a text column's longest word, another's widest cell."""
+    if COLUMNS[index][0] not in _WRAPPED:
+        return _widest(cells, index)
+    return max([len(COLUMNS[index][0])] + [len(word) for row in cells for word in row[index].split()])
 
 
 def main() -> None:
@@ -321,6 +419,9 @@ def main() -> None:
     args = parser.parse_args()
     if any(L < 1 or L % 512 for L in args.lengths):
         parser.error(f"expected --lengths to be multiples of 512 (whole tiles), got {args.lengths}")
+    from attnkit.kernels import _start
+
+    _start.load()  # attnkit's compiled loops start before the clock does, as in `attnkit bench`
     rows: list[dict] = []
     if "encoder" in args.part:
         rows += encoder(args.threads, args.rounds)
@@ -328,26 +429,24 @@ def main() -> None:
         rows += flash(args.threads, args.rounds, args.lengths)
     if "decoder" in args.part:
         rows += decoder(args.threads, args.rounds)
-    table = Table(title=f"How far each goal can go: floors and ceilings, {args.threads} thread(s), "
-                        f"best of {args.rounds} round-robin rounds")
-    for col in ("goal", "floor ms", "floor", "attnkit ms", "peer ms", "ratio now", "ceiling", "budget ms",
-                "verdict"):
-        table.add_column(col, justify="left" if col in ("goal", "floor", "verdict") else "right")
     for r in rows:
         assess(r)
-        floor, ours, peer = r["floor_s"], r["attnkit_s"], r["peer_s"]
-        table.add_row(r["goal"], f"{floor * 1e3:,.1f}", r["floor_note"], f"{ours * 1e3:,.1f}", f"{peer * 1e3:,.1f}",
-                      f"{r['ratio']:.2f}", f"{r['ceiling']:.2f}", f"{r['budget_s'] * 1e3:,.1f}", r["verdict"])
-    console = Console()
-    console.print(table)
+    console = Console(highlight=False, emoji=False)
+    render(rows, f"How far each goal can go: floors and ceilings, {args.threads} thread(s), "
+                 f"best of {args.rounds} round-robin rounds", console)
+    from attnkit import kernels
+
     info = system_info()
-    console.print(f"CPU: {info.get('cpu_model', info['processor'])}; BLAS: {blas_summary()}; NumPy {np.__version__}")
+    console.print(f"CPU: {info.get('cpu_model', info['processor'])}; BLAS: {blas_summary()}; NumPy {np.__version__}; "
+                  + ("element-wise work: attnkit's compiled kernels (numba)" if kernels.enabled() else
+                     f"element-wise work: the NumPy reference ({kernels.reason_disabled()})"))
     console.print("ratio now = peer / attnkit (decoder: bound's step / attnkit's step); ceiling = peer / floor; "
-                  "budget = what everything beside the floor may cost for the goal to pass (negative: nothing can)")
+                  "budget = what everything beside the floor may cost for the goal to pass (negative: nothing can); "
+                  "x floor = attnkit / floor, the path's distance to its floor")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "rounds": args.rounds, "rows": rows, "system": info}, f,
-                      indent=2, default=str)
+            json.dump({"threads": args.threads, "rounds": args.rounds, "rows": rows, "system": info,
+                       "kernels": kernels.enabled()}, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

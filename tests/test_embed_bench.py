@@ -68,12 +68,12 @@ def test_goal_lines_say_pass_or_fail_per_thread_count():
     lines = goal_lines([
         _result(workload="uniform", sentences=64, batch_size=64),  # not the goal workload: no line
         _result(ort_seconds=1.1, ort_per_second=233.0, ort_ratio=1.1, ort_max_abs_diff=2e-7),
-        _result(threads=2, ratio=1.4, one_thread_seconds=1.5, thread_gain=1.5),
+        _result(threads=2, ratio=1.2, one_thread_seconds=1.5, thread_gain=1.5),
     ])
     assert lines == [
-        "goal: attnkit >= 1.5x sentence-transformers (256 varied sentences, batch 32, 1 thread): 1.60x PASS",
+        "goal: attnkit >= 1.3x sentence-transformers (256 varied sentences, batch 32, 1 thread): 1.60x PASS",
         "goal: attnkit >= 1.2x ONNX Runtime (256 varied sentences, batch 32, 1 thread): 1.10x FAIL",
-        "goal: attnkit >= 1.5x sentence-transformers (256 varied sentences, batch 32, 2 threads): 1.40x FAIL",
+        "goal: attnkit >= 1.3x sentence-transformers (256 varied sentences, batch 32, 2 threads): 1.20x FAIL",
         "goal: attnkit >= 1.2x ONNX Runtime (256 varied sentences, batch 32, 2 threads): not measured "
         "(install onnxruntime onnx onnxscript; the quick run skips it)",
         "goal: attnkit at 2 threads >= at 1 thread (256 varied, batch 32, timed alongside): 1.50x PASS",

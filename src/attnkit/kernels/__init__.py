@@ -21,6 +21,7 @@ This layer imports only `attnkit.runtime` (and numba, lazily).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -51,31 +52,51 @@ def _prepare_cache() -> None:
 
 
 @lru_cache(maxsize=None)
-def _load() -> tuple[ModuleType | None, str]:
-    """numba, or None and the reason the NumPy reference runs."""
+def _choice() -> str:
+    """Why the NumPy reference runs, or '' when the kernels may: answered without importing
+    numba (its import costs about 0.6 s; a short command never pays it)."""
     choice = os.environ.get(_FORCE_VARIABLE, "").strip().lower()
     if choice == "numpy":
-        return None, f"{_FORCE_VARIABLE}=numpy"
+        return f"{_FORCE_VARIABLE}=numpy"
     if choice not in ("", "numba", "auto"):
         raise ValueError(f"{_FORCE_VARIABLE} must be 'numpy', 'numba' or unset, got {choice!r}")
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed"
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _import() -> tuple[ModuleType | None, str]:
+    """numba imported (once), or None and the reason."""
+    reason = _choice()
+    if reason:
+        return None, reason
     _prepare_cache()
     try:
         import numba
-    except ImportError:
-        return None, "numba is not installed"
+    except ImportError as error:  # installed but broken (e.g. a NumPy it does not support)
+        return None, f"numba does not import ({error})"
     return numba, ""
 
 
+def _load() -> tuple[ModuleType | None, str]:
+    """numba if it was imported already, else whether it may be, without importing it."""
+    if _import.cache_info().currsize:
+        return _import()
+    return None if _choice() else True, _choice()  # type: ignore[return-value]
+
+
 def enabled() -> bool:
-    """Whether the compiled kernels run (numba imports and ATTNKIT_KERNELS is not "numpy")."""
+    """Whether the compiled kernels run (numba is installed and ATTNKIT_KERNELS is not
+    "numpy"). Does not import numba; a numba that then fails to import turns this False."""
     return _load()[0] is not None
 
 
 def numba() -> ModuleType:
-    """The numba module (only call when `enabled()`)."""
-    module = _load()[0]
+    """The numba module, imported on first call (only call when `enabled()`)."""
+    module, reason = _import()
     if module is None:
-        raise RuntimeError(f"compiled kernels are off: {_load()[1]}")
+        raise RuntimeError(f"compiled kernels are off: {reason}")
     return module
 
 
@@ -87,7 +108,7 @@ def reason_disabled() -> str:
 def notice(what: str) -> str:
     """The one line a command shows when `what` would run faster with the kernels, or ''
     when they run (or were switched off on purpose with ATTNKIT_KERNELS=numpy)."""
-    module, reason = _load()
-    if module is not None or reason.startswith(_FORCE_VARIABLE):
+    reason = _load()[1]
+    if not reason or reason.startswith(_FORCE_VARIABLE):
         return ""
     return f"{what} runs on the NumPy reference ({reason}); pip install 'attnkit[fast]' makes it faster"

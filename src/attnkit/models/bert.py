@@ -43,6 +43,7 @@ import numpy as np
 
 from attnkit.functional import varlen_attention
 from attnkit.functional.varlen import VARLEN_BACKENDS
+from attnkit.kernels import elementwise as compiled
 from attnkit.models.bert_checkpoint import (
     BERT_IGNORED,
     BERT_NAME_TABLE,
@@ -178,7 +179,15 @@ _GELU_ROWS = 32  # rows per chunk: the chunk's temporaries stay in the L2 cache
 
 def gelu_inplace(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """x = GELU(x + bias), exact (erf), for a float32 (N, F) array, in place, chunk
-    by chunk (the bias is added while the chunk is in cache); returns x."""
+    by chunk (the bias is added while the chunk is in cache); returns x. With the
+    compiled kernels (`attnkit.kernels.elementwise.gelu_bias`) one pass; these NumPy
+    lines are their reference."""
+    if compiled.usable(x) and (bias is None or bias.dtype == np.float32):
+        if bias is None:
+            compiled.gelu(x)
+        else:
+            compiled.gelu_bias(x, bias)
+        return x
     rows = min(_GELU_ROWS, x.shape[0])
     a = np.empty((rows, x.shape[1]), np.float32)
     z = np.empty_like(a)
@@ -210,6 +219,18 @@ def gelu_inplace(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         xs -= es
         xs *= np.float32(0.5)  # max(x, 0) - |x|/2 erfc(|x|/sqrt(2)): no cancellation for x < 0
     return x
+
+
+def _add_layer_norm_inplace(y: np.ndarray, add_bias: np.ndarray, residual: np.ndarray, norm: LayerNorm) -> np.ndarray:
+    """y = norm((y + add_bias) + residual) for (N, D) rows, in place: a post-LN block's
+    bias, residual and LayerNorm in one visit of each row with the compiled kernels
+    (`attnkit.kernels.elementwise.add_layer_norm`), else these NumPy lines (the reference)."""
+    if compiled.usable(y, residual, add_bias, norm.weight, norm.bias):
+        compiled.add_layer_norm(y, add_bias, residual, norm.weight, norm.bias, norm.eps)
+        return y
+    y += add_bias
+    y += residual
+    return _layer_norm_inplace(y, norm.weight, norm.bias, norm.eps)
 
 
 def _layer_norm_inplace(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
@@ -366,9 +387,7 @@ class BertModel(Module):
         qkv = x @ qkv_weight.T  # (N, 3D): one matrix product for the three projections
         qkv += qkv_bias
         y = attend(attn, qkv) @ attn.out_proj.weight.T  # (N, D)
-        y += attn.out_proj.bias
-        y += x
-        x = _layer_norm_inplace(y, block.norm1.weight, block.norm1.bias, block.norm1.eps)
+        x = _add_layer_norm_inplace(y, attn.out_proj.bias, x, block.norm1)  # LayerNorm(y + bias + x)
         h = x @ ffn.fc1.weight.T  # (N, F)
         if h.dtype == np.float32:
             gelu_inplace(h, ffn.fc1.bias)
@@ -376,9 +395,7 @@ class BertModel(Module):
             h += ffn.fc1.bias
             h = gelu(h)  # float64: the C library's erf
         y = h @ ffn.fc2.weight.T  # (N, D)
-        y += ffn.fc2.bias
-        y += x
-        return _layer_norm_inplace(y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+        return _add_layer_norm_inplace(y, ffn.fc2.bias, x, block.norm2)  # LayerNorm(y + bias + x)
 
     def _attend_padded(
         self, module: AttentionModule, qkv: np.ndarray, B: int, key_mask: np.ndarray | None

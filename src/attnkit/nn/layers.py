@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+from attnkit.kernels import elementwise as compiled
 from attnkit.nn.linear import Linear, linear
 from attnkit.nn.module import Module, check_float_input, compute_dtype, make_rng
 from attnkit.nn.spec import check_dropout, feed_forward_extra_repr
@@ -88,6 +89,10 @@ def gelu(x: np.ndarray) -> np.ndarray:
     x = check_float_input("x", x)
     xc = _as_compute(x)
     if xc.dtype == np.float32:
+        if compiled.usable(xc):  # one compiled pass (attnkit.kernels.elementwise.gelu)
+            out = np.array(xc, order="C", copy=True)
+            compiled.gelu(out)
+            return out.astype(x.dtype, copy=False)
         return _gelu_float32(xc).astype(x.dtype, copy=False)
     t = _erf_float64(xc * _INV_SQRT2)
     t += 1.0
@@ -153,7 +158,16 @@ def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None
     (x - mean) / sqrt(var + eps) * weight + bias, var biased (divide by d).
 
     `x` must already be in the compute dtype; returns a new array of that dtype.
+    float32 with float32 weight and bias runs one compiled pass per row when the
+    kernels are on (`attnkit.kernels.elementwise.layer_norm`); these NumPy lines
+    are its reference.
     """
+    if weight is not None and bias is not None and x.ndim >= 1 and x.size:
+        fits = np.shape(weight) == np.shape(bias) == (x.shape[-1],)
+        if fits and compiled.usable(weight, bias) and x.dtype == np.float32:
+            y = np.array(x, order="C", copy=True)
+            compiled.layer_norm(y, weight, bias, eps)
+            return y
     mean = x.mean(axis=-1, keepdims=True)  # (..., 1)
     y = x - mean  # (..., d)
     var = np.einsum("...i,...i->...", y, y)[..., None]  # (..., 1), sum of squares

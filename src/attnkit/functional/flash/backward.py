@@ -16,11 +16,12 @@ import numpy as np
 
 from attnkit.functional._checks import output_ndim, require_float_tensor, shape_str, sum_to_shape
 from attnkit.functional.attention import AttentionGrads
-from attnkit.functional.flash.forward import _flash_forward, _tile_scores
+from attnkit.functional.flash.forward import _flash_forward, _shifted_exp_tile, _tile_scores
 from attnkit.functional.flash.plan import FlashPlan, _check_block, _check_inputs, _flat, _Tile, _with_ones
 from attnkit.functional.flash.state import AttentionState
 from attnkit.functional.mods import DifferentiableScoreMod
 from attnkit.functional.precision import all_finite, scores_may_overflow, start_dtype
+from attnkit.kernels import flash as compiled
 from attnkit.runtime import run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
 
 PEAK = 0.75  # a weight above this is its row's dominant key (at most one per row: the weights sum to 1)
@@ -102,8 +103,7 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
                 mod_grad = plan.score_mod.grad(pre, b, h, *tile.indices())
             # forward: P = exp(s - lse); p holds s - shift, and lse - shift = hi + lo:
             # P = exp(p - hi) * f, f = exp(-lo) per row
-            p -= lse_hi[b, h, rows, None]
-            np.exp(p, out=p)
+            _shifted_exp_tile(p, lse_hi[b, h, rows])
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
             dv_part = scratch_tile("dv_part", n, Ev, cd)
             np.matmul(p.T, inputs.do_f[b, h, rows], out=dv_part)
@@ -111,13 +111,18 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
             ds = scratch_tile("ds", r, n, cd)
             np.matmul(do_a[b, h, rows], va[cols_k].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
-            np.multiply(ds, p, out=ds)
             # A dominant key's dP - D cancels to the rounding of two dot products (D
             # comes from O, not from this tile): its dS is left out here and made
             # from the rest of its row at the end (see _flash_backward).
             # (Candidates first: a row whose weights in this tile sum to more than PEAK;
             # a product with ones costs a third of a max-reduction over the tile.)
-            maybe = np.flatnonzero(np.matmul(p, _ones(n, cd.str)) > PEAK)  # f is 1 to a few ulps here
+            if compiled.usable(ds, p):
+                weight = scratch_buffer("weight", r, cd)[:r]
+                compiled.weighted_grad_tile(ds, p, weight)  # dS and the rows' weights in one pass
+            else:
+                np.multiply(ds, p, out=ds)
+                weight = np.matmul(p, _ones(n, cd.str))
+            maybe = np.flatnonzero(weight > PEAK)  # f is 1 to a few ulps here
             if maybe.size:
                 top = np.argmax(p[maybe], axis=1)
                 peak = p[maybe, top] * f[maybe, 0] > PEAK

@@ -14,7 +14,27 @@ from attnkit.functional._checks import output_ndim
 from attnkit.functional.flash.plan import FlashPlan, _Columns, _Tile, _flat, _make_plan, _with_ones
 from attnkit.functional.flash.state import AttentionState, merge_attention_states
 from attnkit.functional.precision import needs_float64, start_dtype
+from attnkit.kernels import flash as compiled
 from attnkit.runtime import l2_cache_bytes, run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
+
+
+def _exp_tile(s: np.ndarray) -> None:
+    """s <- exp(s) in place: the compiled loop when it takes s (float32), else NumPy."""
+    if compiled.usable(s):
+        compiled.exp_tile(s)
+    else:
+        np.exp(s, out=s)
+
+
+def _shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
+    """s <- exp(s - shift[..., None]) in place, s (heads, rows, cols), shift (heads, rows):
+    one compiled pass when it takes s (float32), else NumPy's two."""
+    if compiled.usable(s):
+        compiled.shifted_exp_tile(s, shift)
+    else:
+        s -= shift[..., None]
+        np.exp(s, out=s)
+
 
 def _weights_times_values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
     """out <- [p v, p 1] (heads, rows, Ev + 1): with values carrying a ones column
@@ -115,7 +135,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         qa[..., E] = -c
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below (per thread)
             for tile, s, at in _score_tiles(plan, inputs, rows, qa, ka):
-                np.exp(s, out=s)
+                _exp_tile(s)
                 _weights_times_values(s, va[:, tile.k0:tile.k1], part[:, at])  # [P V, P 1]
                 acc[:, at] += part[:, at]
         total = acc[..., Ev]
@@ -145,8 +165,7 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         np.exp(alpha_at, out=alpha_at)  # rescales what was accumulated against the old max
         # Shifting by the true max keeps s - max exact near the max, so that the
         # backward's exp(s - lse) reproduces these weights to rounding.
-        s -= shift[..., None]
-        np.exp(s, out=s)
+        _shifted_exp_tile(s, shift)
         _weights_times_values(s, va[:, tile.k0:tile.k1], part_at)
         acc[:, at] *= alpha_at[..., None]
         acc[:, at] += part_at

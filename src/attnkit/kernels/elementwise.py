@@ -1,0 +1,94 @@
+"""The encoder's element-wise work, compiled: exact (erf) GELU with its linear layer's
+bias, LayerNorm with the residual and bias adds before it, and a row softmax, each
+beside the NumPy function it replaces (`attnkit.models.bert.gelu_inplace` and
+`_layer_norm_inplace`, `attnkit.nn.layers.gelu` and `layer_norm`, the softmax of
+`attnkit.functional.attention`), which stay the reference and run when `usable` says no.
+
+Every function works in place on C-contiguous float32 arrays and returns None.
+Error budget (docs/kernels.md): GELU uses the NumPy encoder's own erfc fit (relative
+error < 1.2e-7) with an exp within 1 ulp, so it stays within 2x the NumPy path's error;
+LayerNorm and softmax sum in float64, so their error is the final roundings only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnkit.kernels import enabled
+from attnkit.kernels._start import load, started, worth_it
+
+__all__ = ["SAVED_NS", "add_layer_norm", "gelu", "gelu_bias", "layer_norm", "load", "softmax", "started", "usable"]
+
+
+SAVED_NS = 4.0
+"""What the compiled loops save over NumPy's passes per element, about (GELU 7 ns,
+LayerNorm with its adds 1.5 ns): counts towards starting them."""
+
+
+def usable(*arrays: np.ndarray) -> bool:
+    """Whether the compiled loops take these arrays: the kernels are on, each is float32
+    and C-contiguous, and the loops have started or this process's work has earned
+    their start (`attnkit.kernels._start`; `load()` starts them at once). Anything else
+    runs the NumPy reference."""
+    if not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
+        return False
+    return worth_it(arrays[0].size, SAVED_NS) and enabled()  # (enabled() imports numba: asked last)
+
+
+def _loops():
+    from attnkit.kernels import _loops  # numba loads here, on first use
+
+    return _loops
+
+
+def gelu(x: np.ndarray) -> None:
+    """x <- GELU(x) = x Phi(x) (exact, erf form) in place, x any C-contiguous float32 array."""
+    _loops().gelu_rows(x.reshape(-1))
+
+
+def gelu_bias(x: np.ndarray, bias: np.ndarray) -> None:
+    """x <- GELU(x + bias) in place, in one pass.
+
+    Arguments:
+        x: (N, F) C-contiguous float32 (a linear layer's products).
+        bias: (F,) float32, the layer's bias.
+    """
+    _loops().gelu_bias_rows(x, bias)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> None:
+    """x <- (x - mean) / sqrt(var + eps) * weight + bias over the last axis, in place
+    (torch's LayerNorm: biased variance, eps inside the root).
+
+    Arguments:
+        x: (..., D) C-contiguous float32.
+        weight, bias: (D,) float32.
+        eps: added to the variance.
+    """
+    _loops().layer_norm_rows(x.reshape(-1, x.shape[-1]), weight, bias, float(eps))
+
+
+def add_layer_norm(y: np.ndarray, add_bias: np.ndarray, residual: np.ndarray, weight: np.ndarray,
+                   bias: np.ndarray, eps: float) -> None:
+    """y <- LayerNorm((y + add_bias) + residual) in place, one visit of each row: a
+    post-LN block's `y += linear.bias; y += x; norm(y)`.
+
+    Arguments:
+        y: (N, D) C-contiguous float32, a linear layer's products.
+        add_bias: (D,) float32, that layer's bias.
+        residual: (N, D) float32, the block's input.
+        weight, bias, eps: the LayerNorm's.
+    """
+    _loops().add_layer_norm_rows(y, add_bias, residual, weight, bias, float(eps))
+
+
+def softmax(scores: np.ndarray, lse: np.ndarray) -> None:
+    """scores <- softmax(scores) over the last axis in place, and lse <- each row's
+    logsumexp. A row of -inf (nothing allowed) gives weights 0 and lse -inf; NaN
+    propagates.
+
+    Arguments:
+        scores: (..., S) C-contiguous float32.
+        lse: (...) C-contiguous float32, written.
+    """
+    _loops().softmax_rows(scores.reshape(-1, scores.shape[-1]), lse.reshape(-1))

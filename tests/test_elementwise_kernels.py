@@ -1,0 +1,236 @@
+"""The encoder's compiled element-wise loops (attnkit.kernels.elementwise) against float64
+truth, the NumPy float32 reference they replace, and torch.
+
+The budget (docs/kernels.md, "Flash and encoder kernels"): each kernel's error against the
+float64 truth is at most twice the NumPy float32 reference's, and twice torch's, plus a
+few float32 ulps at the result's natural size (the result is stored in float32).
+Adversarial inputs: huge and tiny values, NaN and inf, rows whose mean dwarfs their spread
+(LayerNorm's cancellation), constant rows, fully masked softmax rows, odd sizes.
+
+Without numba, or with ATTNKIT_KERNELS=numpy, the kernel-level tests skip (there is no
+kernel to test); the encoder test then checks the NumPy path against the same oracles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from attnkit import kernels
+from attnkit.kernels import elementwise as compiled
+from attnkit.models import bert
+from attnkit.nn import layers
+from conftest import F32_EPS, assert_within_budget, optional
+
+torch = optional("torch")
+
+needs_kernels = pytest.mark.skipif(not kernels.enabled(), reason=f"compiled kernels off: {kernels.reason_disabled()}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _started():
+    """The loops start at once here (a process otherwise runs NumPy until its work pays for them)."""
+    compiled.load()
+
+
+def _exact_gelu(x):
+    """float64 GELU, x Phi(x) = x/2 erfc(-x / sqrt 2) (no cancellation), by the C library's erfc."""
+    return np.array([0.5 * v * math.erfc(-v / math.sqrt(2)) for v in np.asarray(x, np.float64).ravel()]).reshape(
+        np.shape(x))
+
+
+def _gelu_inputs(n, seed):
+    rng = np.random.default_rng(seed)
+    special = [0.0, -0.0, 1e-30, -1e-30, 1e-42, -1e-42, 5.0, -5.0, 8.0, -8.0, 12.0, -12.0, 40.0, -40.0, 1e30, -1e30]
+    x = np.concatenate([special, np.linspace(-12, 12, n), rng.standard_normal(n) * 3]).astype(np.float32)
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 31, 4001])
+def test_gelu_within_twice_numpy_and_torch(torch, n):
+    x = _gelu_inputs(n, n)
+    ours = x.copy()
+    compiled.gelu(ours)
+    truth = _exact_gelu(x)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        numpy_ref = bert.gelu_inplace(x.reshape(1, -1).copy())[0]
+    torch_ref = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
+    assert_within_budget(ours, numpy_ref, truth, f"gelu n={n} vs NumPy", ulps=2)
+    assert_within_budget(ours, torch_ref, truth, f"gelu n={n} vs torch", ulps=2)
+    # the tails: GELU(x) = x exactly above ~8, and a tiny negative (not 0 - rounding) below
+    assert (ours[x >= 8] == x[x >= 8]).all()
+    assert (np.abs(ours[(x < 0) & (x > -8)]) <= np.abs(x[(x < 0) & (x > -8)])).all()
+
+
+@needs_kernels
+def test_gelu_propagates_nan_and_infinity():
+    x = np.array([np.nan, np.inf, -np.inf, 1.0], np.float32)
+    compiled.gelu(x)
+    assert np.isnan(x[0]) and x[1] == np.inf and (x[2] == 0 or np.isnan(x[2])) and np.isfinite(x[3])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 37), (33, 1536)])
+def test_gelu_bias_is_gelu_of_the_float32_sum(rows, cols):
+    rng = np.random.default_rng(cols)
+    x = (rng.standard_normal((rows, cols)) * 4).astype(np.float32)
+    bias = rng.standard_normal(cols).astype(np.float32)
+    ours = x.copy()
+    compiled.gelu_bias(ours, bias)
+    summed = x + bias  # the float32 sum both paths take GELU of
+    truth = _exact_gelu(summed)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        numpy_ref = bert.gelu_inplace(x.copy(), bias)
+    assert_within_budget(ours, numpy_ref, truth, f"gelu(x + bias) {rows}x{cols}", ulps=2)
+
+
+def _norm_rows(rng, rows, cols):
+    """Rows for LayerNorm: plain, a mean 1e4 times the spread, constant, tiny, huge."""
+    x = rng.standard_normal((rows, cols))
+    x[0] = 1e4 + rng.standard_normal(cols)  # cancellation: the mean dwarfs the spread
+    if rows > 1:
+        x[1] = 3.0  # constant: var 0, eps alone
+    if rows > 2:
+        x[2] *= 1e-20
+    if rows > 3:
+        x[3] *= 1e15
+    return x.astype(np.float32)
+
+
+def _layer_norm64(x, weight, bias, eps):
+    x = np.asarray(x, np.float64)
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight.astype(np.float64) + bias.astype(np.float64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 7), (64, 384)])
+def test_layer_norm_within_twice_numpy_and_torch(torch, rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    x = _norm_rows(rng, rows, cols)
+    weight, bias = (rng.standard_normal(cols).astype(np.float32) for _ in range(2))
+    eps = 1e-12
+    ours = x.copy()
+    compiled.layer_norm(ours, weight, bias, eps)
+    truth = _layer_norm64(x, weight, bias, eps)
+    numpy_ref = bert._layer_norm_inplace(x.copy(), weight, bias, eps)
+    torch_ref = torch.nn.functional.layer_norm(torch.from_numpy(x), (cols,), torch.from_numpy(weight),
+                                               torch.from_numpy(bias), eps).numpy()
+    # natural size: |weight| (a normalized value is O(1)) plus |bias|
+    size = float(np.abs(weight).max() * math.sqrt(cols) + np.abs(bias).max())
+    assert_within_budget(ours, numpy_ref, truth, f"layer norm {rows}x{cols} vs NumPy", ulps=4, scale=size)
+    assert_within_budget(ours, torch_ref, truth, f"layer norm {rows}x{cols} vs torch", ulps=4, scale=size)
+
+
+@needs_kernels
+def test_add_layer_norm_is_the_norm_of_the_float32_sums():
+    rng = np.random.default_rng(11)
+    y, residual = (rng.standard_normal((40, 384)).astype(np.float32) * 5 for _ in range(2))
+    add_bias, weight, bias = (rng.standard_normal(384).astype(np.float32) for _ in range(3))
+    ours = y.copy()
+    compiled.add_layer_norm(ours, add_bias, residual, weight, bias, 1e-12)
+    truth = _layer_norm64((y + add_bias) + residual, weight, bias, 1e-12)
+    norm = layers.LayerNorm(384, eps=1e-12)
+    norm.weight, norm.bias = weight, bias
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        numpy_ref = bert._add_layer_norm_inplace(y.copy(), add_bias, residual, norm)
+    size = float(np.abs(weight).max() * math.sqrt(384) + np.abs(bias).max())
+    assert_within_budget(ours, numpy_ref, truth, "bias + residual + layer norm", ulps=4, scale=size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols", [(1, 1), (6, 13), (64, 257)])
+def test_softmax_within_twice_numpy_with_masked_rows(rows, cols):
+    rng = np.random.default_rng(rows * cols)
+    s = (rng.standard_normal((rows, cols)) * 8).astype(np.float32)
+    s[:, ::3] = -np.inf  # masked keys
+    s[0] = -np.inf  # a fully masked row: weights 0, lse -inf, never NaN
+    if rows > 1:
+        s[1, -1] = 1e30  # one huge score: a one-hot row
+    if rows > 2:
+        s[2] = -1e30
+        s[2, -1] = -1e30 + 1e24
+    ours, lse = s.copy(), np.empty(rows, np.float32)
+    compiled.softmax(ours, lse)
+    s64 = s.astype(np.float64)
+    live = ~np.isneginf(s64).all(-1)
+    top = np.where(live[:, None], s64.max(-1, keepdims=True), 0)
+    e = np.exp(s64 - top)
+    total = e.sum(-1, keepdims=True)
+    truth = np.where(live[:, None], e / np.where(total > 0, total, 1), 0)
+    with np.errstate(divide="ignore"):
+        truth_lse = np.log(total[:, 0]) + top[:, 0]
+    numpy_ref = s - np.where(live, s.max(-1), 0)[:, None]  # NumPy's lines (functional.attention)
+    np.exp(numpy_ref, out=numpy_ref)
+    numpy_total = numpy_ref.sum(-1, keepdims=True)
+    numpy_ref /= np.maximum(numpy_total, 1)
+    assert not np.isnan(ours).any() and (ours[0] == 0).all() and np.isneginf(lse[0])
+    assert_within_budget(ours, numpy_ref, truth, f"softmax {rows}x{cols}", ulps=2)
+    numpy_lse = (np.log(numpy_total[:, 0].astype(np.float64)) + np.where(live, s.max(-1), 0))
+    if live.any():
+        assert_within_budget(lse[live], numpy_lse[live].astype(np.float32), truth_lse[live], "lse", ulps=2)
+
+
+@needs_kernels
+def test_softmax_propagates_nan_as_torch_does():
+    s = np.array([[1.0, np.nan, 2.0], [1.0, 2.0, 3.0]], np.float32)
+    lse = np.empty(2, np.float32)
+    compiled.softmax(s, lse)
+    assert np.isnan(s[0]).all() and np.isnan(lse[0])
+    assert np.isfinite(s[1]).all() and np.isfinite(lse[1])
+
+
+def test_short_work_never_loads_numba_and_long_work_starts_the_loops():
+    """A process whose element-wise work would save less than loading the loops costs
+    (one sentence through `attnkit show`, a small flash call) never imports numba; once
+    the savings it missed reach LOAD_SECONDS the loops start and stay."""
+    code = (
+        "import sys, numpy as np, attnkit\n"
+        "from attnkit.models.bert import gelu_inplace\n"
+        "from attnkit.kernels import _start, enabled\n"
+        "x = np.ones((10, 1536), np.float32)\n"
+        "gelu_inplace(x)\n"
+        "q = np.ones((1, 4, 64, 32), np.float32)\n"
+        "attnkit.flash_attention(q, q, q)\n"
+        "assert 'numba' not in sys.modules, 'short work imported numba'\n"
+        "_start.LOAD_SECONDS = 1e-4\n"
+        "for _ in range(3):\n"
+        "    gelu_inplace(x)\n"
+        "assert _start.started() == enabled(), (_start.started(), enabled())\n"
+    )
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_encoder_block_with_kernels_within_twice_the_numpy_path():
+    """A random post-LN encoder (MiniLM's shape, 2 layers) on token rows: the kernels' float32
+    hidden states against the float64 model, within 2x the NumPy float32 path's error."""
+    from attnkit.models.bert import BertModel
+    from attnkit.models.bert_config import BertConfig
+
+    config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=64)
+    model = BertModel(config)
+    rng = np.random.default_rng(0)
+    model.load_state_dict({name: rng.standard_normal(param.shape) * 0.2 for name, param in model.named_parameters()})
+    ids = rng.integers(0, 100, (3, 20))
+    mask = np.ones((3, 20), bool)
+    mask[1, 12:] = False
+    model32 = model.astype(np.float32)
+    ours = model32(ids, mask).last_hidden_state
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        numpy_ref = model32(ids, mask).last_hidden_state
+    truth = model.astype(np.float64)(ids, mask).last_hidden_state  # the same (float32-rounded) weights
+    assert ours.dtype == np.float32
+    assert_within_budget(ours, numpy_ref, truth, "encoder hidden states", ulps=8)

@@ -1,0 +1,228 @@
+"""Flash attention's compiled tile loops (attnkit.kernels.flash) against float64 truth,
+NumPy's float32 reference lines they replace, and torch SDPA.
+
+The budget (docs/kernels.md, "Flash and encoder kernels"): each kernel's error against
+the float64 truth is at most twice the NumPy float32 reference's on the same inputs,
+plus one float32 ulp at the truth's size (the result is stored in float32: half an ulp
+is unavoidable, and NumPy can round luckily to an error near zero). Whole flash calls
+with the kernels follow the flash tests' rule: 2x (3x for gradients) the NumPy path's
+and torch's float32 error, with the epsilon at the problem's natural size.
+
+Without numba, or with ATTNKIT_KERNELS=numpy, the kernel-level tests skip (there is
+no kernel to test; the whole-call tests then check the NumPy path against the same oracles).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import kernels, masks
+from attnkit.kernels import flash as compiled
+from conftest import F32_EPS, assert_within_budget, optional, reference_attention, score_conditioning
+
+torch = optional("torch")
+
+needs_kernels = pytest.mark.skipif(not kernels.enabled(), reason=f"compiled kernels off: {kernels.reason_disabled()}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _started():
+    """The loops start at once here (a process otherwise runs NumPy until its work pays for them)."""
+    compiled.load()
+
+
+def _assert_elementwise_budget(ours, numpy_ref, truth, what):
+    """|ours - truth| <= 2 * (NumPy's max relative error) * |truth| + 1 ulp of truth,
+    element by element; NaN and inf exactly where the truth has them."""
+    ours = np.asarray(ours, np.float64)
+    numpy_ref = np.asarray(numpy_ref, np.float64)
+    truth = np.asarray(truth, np.float64)
+    special = ~np.isfinite(truth) | (np.abs(truth) > np.finfo(np.float32).max)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want_special = truth.astype(np.float32)
+    assert np.array_equal(np.isnan(ours), np.isnan(truth)), f"{what}: NaN where the truth has none (or missing)"
+    assert np.array_equal(ours[special & ~np.isnan(truth)], want_special[special & ~np.isnan(truth)]), (
+        f"{what}: inf/overflow not where the truth has it")
+    ok = ~special
+    t = truth[ok]
+    tiny = np.finfo(np.float32).tiny
+    normal = np.abs(t) >= tiny
+    ref_rel = float(np.max(np.abs(numpy_ref[ok][normal] - t[normal]) / np.abs(t[normal]), initial=0.0))
+    ulp = np.spacing(np.abs(t).astype(np.float32)).astype(np.float64)
+    budget = 2 * ref_rel * np.abs(t) + ulp
+    err = np.abs(ours[ok] - t)
+    worst = int(np.argmax(err - budget)) if err.size else 0
+    print(f"{what}: kernel max rel {np.max(err[normal] / np.abs(t[normal]), initial=0):.2e}, NumPy {ref_rel:.2e}")
+    assert (err <= budget).all(), (
+        f"{what}: error {err[worst]:.3e} at truth {t[worst]:.6e} exceeds 2 x NumPy's relative error "
+        f"{ref_rel:.2e} + 1 ulp (= {budget[worst]:.3e})")
+
+
+def _exp_inputs(rng, n):
+    """Random scores over exp's whole float32 range, and the adversarial ones."""
+    special = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 1e-30, -1e-30, -87.33, -87.34, -103.0, -103.9,
+                        -104.0, -150.0, -1e30, 88.72, 88.73, 89.0, 1e30, 0.3465736, -0.3465736, 0.6931472,
+                        -0.6931472], dtype=np.float32)
+    wide = rng.uniform(-110, 95, n).astype(np.float32)
+    near = (rng.standard_normal(n) * 3).astype(np.float32)
+    return np.concatenate([special, wide, near])
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 7, 1025, 100_003])
+def test_exp_tile_within_twice_numpys_error_over_the_whole_range(n):
+    x = _exp_inputs(np.random.default_rng(n), n)
+    ours = x.copy()
+    compiled.exp_tile(ours)
+    with np.errstate(over="ignore"):
+        numpy_ref = np.exp(x)
+        truth = np.exp(x.astype(np.float64))
+    _assert_elementwise_budget(ours, numpy_ref, truth, f"exp, n={n}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (2, 64, 129)])
+def test_shifted_exp_tile_within_twice_the_two_numpy_passes(shape):
+    rng = np.random.default_rng(sum(shape))
+    s = (rng.standard_normal(shape) * 30).astype(np.float32)
+    s[..., 0] = -np.inf  # a masked key
+    shift = s.max(axis=-1) - rng.uniform(0, 3, shape[:-1]).astype(np.float32)  # not quite the max
+    s[0, 0, :] = -np.inf  # a fully masked row, shifted by 0 as the forward does
+    shift[0, 0] = 0
+    ours = s.copy()
+    compiled.shifted_exp_tile(ours, shift)
+    numpy_ref = s - shift[..., None]
+    np.exp(numpy_ref, out=numpy_ref)
+    with np.errstate(invalid="ignore"):
+        truth = np.exp(s.astype(np.float64) - shift[..., None].astype(np.float64))
+    assert (ours[0, 0] == 0).all(), "a fully masked row gives weights 0, not NaN"
+    _assert_elementwise_budget(ours, numpy_ref, truth, f"shifted exp {shape}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 17), (64, 256)])
+def test_weighted_grad_tile_is_numpys_product_and_row_sums(rows, cols):
+    rng = np.random.default_rng(rows * cols)
+    p = rng.random((rows, cols), dtype=np.float32) ** 4  # weights in [0, 1), some tiny
+    p[0, 0] = 0.0
+    ds = (rng.standard_normal((rows, cols)) * 10).astype(np.float32)
+    ours, sums = ds.copy(), np.empty(rows, np.float32)
+    compiled.weighted_grad_tile(ours, p, sums)
+    assert np.array_equal(ours, ds * p), "dS = P * (dP - D) is one IEEE product per element, as NumPy's"
+    truth = p.astype(np.float64).sum(axis=1)
+    numpy_ref = p @ np.ones(cols, np.float32)
+    assert_within_budget(sums, numpy_ref, truth, "row sums of the tile's weights", ulps=1.0 * max(1, cols // 16))
+
+
+# ----------------------------------------------------------------------------- whole flash calls
+
+
+def _numpy_path(monkeypatch):
+    """Within the block: the NumPy reference lines run, as with ATTNKIT_KERNELS=numpy."""
+    monkeypatch.setattr(compiled, "usable", lambda *arrays: False)
+
+
+def _counting(monkeypatch):
+    """Counts calls of the compiled loops (to prove the whole-call tests ran them)."""
+    calls = {"exp": 0, "shifted": 0, "grad": 0}
+    for name, key in (("exp_tile", "exp"), ("shifted_exp_tile", "shifted"), ("weighted_grad_tile", "grad")):
+        real = getattr(compiled, name)
+
+        def wrapped(*args, _real=real, _key=key):
+            calls[_key] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(compiled, name, wrapped)
+    return calls
+
+
+CASES = {
+    # name: (L, S, E, scale multiplier on q, mask kind)
+    "odd sizes, fast path": (97, 1025, 59, 1.0, None),
+    "causal, fast path": (130, 130, 64, 1.0, "causal"),
+    "peaked rows (scores x30)": (64, 200, 32, 30.0, None),
+    "bool mask with fully masked rows": (50, 77, 16, 1.0, "bool"),
+    "float mask with -inf rows": (33, 65, 8, 2.0, "float"),
+}
+
+
+def _case(name, dtype=np.float32):
+    L, S, E, boost, kind = CASES[name]
+    rng = np.random.default_rng(len(name))
+    q = rng.standard_normal((2, L, E)).astype(dtype) * dtype(boost)
+    k, v = (rng.standard_normal((2, S, E)).astype(dtype) for _ in range(2))
+    d_out = rng.standard_normal((2, L, E)).astype(dtype)
+    kw, dense = {}, None
+    if kind == "causal":
+        kw, dense = dict(is_causal=True), masks.causal_mask(L, S)
+    elif kind == "bool":
+        dense = rng.random((2, L, S)) > 0.5
+        dense[:, :3] = False  # fully masked rows: output 0, never NaN
+        kw = dict(attn_mask=dense)
+    elif kind == "float":
+        dense = (rng.standard_normal((1, L, S)) * 3).astype(dtype)
+        dense[..., ::4] = -np.inf
+        dense[:, 0] = -np.inf
+        kw = dict(attn_mask=dense)
+    return q, k, v, d_out, kw, dense
+
+
+def _float64_grads(q, k, v, d_out, dense):
+    """float64 gradients by torch autograd on the plain math (fully masked rows: 0)."""
+    tq, tk, tv = (torch.tensor(x.astype(np.float64), requires_grad=True) for x in (q, k, v))
+    s = tq @ tk.transpose(-1, -2) / np.sqrt(q.shape[-1])
+    if dense is not None:
+        m = torch.tensor(np.asarray(dense))
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    dead = torch.isneginf(s).all(dim=-1, keepdim=True)
+    p = torch.softmax(torch.where(dead, 0.0, s), dim=-1) * ~dead
+    (p @ tv).backward(torch.tensor(d_out.astype(np.float64)))
+    return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_flash_with_kernels_within_twice_the_numpy_path_and_torch(torch, monkeypatch, name):
+    q, k, v, d_out, kw, dense = _case(name)
+    tiles = dict(block_q=32, block_k=64)
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        ref = attnkit.flash_attention(q, k, v, return_lse=True, **kw, **tiles)
+        ref_grads = attnkit.flash_attention_backward(d_out, q, k, v, ref.output, ref)
+    calls = _counting(monkeypatch)
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw, **tiles)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
+    if kernels.enabled():
+        assert calls["exp"] + calls["shifted"] > 0 and calls["grad"] > 0, f"the compiled loops did not run: {calls}"
+
+    truth, _, truth_lse = reference_attention(q, k, v, dense)
+    tmask = None if dense is None else torch.tensor(dense)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(torch.tensor(x) for x in (q, k, v)), attn_mask=tmask)
+    sdpa = np.nan_to_num(sdpa.numpy())  # torch: NaN on a fully masked float-mask row; the truth is 0
+    cond = score_conditioning(q, k)
+    size = float(np.abs(v).max()) * cond
+    dead = np.isneginf(truth_lse)
+    assert np.array_equal(res.output[dead], np.zeros_like(res.output[dead])), "fully masked rows give 0"
+    assert_within_budget(res.output, ref.output, truth, f"{name}: output vs NumPy path", ulps=4, scale=size)
+    assert_within_budget(res.output, sdpa, truth, f"{name}: output vs torch SDPA", ulps=4, scale=size)
+    live = ~dead
+    assert_within_budget(res.lse[live], ref.lse[live], truth_lse[live], f"{name}: lse", ulps=4, scale=cond)
+
+    expected = _float64_grads(q, k, v, d_out, dense)
+    dp_abs = float((np.abs(d_out.astype(np.float64)) @ np.abs(v.astype(np.float64)).swapaxes(-1, -2)).max())
+    sc = 1.0 / np.sqrt(q.shape[-1])
+    sizes = (dp_abs * np.abs(k).max() * sc * cond, dp_abs * np.abs(q).max() * sc * cond, np.abs(d_out).max() * cond)
+    for what, ours, theirs, want, size in zip(("query", "key", "value"), grads, ref_grads, expected, sizes):
+        assert np.isfinite(ours).all(), f"{name}: grad_{what} not finite"
+        assert_within_budget(ours, theirs, want, f"{name}: grad_{what} vs NumPy path", factor=3.0, ulps=4,
+                             scale=float(size))
+
+
+def test_kernels_give_the_same_results_on_one_thread_and_two():
+    """Each row's tiles run in the same order whatever thread takes them (the loops
+    release the GIL and run side by side on the runtime's workers): bitwise equal."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((4, 1024, 32)).astype(np.float32) for _ in range(3))
+    one, two = (attnkit.flash_attention(q, k, v, is_causal=True, num_threads=n) for n in (1, 2))
+    assert np.array_equal(one, two)

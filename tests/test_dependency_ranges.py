@@ -6,6 +6,7 @@ torch extra pinned torch==2.13.0. The ranges must hold the pinned versions the t
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,5 +39,53 @@ def test_torch_and_hf_extras_are_ranges_that_hold_the_tested_pins():
             assert specifier.contains(pinned), f"{extra}: {name}{specifier} excludes the tested {pinned}"
     torch_range = _requirements(extras["torch"])["torch"]
     assert torch_range.contains("2.14.1") and torch_range.contains("2.5.0") and not torch_range.contains("2.4.1")
-    assert _requirements(extras["hf"])["torch"] == torch_range
+    hf_torch = _requirements(extras["hf"])["torch"]
+    assert _lower(hf_torch) >= _lower(torch_range) and hf_torch.contains("2.14.1")
     assert not _requirements(extras["hf"])["transformers"].contains("5.0.0")  # lacks the globals attnkit.hf sets
+
+
+def _lower(specifier):
+    from packaging.version import Version
+
+    return Version(next(spec.version for spec in specifier if spec.operator == ">="))
+
+
+def test_hf_extra_asks_for_the_torch_its_lowest_transformers_accepts(transformers):
+    """transformers declares the torch it works with (and reports torch unavailable below it):
+    the hf extra's torch range starts there, not lower."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    hf_extra = _requirements(_extras()["hf"])
+    lowest = _lower(hf_extra["transformers"])
+    assert Version(metadata.version("transformers")) == lowest  # the test extra pins the lower end
+    wanted = [Requirement(r) for r in metadata.requires("transformers") if r.startswith("torch")]
+    floors = {_lower(r.specifier) for r in wanted if any(spec.operator == ">=" for spec in r.specifier)}
+    assert floors, "transformers declares no torch range"
+    assert _lower(hf_extra["torch"]) >= max(floors), \
+        f"hf extra torch {hf_extra['torch']}, transformers wants >= {max(floors)}"
+
+
+def test_the_ends_script_installs_the_declared_bounds(monkeypatch):
+    """scripts/test-dependency-ends.py reads its ends from pyproject.toml: the lower bounds
+    exactly, and the ranges themselves for the highest end."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dependency_ends", ROOT / "scripts" / "test-dependency-ends.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dependency_ends", script)  # dataclasses look their module up
+    spec.loader.exec_module(script)
+    extras = _extras()
+    torch_extra, hf_extra = _requirements(extras["torch"]), _requirements(extras["hf"])
+    ends = script.ends()
+    assert set(ends) == {"lowest-torch", "lowest-hf", "highest"}
+    assert ends["lowest-torch"].requirements == [".[torch]", f"torch=={_lower(torch_extra['torch'])}"]
+    assert ends["lowest-hf"].requirements == [
+        ".[hf]", f"torch=={_lower(hf_extra['torch'])}", f"transformers=={_lower(hf_extra['transformers'])}",
+    ]
+    assert ends["highest"].requirements == [".[torch,hf]", f"torch{hf_extra['torch']}",
+                                            f"transformers{hf_extra['transformers']}"]
+    tested = {path.name for end in ends.values() for pattern in end.tests for path in ROOT.glob(pattern)}
+    assert {"test_torch_modules.py", "test_hf.py", "test_hf_views.py", "test_dependency_ranges.py"} <= tested

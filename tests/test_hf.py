@@ -495,3 +495,34 @@ def test_bench_suite_reports_every_contender_and_the_goals(monkeypatch):
     assert any("sdpa's speed" in goal and goal.startswith(("PASS", "FAIL")) for goal in report.goals)
     assert not any("goal" in note for note in report.findings())
     assert set(report.raw["lengths"][64]["peak_bytes"]) == set(suite.IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("implementation", ["attnkit_flash", "attnkit_tiled"])
+def test_weightless_implementations_warn_once_and_return_what_sdpa_returns(monkeypatch, implementation):
+    """output_attentions=True on a kernel that forms no weights: one warning, as transformers'
+    own sdpa gives, and the attentions sdpa's model returns (none), never a silent empty tuple."""
+    import warnings
+
+    monkeypatch.setattr(hf_attention, "_WARNED_NO_WEIGHTS", set())
+    ids = torch.randint(3, 90, (2, 9))
+    sdpa = _llama("sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = sdpa(ids, output_attentions=True)
+        want_tuple = sdpa(ids, output_attentions=True, return_dict=False)
+    model = _llama(implementation)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        model(ids)  # not asked for weights: nothing to say
+    assert not [w for w in quiet if implementation in str(w.message)]
+    with pytest.warns(UserWarning, match=f"attn_implementation='{implementation}' does not form attention weights"):
+        got = model(ids, output_attentions=True)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        got_tuple = model(ids, output_attentions=True, return_dict=False)  # said once: not again
+    assert not [w for w in again if "does not form attention weights" in str(w.message)]
+    assert type(got.attentions) is type(want.attentions) and len(got.attentions) == len(want.attentions)
+    assert all(a is None for a in got.attentions)
+    assert len(got_tuple) == len(want_tuple)
+    assert [type(x) for x in got_tuple] == [type(x) for x in want_tuple]
+    assert len(got_tuple[-1]) == len(want_tuple[-1])  # the attentions, as sdpa's

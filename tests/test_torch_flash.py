@@ -311,7 +311,11 @@ def test_empty_dimensions_give_torchs_results_and_gradients(q_shape, k_shape, gq
     q, k = torch.randn(q_shape, requires_grad=True), torch.randn(k_shape, requires_grad=True)
     v = torch.randn(k_shape, requires_grad=True)
     out = flash_attention(q, k, v, enable_gqa=gqa)
-    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    try:
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    except RuntimeError:  # torch 2.5 and 2.6 refuse Hq > 0 against Hkv = 0; newer torch returns zeros
+        assert k_shape[1] == 0 and q_shape[1] > 0
+        ref = q.new_zeros(*q_shape[:-1], k_shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref)
     d_out = torch.randn_like(ref)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 from typer.testing import CliRunner
 
@@ -80,11 +85,74 @@ def test_seeded_run_learns_to_copy(one_thread, tmp_path):
 def test_cli_trains_and_saves_the_picture(tmp_path, one_thread):
     out = tmp_path / "head.png"
     runner = CliRunner()
-    result = runner.invoke(app, ["train", "--steps", "5", "--out", str(out), "--d-model", "16", "--heads", "2",
-                                 "--d-ff", "16", "--batch-size", "8", "--threads", "1"])
+    args = ["train", "--steps", "5", "--out", str(out), "--d-model", "16", "--heads", "2",
+            "--d-ff", "16", "--batch-size", "8", "--threads", "1"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "held-out accuracy" in result.output and "copying head" in result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out}\n" in result.output  # a new file: nothing replaced
+    # five steps do not learn the task, and the summary says so rather than leaving a bare number
+    words = " ".join(result.output.split())  # the table wraps its values at the terminal's width
+    accuracy = float(re.search(r"held-out accuracy, repeated half \(n \+ n\) ([\d.]+)%", words).group(1))
+    assert accuracy < 95 and "not learned yet" in words and "--steps 400" in words
+
+    out.write_bytes(b"an earlier picture")
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert f"wrote {out} (replaced the file that was there)" in again.output  # never overwritten silently
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_cp_without_torchrun_says_in_one_line_how_to_start_it(monkeypatch, capsys):
+    from attnkit.torch import train_cp
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert train_cp.main(["--steps", "3"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in captured.err
+    assert "torchrun --nproc-per-node 2 -m attnkit.torch.train_cp" in lines[0]
+    assert "attnkit train --context-parallel 2" in lines[0]
+    assert captured.out == ""
+
+
+@pytest.mark.slow
+def test_train_cp_default_run_learns_to_copy(one_thread):
+    """The torchrun example's default steps are enough to learn the task: its loss curve is
+    the one-process run's (tests/test_distributed.py), and that run reaches the bar."""
+    from attnkit.torch import train_cp
+
+    result = train_induction(train_cp._example_config(), eval_batches=2)
+    assert result.model.config.steps == train_cp.DEFAULT_STEPS
+    assert result.eval_accuracy >= 0.99, f"held-out repeated-half accuracy {result.eval_accuracy:.2%}"
+
+
+@pytest.mark.slow
+def test_train_cp_under_torchrun_reports_sparsely_and_saves_the_picture(tmp_path, one_thread):
+    """The torchrun example: a step line every tenth of the run, a summary whose final
+    loss is the one-process run's (context parallelism changes no number), the picture."""
+    picture = tmp_path / "head.png"
+    picture.write_bytes(b"an earlier picture")
+    steps, half_len, batch = 20, 6, 8
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "attnkit.torch.train_cp",
+               "--steps", str(steps), "--half-len", str(half_len), "--batch-size", str(batch), "--png", str(picture)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    step_lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == ["1/20"] + [f"{s}/20" for s in range(2, 21, 2)]
+    from attnkit.torch import train_cp
+
+    single = train_induction(train_cp._example_config(steps, half_len=half_len, batch_size=batch), eval_batches=1)
+    final = re.search(r"final training loss ([\d.]+), accuracy", done.stdout)
+    assert final, done.stdout
+    assert abs(float(final.group(1)) - single.history[-1].loss) <= 1e-4  # printed to 4 decimals
+    assert re.search(r"held-out accuracy [\d.]+% on fresh sequences", done.stdout)
+    assert "not learned yet" in done.stdout and re.search(r"trained 20 steps in [\d.]+ s on 2 processes", done.stdout)
+    assert f"wrote {picture} (replaced the file that was there)" in done.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_rejects_bad_configurations(tmp_path):

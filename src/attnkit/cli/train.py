@@ -101,18 +101,32 @@ def train(
                 result = train_induction(config, callback=report)
         variable_loss, variable_accuracy = evaluate(result.model, fixed_period=False)
         head = find_copy_head(result.model)
+        replaced = output.target.exists()
         write_all([(output, lambda path: plot_copy_head(head, path, config.half_len))])
     finally:
         torch.set_num_threads(previous_threads)
 
     table = Table(show_header=False, box=None)
+    table.add_column(no_wrap=True)  # the labels stay whole; the values wrap
+    table.add_column()
     table.add_row("held-out accuracy, repeated half (n + n)", f"{result.eval_accuracy:.2%}")
     table.add_row(f"held-out accuracy, periods {min_half_len}..{half_len}", f"{variable_accuracy:.2%}")
     table.add_row("held-out loss", f"{result.eval_loss:.4f}")
     table.add_row("training time", f"{result.seconds:.1f} s")
     table.add_row("copying head", f"layer {head.layer}, head {head.head} (stripe score {head.score:.2f})")
+    table.add_row("what it means", _meaning(result.eval_accuracy, vocab_size, steps))
     console.print(table)
-    say(f"wrote {output.path}")
+    say(f"wrote {output.path}" + (" (replaced the file that was there)" if replaced else ""))
+
+
+def _meaning(accuracy: float, vocab_size: int, steps: int) -> str:
+    """One sentence on the held-out accuracy: learned, or how to get there."""
+    from attnkit.torch.induction import InductionConfig
+
+    if accuracy >= 0.95:
+        return "learned: predicting the repeated half takes an induction head, drawn in the picture"
+    return (f"not learned yet (chance is {1 / (vocab_size - 1):.0%}, learned is about 100%): "
+            f"train longer, --steps {max(2 * steps, InductionConfig.steps)}")
 
 
 def _train_context_parallel(config, world_size: int, bar, task):

@@ -12,8 +12,10 @@ with query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev).
   returned (after dropout, the ones the output is made of), so
   `output_attentions=True` works; autograd differentiates it.
 - "attnkit_tiled": `attnkit.torch.flash_attention`, the tiled autograd Function:
-  O(L + S) extra memory, a recomputing backward, no weights; dropout draws each
-  tile's keep mask from a seed and draws it again in the backward. It cannot add
+  O(L + S) extra memory, a recomputing backward, no weights (with
+  `output_attentions=True` it and "attnkit_flash" warn once, as transformers' sdpa
+  does, and return None for them: the model's `attentions` come back empty);
+  dropout draws each tile's keep mask from a seed and draws it again in the backward. It cannot add
   attention sinks; those calls are refused. It reads the 4-D masks transformers builds.
 - "attnkit_flash" (`attnkit_flash_attention`): the same kernel through transformers'
   FlashAttention route: the mask is None or the (B, S) padding mask, and transformers
@@ -51,6 +53,7 @@ keys instead); GQA query head h reads key/value head h // (Hq // Hkv).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -73,6 +76,26 @@ BOOKKEEPING_KWARGS = frozenset({
     "output_router_logits",  # mixture-of-experts routers
     "deterministic",  # flash-attn's deterministic backward (ModernBERT): attnkit's always is
 })
+
+
+_WARNED_NO_WEIGHTS: set[str] = set()  # the implementations that already said they return no weights
+
+
+def _warn_no_weights(implementation: str, kwargs: dict) -> None:
+    """Warn, once per implementation and process, that `output_attentions=True` gets no weights.
+
+    transformers' "sdpa" and flash routes do the same (`logger.warning_once`) and hand back
+    None as the weights, which the model's output capture leaves out: `attentions` is empty.
+    """
+    if not kwargs.get("output_attentions") or implementation in _WARNED_NO_WEIGHTS:
+        return
+    _WARNED_NO_WEIGHTS.add(implementation)
+    warnings.warn(
+        f"attn_implementation={implementation!r} does not form attention weights, so output_attentions=True "
+        "returns none (the model's attentions come back empty, as with 'sdpa'); use "
+        "attn_implementation='attnkit' for the weights, or attnkit.record_attention(model) to record them",
+        UserWarning, stacklevel=3,
+    )
 
 
 def architecture(module: torch.nn.Module) -> str:
@@ -222,6 +245,7 @@ def attnkit_tiled_attention(
     (`attnkit.nn.active_recorders(module)` non-empty) it computes exactly instead, so that
     the maps exist.
     """
+    _warn_no_weights("attnkit_tiled", kwargs)
     call = _read_call("attnkit_tiled", module, query, key, attention_mask, scaling, dropout, kwargs)
     if active_recorders(module):
         output, weights = _exact_attention(module, query, key, value, call)
@@ -284,9 +308,12 @@ def attnkit_flash_attention(
     into `flash_attn_varlen_func`. Windows and softcap travel as flash keywords. A 4-D mask (an
     architecture building its own) runs through "attnkit_tiled" instead, the same kernel.
     Refused: attention sinks (s_aux) and position bias (T5), which the flash interface cannot carry.
-    Returns (output (B, L, Hq, Ev), None).
+    Returns (output (B, L, Hq, Ev), None); with `output_attentions=True` it warns once that
+    the weights are not formed (`_warn_no_weights`).
     """
+    _warn_no_weights(FLASH_NAME, kwargs)
     if active_recorders(module) or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        kwargs = {name: value for name, value in kwargs.items() if name != "output_attentions"}  # warned above
         return attnkit_tiled_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     for name, feature in (("s_aux", "attention sinks (s_aux)"), ("position_bias", "a position bias")):
         if kwargs.get(name) is not None:

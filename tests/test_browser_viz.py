@@ -403,3 +403,81 @@ def test_served_page_says_a_paste_is_too_long_instead_of_cutting_it(browser, sma
     assert w.page.locator(".col.left .tok").all_text_contents() == ["short", "enough"]
     w.check_clean(small_server_url.rstrip("/"))
     w.page.close()
+
+
+# ----------------------------------------------------------------------------- derived maps on the served page
+
+
+def _page_map(w: Watched) -> np.ndarray:
+    """The map the page draws now (window.attnkit.docs[0].current), as (T, T)."""
+    values = np.array(w.page.evaluate("() => Array.from(window.attnkit.docs[0].current)"))
+    T = int(np.sqrt(values.size))
+    return values.reshape(T, T)
+
+
+def test_served_page_draws_rollout_flow_and_value_weighted_maps(browser, small_server_url, minilm_folder):
+    from attnkit.viz.derived import DESCRIPTIONS, derive
+    from attnkit.viz.providers import get_provider
+
+    text = "the cat sat on the mat"
+    w = _open_form(browser, small_server_url)
+    w.page.fill("#text", text)
+    w.page.click("#submit")
+    wait_ready(w.page)
+    attention, before = get_provider("random", max_tokens=512).attention(text), w.matrix()
+    assert w.page.locator("#head").is_visible() and w.page.locator("#map-description").text_content() == ""
+    close = 1 / 510 + 1e-6  # the page holds 8-bit codes of sqrt(w)
+    # Choosing rollout redraws the text at once, on the last layer, with no head to choose.
+    w.page.select_option("#map", "rollout")
+    wait_ready(w.page)
+    rollout = derive(attention, "rollout").weights  # (layers, 1, T, T)
+    assert w.matrix() != before
+    assert w.page.locator("#layer").input_value() == str(rollout.shape[0] - 1)
+    assert np.max(np.abs(np.sqrt(_page_map(w)) - np.sqrt(rollout[-1, 0]))) <= close
+    assert not w.page.locator("#head").is_visible()
+    assert w.page.locator("#picked").text_content().endswith("heads averaged")
+    assert w.page.locator("#map-description").text_content() == "Showing " + DESCRIPTIONS["rollout"] + "."
+    assert w.page.locator(".doc-meta").first.text_content().startswith("random (rollout)")
+    assert w.page.locator(".grid canvas").count() == rollout.shape[0]  # one thumbnail per layer
+    w.page.screenshot(path=str(ARTIFACTS / "served-rollout.png"), full_page=True)
+    last = w.matrix()
+    w.page.select_option("#layer", "0")
+    assert w.matrix() != last
+    assert np.max(np.abs(np.sqrt(_page_map(w)) - np.sqrt(rollout[0, 0]))) <= close
+    # Flow, the same way.
+    w.page.select_option("#map", "flow")
+    wait_ready(w.page)
+    flow = derive(attention, "flow").weights
+    assert np.max(np.abs(np.sqrt(_page_map(w)) - np.sqrt(flow[-1, 0]))) <= close
+    assert w.page.locator("#map-description").text_content() == "Showing " + DESCRIPTIONS["flow"] + "."
+    # The random model has no weights to read: value-weighted says so and keeps the flow drawn.
+    w.page.select_option("#map", "value-weighted")
+    w.page.wait_for_selector("#messages div.error")
+    assert "random is not one" in w.page.locator("#messages").text_content()
+    refused = "Failed to load resource: the server responded with a status of 422 (Unprocessable Entity)"
+    assert w.errors == [refused]  # Chromium logs the refusal itself; the page showed it above
+    w.errors.clear()
+    assert w.page.locator(".doc-meta").first.text_content().startswith("random (flow)")
+    # MiniLM's value-weighted maps: every head again, each row a share of 1.
+    w.page.select_option("#model", "minilm")
+    w.page.click("#submit")
+    wait_ready(w.page)
+    provider = get_provider("minilm", max_tokens=512)
+    weighted = derive(provider.attention(text), "value-weighted", model=provider.model).weights
+    assert w.page.locator("#head").is_visible()
+    layer, head = int(w.page.locator("#layer").input_value()), int(w.page.locator("#head").input_value())
+    assert np.max(np.abs(np.sqrt(_page_map(w)) - np.sqrt(weighted[layer, head]))) <= close
+    assert w.page.locator(".grid canvas").count() == weighted.shape[0] * weighted.shape[1]
+    assert "is changed most by" not in w.page.locator(".status").first.text_content()
+    w.page.locator(".col.left .tok").nth(2).hover()
+    assert "is changed most by" in w.page.locator(".status").first.text_content()
+    w.page.screenshot(path=str(ARTIFACTS / "served-value-weighted.png"), full_page=True)
+    # Back to the attention weights: the map the page opened with.
+    w.page.select_option("#model", "random")
+    w.page.select_option("#map", "attention")
+    wait_ready(w.page)
+    assert w.page.locator("#map-description").text_content() == ""
+    layer, head = int(w.page.locator("#layer").input_value()), int(w.page.locator("#head").input_value())
+    assert np.max(np.abs(np.sqrt(_page_map(w)) - np.sqrt(attention.head(layer, head)))) <= close
+    w.check_clean(small_server_url.rstrip("/"))
+    w.page.close()

@@ -302,6 +302,7 @@ def test_random_provider_truncates_with_count():
 
 
 def test_unknown_model_and_missing_package_messages(monkeypatch, tmp_path):
+    import attnkit.models.auto  # noqa: F401  (imported first: it binds embedded's function before the patch)
     import attnkit.models.embedded as embedded
     from attnkit.viz import providers
 

@@ -1,7 +1,7 @@
 """Maps derived from attention, as `AttentionMaps` every view draws: rollout, flow and
 value-weighted attention (`attnkit show --rollout`, `--flow`, `--value-weighted`).
 
-- rollout and flow (Abnar & Zuidema 2020, `attnkit.interpret.rollout`): one map per layer,
+- rollout and flow (Abnar & Zuidema 2020, `attnkit.interpret.rollout`, in `attnkit.interpret.flow`): one map per layer,
   from the tokens after that layer back to the input tokens, the heads averaged and the
   residual connection folded in; drawn as a layer with one "head" (head 0).
 - value-weighted (Kobayashi et al. 2020, `attnkit.interpret.value_weighted`): each head's
@@ -107,7 +107,8 @@ def _token_ids(model: Any, maps: AttentionMaps) -> np.ndarray:
 
 def load_model(name: str) -> Any:
     """The attnkit model behind a view's `--model` (minilm, smollm2, or a BERT, Llama or GPT-2
-    folder or GGUF file), loaded once per process.
+    folder or GGUF file), loaded once per process: the one its provider already runs
+    (`attnkit.viz.providers.get_provider(name).model`), not a second copy.
 
     Raises:
         ValueError: `random` or an architecture attnkit runs only through transformers
@@ -123,6 +124,11 @@ def _load(name: str) -> Any:
     if name == "random":
         raise ValueError("value-weighted maps need a model with value and output projections to read: "
                          "use --model minilm, smollm2, or a model path (random draws its maps only)")
+    from attnkit.viz.providers import get_provider
+
+    shared = get_provider(name).model  # the views' own copy (None: a model run through transformers)
+    if shared is not None:
+        return shared
     if name == "minilm":
         return _encoder(None)
     if name == "smollm2":
@@ -154,14 +160,16 @@ def _decoder(path: Path | None) -> Any:
     return AutoCausalLM.from_pretrained(path)
 
 
-def derive(maps: AttentionMaps, kind: str, *, model: str | None = None, residual: float = 0.5) -> AttentionMaps:
+def derive(maps: AttentionMaps, kind: str, *, model: Any = None, residual: float = 0.5) -> AttentionMaps:
     """`maps`, or the map of `kind` derived from them.
 
     Arguments:
         maps: the attention of a model on a text.
         kind: one of `KINDS`: "attention" (maps as they are), "rollout", "flow",
             "value-weighted".
-        model: for "value-weighted", the `--model` name that produced `maps` (loaded once).
+        model: for "value-weighted", the model that produced `maps`: its `--model` name
+            (loaded once), or the attnkit model itself, already loaded (a provider's
+            `Provider.model`).
         residual: the identity's share for rollout and flow.
     """
     if kind not in KINDS:
@@ -173,5 +181,5 @@ def derive(maps: AttentionMaps, kind: str, *, model: str | None = None, residual
     if kind == "flow":
         return flow_maps(maps, residual)
     if model is None:
-        raise ValueError("value-weighted maps need the model that made the maps (model=its name)")
-    return value_weighted_maps(maps, load_model(model))
+        raise ValueError("value-weighted maps need the model that made the maps (model=its name or the model)")
+    return value_weighted_maps(maps, load_model(model) if isinstance(model, str) else model)

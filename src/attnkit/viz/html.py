@@ -55,6 +55,7 @@ def doc_payload(maps: AttentionMaps, level: int = 6) -> dict[str, Any]:
         "heads": maps.num_heads,
         "causal": maps.causal,
         "layer_names": list(maps.layer_names) if maps.layer_names else None,  # encoder-decoders: which is which
+        "kind": maps.meta.get("kind", "attention"),  # rollout/flow: one map per layer, heads averaged
         "truncated_from": maps.truncated_from,
         "hide": maps.hidden_tokens().tolist(),  # what "hide special tokens" drops
         "weights": encode_weights(maps.weights, level),

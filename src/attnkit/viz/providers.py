@@ -79,6 +79,13 @@ class Provider:
         causal: whether the model attends only to earlier tokens.
         max_tokens: texts with more tokens are truncated to this many.
         layer_names: a name per layer where the layers differ (see `AttentionMaps`).
+        model: the attnkit model `run` uses (a `SentenceEncoder` or `CausalLM`), or None
+            (random, and models run through transformers).
+
+    Attributes:
+        model: the loaded attnkit model or None, for work that needs its weights (the
+            value-weighted maps of `attnkit.viz.derived.derive`) without loading a second copy.
+        lock: held while the model runs; hold it to run `model` yourself (one run at a time).
     """
 
     def __init__(
@@ -89,13 +96,15 @@ class Provider:
         causal: bool,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         layer_names: tuple[str, ...] | None = None,
+        model: object | None = None,
     ) -> None:
         self.name = name
         self.causal = causal
         self.layer_names = layer_names
         self.max_tokens = max_tokens
+        self.model = model
         self._run = run
-        self._lock = threading.Lock()  # one forward pass at a time per model
+        self.lock = threading.Lock()  # one forward pass at a time per model
 
     def attention(self, text: str, *, max_tokens: int | None = None) -> AttentionMaps:
         """Attention of every layer and head on `text`.
@@ -112,7 +121,7 @@ class Provider:
         if not text.strip():
             raise ValueError("expected a non-empty text, got an empty one")
         limit = self.max_tokens if max_tokens is None else max_tokens
-        with self._lock:
+        with self.lock:
             tokens, weights, full_count, special = self._run(text, limit)
         weights = np.asarray(weights, dtype=np.float32)
         return AttentionMaps(
@@ -311,7 +320,7 @@ def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
         raise ModelNotAvailableError(f"cannot load an encoder from {str(path)!r}: {error}") from error
     except (OSError, ValueError, KeyError) as error:
         raise ModelNotAvailableError(f"cannot load an encoder from {path or 'minilm'}: {error}") from error
-    return Provider(name, _encoder_runner(model), causal=False, max_tokens=max_tokens)
+    return Provider(name, _encoder_runner(model), causal=False, max_tokens=max_tokens, model=model)
 
 
 def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
@@ -325,7 +334,7 @@ def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
         raise ModelNotAvailableError(f"cannot load a decoder from {str(path)!r}: {error}") from error
     except (OSError, ValueError, KeyError) as error:
         raise ModelNotAvailableError(f"cannot load a decoder from {path or 'smollm2'}: {error}") from error
-    return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens)
+    return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens, model=model)
 
 
 def _encoder_runner(model) -> Callable[[str, int], RunResult]:

@@ -12,6 +12,12 @@ the model reads fewer (MiniLM: 256); longer texts are truncated, with a warning.
 (others get 415): a page of another site can make a browser post a form or
 `text/plain` to a local server without asking, but not JSON.
 
+`/api/attention` draws the attention weights, or a map derived from them (its `kind`:
+"rollout", "flow" or "value-weighted", see `attnkit.viz.derived`). Attention flow solves
+layers x tokens² maximum-flow problems; a request for more than `max_flow_problems` of them
+is refused with 413 (rollout is immediate on any text). Value-weighted maps reuse the model
+the page already loaded (`Provider.model`).
+
 The body of `/api/attention` is read as strict JSON: `NaN` and `Infinity`
 (which Python's parser would accept) and text that is not valid Unicode get
 422, a body larger than any allowed request gets 413, never 500.
@@ -22,6 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
+from attnkit.viz.derived import DESCRIPTIONS, KINDS, derive
 from attnkit.viz.html import content_security_policy, payload, render_page
 from attnkit.viz.http_checks import (  # noqa: F401 - host_name, HostCheck, parse_json: public here too
     HostCheck,
@@ -47,6 +54,10 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 """The most tokens one completion of the OpenAI API generates, unless `attnkit serve --max-new-tokens` says."""
 API_MAX_BODY = 16 * 2**20
 """The largest body of an OpenAI API request (16 MiB: 2,048 embedding inputs of a few thousand characters)."""
+FLOW_MAX_PROBLEMS = 2000
+"""The most maximum-flow problems (layers x tokens²) one attention-flow request may ask for:
+about 5 s for 6 layers x 18 tokens, 25 s for 30 layers x 8 tokens on one core; cost grows faster
+than the count."""
 EXAMPLE = "The cat sat on the mat because it was tired."
 """The sentence the page opens with (already drawn with the first installed model)."""
 
@@ -88,6 +99,7 @@ def create_app(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     api_key: str | None = None,
     api_max_body: int = API_MAX_BODY,
+    max_flow_problems: int = FLOW_MAX_PROBLEMS,
 ) -> Any:
     """The FastAPI application behind `attnkit serve`: the page, its `/api/attention`, and
     the OpenAI-compatible API under `/v1` (`attnkit.viz.openai_api`).
@@ -104,15 +116,17 @@ def create_app(
             when a request gives no max_tokens).
         api_key: when given, the API answers only requests with `Authorization: Bearer <api_key>`.
         api_max_body: the largest body of an API request, in bytes (HTTP 413 beyond).
+        max_flow_problems: the most maximum-flow problems (layers x tokens²) an attention-flow
+            request may ask for (HTTP 413 beyond, with a message that suggests rollout).
     """
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import HTMLResponse, Response
     from pydantic import BaseModel, ValidationError
     from starlette.concurrency import run_in_threadpool
 
-    if max_chars < 1 or max_tokens < 1 or max_new_tokens < 1:
-        raise ValueError(f"expected max_chars, max_tokens and max_new_tokens >= 1, got {max_chars}, {max_tokens} "
-                         f"and {max_new_tokens}")
+    if max_chars < 1 or max_tokens < 1 or max_new_tokens < 1 or max_flow_problems < 1:
+        raise ValueError(f"expected max_chars, max_tokens, max_new_tokens and max_flow_problems >= 1, got "
+                         f"{max_chars}, {max_tokens}, {max_new_tokens} and {max_flow_problems}")
     models = list(models)
     if not models:
         raise ValueError("expected at least one model name, got none")
@@ -122,6 +136,8 @@ def create_app(
         model: str = models[0]
         layer: int = 0
         head: int = 0
+        kind: str = "attention"  # one of attnkit.viz.derived.KINDS
+        # layer and head: the first selection; out of range is clamped, a negative layer counts from the end
 
     app = FastAPI(title="attnkit", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_hosts is not None:
@@ -158,6 +174,8 @@ def create_app(
             "subtitle": "Type a sentence, pick a model, and see where every head attends.",
             "models": model_list(),
             "max_chars": max_chars,
+            "kinds": [{"name": kind, "description": DESCRIPTIONS.get(kind, "the attention weights of each head")}
+                      for kind in KINDS],
             "example": EXAMPLE if len(EXAMPLE) <= max_chars else "",  # drawn as soon as the page opens
             "docs": [],
         }
@@ -179,11 +197,13 @@ def create_app(
             problems = "; ".join(
                 f"{'.'.join(str(part) for part in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()
             )
-            raise HTTPException(422, f"expected {{text, model, layer, head}}: {problems}") from None
+            raise HTTPException(422, f"expected {{text, model, layer, head, kind}}: {problems}") from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
 
     def attention(request: AttentionRequest) -> dict[str, Any]:
+        if request.kind not in KINDS:
+            raise HTTPException(422, f"expected kind to be one of {', '.join(KINDS)}, got {request.kind!r}")
         if request.model not in models:
             raise HTTPException(400, f"unknown model {request.model!r}; this server offers: {', '.join(models)}")
         if not request.text.strip():
@@ -198,10 +218,11 @@ def create_app(
             )
         try:
             provider = get_provider(request.model, max_tokens=max_tokens)
-            maps = provider.attention(request.text)
+            maps = derived(provider, provider.attention(request.text), request.kind)
+            layer = request.layer + maps.num_layers if request.layer < 0 else request.layer  # -1: the last
             answer = payload(
                 maps,
-                layer=min(max(request.layer, 0), maps.num_layers - 1),
+                layer=min(max(layer, 0), maps.num_layers - 1),
                 head=min(max(request.head, 0), maps.num_heads - 1),
                 level=1,  # fast rather than small: the answer only crosses this machine
             )
@@ -209,12 +230,34 @@ def create_app(
             raise HTTPException(503, str(error)) from error
         except (ValueError, TypeError) as error:
             raise HTTPException(422, str(error)) from error
+        answer["kind"] = request.kind
+        answer["description"] = DESCRIPTIONS.get(request.kind, "")
         answer["warnings"] = (
             [f"The text was truncated to {maps.num_tokens} tokens (it had {maps.truncated_from})."]
             if maps.truncated_from
             else []
         )
         return answer
+
+    def derived(provider: Any, maps: Any, kind: str) -> Any:
+        """`maps`, or the map `kind` derived from them; flow only up to max_flow_problems."""
+        problems = maps.num_layers * maps.num_tokens ** 2  # one max-flow problem per (layer, token, input)
+        if kind == "flow" and problems > max_flow_problems:
+            raise HTTPException(
+                413, f"attention flow on {maps.num_tokens} tokens and {maps.num_layers} layers solves {problems} "
+                f"maximum-flow problems; this server solves at most {max_flow_problems}: choose rollout "
+                "(immediate on any text) or a shorter text"
+            )
+        if kind != "value-weighted":
+            return derive(maps, kind)
+        if provider.model is None:
+            raise HTTPException(
+                422, f"value-weighted maps read the value and output projections of a model attnkit runs itself "
+                f"(minilm, smollm2, or a BERT, Llama or GPT-2 folder or GGUF file); {provider.name} is not one: "
+                "choose another map or model"
+            )
+        with provider.lock:  # the model runs again: one run at a time
+            return derive(maps, kind, model=provider.model)
 
     @app.post("/api/attention")
     async def api_attention(request: Request) -> dict[str, Any]:

@@ -7,6 +7,8 @@
 // (special tokens; a causal model's first token) and renormalises every row of
 // every head, as AttentionMaps.hide_special does in Python. "Log colour scale"
 // colours log10(w / max) over the 3 decades below the largest weight.
+// A payload's `kind` says which map it holds: "attention" (the weights), or a map derived
+// from them ("rollout" and "flow": one map per layer, the heads averaged; "value-weighted").
 "use strict";
 (function () {
   const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
@@ -25,7 +27,8 @@
     if (text !== undefined) e.textContent = text;
     return e;
   };
-  const state = { layer: 0, head: 0, docs: [], config: null, payload: null, hideSpecial: false, logScale: false };
+  const state = { layer: 0, head: 0, docs: [], config: null, payload: null, hideSpecial: false, logScale: false,
+    kind: "attention" };
   window.attnkit = state;
 
   function viridis(x) {
@@ -122,13 +125,27 @@
     return t.replace(/\n/g, "\u23ce").replace(/\r/g, "\u240d").replace(/\t/g, "\u21e5");
   }
   function quoted(s) { return "\u201c" + shown(s) + "\u201d"; }
+  // Rollout and flow hold one map per layer (the heads averaged): no head to choose.
+  function averaged() { return state.kind === "rollout" || state.kind === "flow"; }
+  function headLabel(head) { return averaged() ? ", heads averaged" : head < 0 ? ", mean of heads" : ", head " + head; }
+  // What the rows and columns of the drawn map are, and what hovering a token tells.
+  const READING = {
+    attention: ["rows: query (attending) \u00b7 columns: key (attended to)", "attends most to", "is attended most by"],
+    rollout: ["rows: token after the layer \u00b7 columns: input token", "after this layer is made most of",
+      "goes most into"],
+    flow: ["rows: token after the layer \u00b7 columns: input token", "after this layer draws most flow from",
+      "sends most flow to"],
+    "value-weighted": ["rows: query \u00b7 columns: key (share of what it adds)", "is changed most by", "changes most"],
+  };
+  function reading() { return READING[state.kind] || READING.attention; }
 
   // ---- one panel per document ------------------------------------------------
   function buildDoc(doc, index) {
     const panel = el("div", "doc");
     panel.dataset.index = String(index);
     panel.appendChild(el("h2", "doc-title", doc.text));
-    const meta = [doc.model, doc.T + " tokens", doc.layers + " layers x " + doc.heads + " heads",
+    const meta = [doc.model, doc.T + " tokens",
+      averaged() ? doc.layers + " layers, heads averaged" : doc.layers + " layers x " + doc.heads + " heads",
       doc.causal ? "causal" : "bidirectional"];
     if (doc.truncated_from) meta.push("truncated from " + doc.truncated_from + " tokens");
     if (doc.reduced) meta.push((doc.fullT - doc.T) + " hidden (special" + (doc.causal ? " or first" : "") + "), rows renormalised");
@@ -169,7 +186,7 @@
     scale.style.height = side + "px";
     scale.append(el("canvas"), el("span", "tick top"), el("span", "tick mid"), el("span", "tick low"));
     framed.append(el("div", "corner"), xlabels, el("div", "corner"), ylabels, matrix, scale);
-    matrixView.append(el("div", "muted", "rows: query (attending) \u00b7 columns: key (attended to)"), framed);
+    matrixView.append(el("div", "muted", reading()[0]), framed);
     views.append(headView, matrixView);
     panel.appendChild(views);
     doc.status = el("div", "status");
@@ -264,9 +281,8 @@
     }
     weights.sort((a, b) => b[0] - a[0]);
     const top = weights.slice(0, 5).map(([w, k]) => quoted(doc.tokens[k]) + " " + fmt(w)).join(", ");
-    doc.status.textContent = mode === "query"
-      ? quoted(doc.tokens[index]) + " (token " + index + ") attends most to: " + top
-      : quoted(doc.tokens[index]) + " (token " + index + ") is attended most by: " + top;
+    doc.status.textContent = quoted(doc.tokens[index]) + " (token " + index + ") " +
+      reading()[mode === "query" ? 1 : 2] + ": " + top;
   }
 
   function matrixHover(doc, ev) {
@@ -304,12 +320,13 @@
   function buildModelView(doc, index, container) {
     const section = el("div", "model-view");
     section.appendChild(el("h3", null, "Model view" + (state.docs.length > 1 ? " \u2014 sentence " + (index + 1) : "") +
-      ": all heads (layers down, heads across); click a head to enlarge it"));
+      (averaged() ? ": every layer (heads averaged); click a layer to enlarge it"
+        : ": all heads (layers down, heads across); click a head to enlarge it")));
     const wrap = el("div", "grid-wrap");
     const grid = el("div", "grid");
     grid.style.gridTemplateColumns = "2.5em repeat(" + doc.heads + ", 68px)";
     grid.appendChild(el("span", "lbl", ""));
-    for (let h = 0; h < doc.heads; h++) grid.appendChild(el("span", "lbl", "h" + h));
+    for (let h = 0; h < doc.heads; h++) grid.appendChild(el("span", "lbl", averaged() ? "mean" : "h" + h));
     doc.thumbs = [];
     const size = Math.min(64, doc.T);
     const pending = [];
@@ -319,11 +336,12 @@
         const cell = el("div", "cell");
         const c = el("canvas");
         c.width = c.height = size;
-        c.title = "layer " + l + ", head " + h;
+        c.title = "layer " + l + headLabel(h);
         c.dataset.layer = String(l); c.dataset.head = String(h);
         c.addEventListener("click", () => { select(l, h); enlarge(doc); });
         cell.appendChild(c);
-        const code = doc.summary && !doc.reduced ? PATTERN_CODE[doc.summary.pattern[l][h]] : "";
+        const letters = doc.summary && !doc.reduced && state.kind === "attention";  // patterns of attention weights
+        const code = letters ? PATTERN_CODE[doc.summary.pattern[l][h]] : "";
         if (code) cell.appendChild(el("span", "code", code));
         grid.appendChild(cell);
         doc.thumbs.push(c);
@@ -332,7 +350,9 @@
     }
     wrap.appendChild(grid);
     section.appendChild(wrap);
-    section.appendChild(el("div", "muted", doc.reduced
+    section.appendChild(el("div", "muted", state.kind !== "attention"
+      ? "Each thumbnail is scaled to its own largest value."
+      : doc.reduced
       ? "Special tokens hidden, rows renormalised (pattern letters describe all tokens, so they are left out). Each thumbnail is scaled to its own largest weight."
       : "Letters: P previous token, F first token, S itself, B broad (near uniform); none: mixed. Each thumbnail is scaled to its own largest weight."));
     container.appendChild(section);
@@ -380,7 +400,7 @@
       });
     }
     overlay.querySelector(".caption").textContent = doc.model + ": " + layerLabel(doc, state.layer) +
-      (state.head < 0 ? ", mean of heads" : ", head " + state.head) + " \u2014 " + doc.text;
+      headLabel(state.head) + " \u2014 " + doc.text;
     overlay.hidden = false;
   }
 
@@ -433,6 +453,7 @@
     state.layer = Math.min(state.layer, first.layers - 1);
     state.head = Math.min(state.head, first.heads - 1);
     layer.value = String(state.layer); head.value = String(state.head);
+    head.parentElement.hidden = averaged();  // one map per layer: nothing to choose
     $("controls").hidden = false;
   }
 
@@ -448,7 +469,7 @@
       if (doc.thumbs) doc.thumbs.forEach((c) => c.classList.toggle("selected",
         Number(c.dataset.layer) === state.layer && (state.head < 0 || Number(c.dataset.head) === state.head)));
     }
-    $("picked").textContent = layerLabel(state.docs[0], state.layer) + (state.head < 0 ? ", mean of heads" : ", head " + state.head);
+    $("picked").textContent = layerLabel(state.docs[0], state.layer) + headLabel(state.head);
   }
 
   // Draw a payload; `current` (optional) says whether it is still wanted once decoded.
@@ -466,6 +487,7 @@
     if (current && !current()) return;
     state.docs = docs;
     state.payload = payload;
+    state.kind = payload.kind || (payload.docs[0] && payload.docs[0].kind) || "attention";
     if (payload.layer !== undefined) state.layer = payload.layer;
     if (payload.head !== undefined) state.head = payload.head;
     await render();
@@ -531,6 +553,21 @@
     };
     model.addEventListener("change", limits);
     limits();
+    // Which map to draw: the attention weights, or rollout, flow or value-weighted maps. The
+    // line below the form says what the drawn map is (the server's description of it).
+    const map = el("select");
+    map.id = "map";
+    map.name = "kind";
+    map.setAttribute("aria-label", "map");
+    for (const k of config.kinds || [{ name: "attention", description: "" }]) {
+      const o = new Option(k.name, k.name);
+      o.title = k.description;
+      map.appendChild(o);
+    }
+    model.after(map);
+    const described = el("div", "muted");
+    described.id = "map-description";
+    form.after(described);
     // A text over max_chars is never cut silently: the page says so and does not send it.
     const tooLong = el("span", "error");
     tooLong.id = "too-long";
@@ -546,9 +583,10 @@
     };
     text.addEventListener("input", overLimit);
     // Only the answer to the latest request is drawn (the example may still be computing
-    // when a sentence is submitted).
+    // when a sentence is submitted). The answer keeps the layer and head shown (a layer of
+    // -1: the last one, the whole model).
     let latest = 0;
-    const submit = async () => {
+    const submit = async (layer) => {
       const mine = ++latest;
       $("messages").replaceChildren();
       $("form-status").textContent = "computing\u2026";
@@ -557,7 +595,8 @@
         const response = await fetch("api/attention", {
           method: "POST",
           headers: { "Content-Type": "application/json" },
-          body: JSON.stringify({ text: $("text").value, model: model.value }),
+          body: JSON.stringify({ text: $("text").value, model: model.value, kind: map.value,
+            layer: layer === undefined ? state.layer : layer, head: Math.max(state.head, 0) }),
         });
         const body = await response.json();
         if (mine !== latest) return;
@@ -569,6 +608,7 @@
           return;
         }
         for (const w of body.warnings || []) message(w);
+        described.textContent = body.description ? "Showing " + body.description + "." : "";
         await show(body, () => mine === latest);
         if (mine !== latest) return;
         $("form-status").textContent = "";
@@ -579,7 +619,11 @@
         document.body.dataset.ready = "1";
       }
     };
-    const send = () => { if (!overLimit()) submit(); };
+    const send = (layer) => { if (!overLimit()) submit(layer); };
+    // A new map redraws the text at once; rollout and flow open on the last layer (the whole model).
+    map.addEventListener("change", () => {
+      if (text.value.trim()) send(map.value === "rollout" || map.value === "flow" ? -1 : undefined);
+    });
     form.addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
     // Enter and Ctrl+Enter (Cmd+Enter) send the text; Shift+Enter is a new line.
     text.addEventListener("keydown", (ev) => {

@@ -59,6 +59,9 @@ def value_weighted(model: Any, ids: Any) -> ValueWeighted:
         W_O = np.asarray(module.out_proj.weight, np.float64).reshape(-1, H, E)  # (d, H, E)
         f = np.einsum("hje,dhe->hjd", value, W_O)  # (H, T, d): f_h(x_j)
         per_head.append(alpha * np.linalg.norm(f, axis=-1)[:, None, :])  # (H, T, T)
-        summed = np.einsum("hij,hjd->ijd", alpha, f)  # (T, T, d)
-        per_layer.append(np.linalg.norm(summed, axis=-1))  # (T, T)
+        # ||sum_h alpha_hij f_hj||^2 = alpha_.ij^T G_j alpha_.ij with G_j = F_j F_j^T (H, H): never
+        # the (T, T, d) sum itself (SmolLM2 at 512 tokens: 1.2 GB a layer)
+        gram = np.einsum("hjd,gjd->jhg", f, f)  # (T, H, H)
+        squared = np.einsum("hij,jhg,gij->ij", alpha, gram, alpha, optimize=True)  # (T, T)
+        per_layer.append(np.sqrt(np.maximum(squared, 0.0)))  # rounding may leave -0.0-ish
     return ValueWeighted(heads=np.stack(per_head), layers=np.stack(per_layer))

@@ -190,6 +190,123 @@ def test_bad_arguments_are_refused():
         quant.row_bytes("Q4_1", 40)
 
 
+# ----------------------------------------------------------------------------- 8-bit activations
+
+
+def activation_error(x: np.ndarray, dx: np.ndarray) -> np.ndarray:
+    """The bound on |x - dx q| that `quantize_activations` promises, per value: half a step,
+    plus what the float32 rounding (or underflow) of dx leaves above 127 steps."""
+    amax = np.abs(x.astype(np.float64)).reshape(x.shape[0], -1, 32).max(axis=2)  # (N, blocks)
+    step = dx.astype(np.float64)
+    per_block = step / 2 + np.maximum(0.0, amax - 127 * step)
+    return np.repeat(per_block, 32, axis=1)  # (N, K)
+
+
+def minimums(raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
+    """|m| of each weight's block, (R, K) float64 (zero for Q4_0)."""
+    if kind == "Q4_0":
+        return np.zeros((raw.shape[0], columns))
+    m = np.ascontiguousarray(raw.reshape(raw.shape[0], -1, 20)[..., 2:4]).view(np.float16)[..., 0]
+    return np.repeat(np.abs(m.astype(np.float64)), 32, axis=1)
+
+
+def check_int8_product(y: np.ndarray, x: np.ndarray, raw: np.ndarray, kind: str, what: str) -> None:
+    """The int8 products' budget (docs/kernels.md), element by element, against the float64
+    truth W @ x:
+
+        |y - truth| <= 2 e_ref + (|W| + |M|) @ eps + (B + 4) u (|W| + |M|) @ (|x| + eps)
+
+    eps: `activation_error` (x's 8-bit rounding; for Q4_1 only W - M meets it, the minimum
+    M takes x's exact block sums); the last term: the float32 roundings of the B block terms
+    d dx I + m xs and of their sum (I is an exact integer); e_ref: the float32 BLAS error."""
+    K = x.shape[1]
+    weights = oracle(raw, kind, K).astype(np.float64)
+    truth = x.astype(np.float64) @ weights.T
+    reference_error = np.abs(x @ weights.astype(np.float32).T - truth).max()
+    _, dx, _ = quant.quantize_activations(x)
+    eps = activation_error(x, dx)
+    size = np.abs(weights) + minimums(raw, kind, K)  # (R, K)
+    allowed = 2 * reference_error + eps @ size.T + (K // 32 + 4) * U * ((np.abs(x) + eps) @ size.T)
+    error = np.abs(y - truth)
+    print(f"{what}: max error {error.max():.3g} ({(error / allowed).max():.2f} of the budget)")
+    assert y.dtype == np.float32
+    assert (error <= allowed).all(), f"{what}: error {error.max():.3g} over the budget"
+
+
+def test_quantize_activations_reference_and_compiled():
+    """q within [-127, 127], |x - dx q| within `activation_error`, the compiled quantizer
+    bit for bit the NumPy one, on normal, huge, tiny (subnormal: dx underflows) and zero
+    blocks; a block with inf or NaN gets dx NaN and q 0."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 32 * 6)).astype(np.float32)
+    x[0, 32:64] *= np.float32(1e30)
+    x[1, 64:96] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-42)
+    x[1, 96:128] = 0.0
+    x[2, 128] = np.inf
+    x[2, 160] = np.nan
+    q, dx, xs = quant.quantize_activations(x)
+    assert q.dtype == np.int8 and q.shape == x.shape and np.abs(q.astype(int)).max() <= 127
+    assert np.isnan(dx[2, 4:]).all() and not q[2, 128:].any()
+    finite = np.repeat(np.isfinite(dx), 32, axis=1)
+    restored = np.repeat(dx.astype(np.float64), 32, axis=1) * q
+    assert (np.abs(restored - x)[finite] <= activation_error(x, dx)[finite]).all()
+    np.testing.assert_array_equal(xs[:2], x[:2].astype(np.float64).reshape(2, -1, 32).sum(axis=2).astype(np.float32))
+    if kernels.enabled():
+        out = (np.empty_like(q), np.empty_like(dx), np.empty_like(xs), np.empty(dx.shape, np.int32))
+        quant._compiled()["quantize_x"](x, x.view(np.uint32), *out)
+        np.testing.assert_array_equal(out[0], q)
+        np.testing.assert_array_equal(out[1], dx)
+        np.testing.assert_array_equal(out[3], q.reshape(3, -1, 32).astype(np.int32).sum(axis=2))
+
+
+@pytest.mark.parametrize("kind", quant.INT8_TYPES)
+def test_int8_products_within_their_budget(kind, gguf):
+    """Decode products on 8-bit activations (`quant.activations("int8")`), random blocks and
+    x with a wide range of magnitudes (so blocks have outliers), against the float64 truth;
+    the kernel against `matmul_int8_reference` (what it computes, in float64) within float32
+    roundings; and 1 and 2 threads give the same bits."""
+    compiled_or_skip()
+    rng = np.random.default_rng(7)
+    K = 96 * 4
+    for rows in (1, 2, 5, 7, 33):  # the four-row loops' short last group
+        raw = random_blocks(kind, rows, K, rng)
+        for n in (1, 3):
+            x = (rng.standard_normal((n, K)) * np.exp(2 * rng.standard_normal((n, K)))).astype(np.float32)
+            with quant.activations("int8"):
+                y = quant.matmul(x, raw, kind, K)
+            check_int8_product(y, x, raw, kind, f"{kind} {rows}x{K}, {n} rows of x, int8")
+            exact = quant.matmul_int8_reference(x, raw, kind, K)
+            size = (np.abs(x) + 1) @ (np.abs(oracle(raw, kind, K).astype(np.float64)) + minimums(raw, kind, K)).T
+            assert (np.abs(y - exact) <= (K // 32 + 4) * U * size).all()
+    raw = random_blocks(kind, quant.PARALLEL_MACS // K + 9, K, rng)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    with quant.activations("int8"):
+        with blas_threads(1):
+            one = quant.matmul(x, raw, kind, K)
+        with blas_threads(2):
+            two = quant.matmul(x, raw, kind, K)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_int8_activations_leave_other_paths_alone(gguf):
+    """Prefill, the other types and the NumPy reference ignore the setting; the default is
+    float32; a wrong name is refused."""
+    rng = np.random.default_rng(8)
+    K = 64
+    raw = random_blocks("Q4_1", 5, K, rng)
+    x = rng.standard_normal((quant.DECODE_ROWS + 1, K)).astype(np.float32)
+    with quant.activations("int8"):
+        np.testing.assert_array_equal(quant.matmul(x, raw, "Q4_1", K, compiled=False),
+                                      quant.matmul_reference(x, raw, "Q4_1", K))
+        prefill = quant.matmul(x, raw, "Q4_1", K)
+    check_product(prefill, x, oracle(raw, "Q4_1", K), "Q4_1 prefill under int8")
+    if kernels.enabled():
+        check_product(quant.matmul(x[:1], raw, "Q4_1", K), x[:1], oracle(raw, "Q4_1", K), "Q4_1 decode, default")
+    with pytest.raises(ValueError, match='expected activations "int8" or "float32", got \'int4\''):
+        with quant.activations("int4"):
+            pass
+
+
 # ----------------------------------------------------------------------------- modules
 
 

@@ -11,6 +11,11 @@ computes x @ W.T without ever building W in float32:
 - prefill (many rows of x): a tile of W's rows is dequantized into a float32 scratch tile
   (`_dequantize_rows`), then one BLAS product per tile, as llama.cpp does for batches.
 
+With `activations("int8")` (opt-in), the Q4_0 and Q4_1 decode loops run as llama.cpp's do:
+x quantized to 8 bits per block of 32 (`quantize_activations`), each block's dot product an
+exact int32 sum (`_dot_q4`, LLVM IR that becomes `vpdpbusd` on AVX-512 VNNI);
+`matmul_int8_reference` is what they compute, in float64 (budget: docs/kernels.md).
+
 The NumPy reference beside them, `dequantize(raw, kind, K)`, writes out the block formats
 as ggml-quants.c's `dequantize_row_*` do (the gguf package's `gguf.quants.dequantize` is its
 oracle in the tests); `matmul_reference` is its float32 BLAS product. What runs: the
@@ -24,6 +29,8 @@ kernel applies each block's scale once per block instead of once per weight.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -32,8 +39,8 @@ import numpy as np
 from attnkit import kernels
 
 __all__ = [
-    "QUANT_TYPES", "BlockType", "compiled_available", "dequantize", "dequantize_compiled", "matmul",
-    "matmul_reference", "matmul_stack", "row_bytes",
+    "INT8_TYPES", "QUANT_TYPES", "BlockType", "activations", "compiled_available", "dequantize", "dequantize_compiled",
+    "matmul", "matmul_int8_reference", "matmul_reference", "matmul_stack", "quantize_activations", "row_bytes",
 ]
 
 
@@ -56,6 +63,35 @@ DECODE_ROWS = 8
 """x with at most this many rows runs the fused matrix-vector loop; more run dequantized tiles
 through BLAS."""
 _TILE_VALUES = 1 << 20  # a prefill tile: about 4 MB of float32 weights
+
+INT8_TYPES = ("Q4_0", "Q4_1")
+"""The types whose decode products can run on 8-bit activations (`activations("int8")`):
+x is quantized per block of 32 (`quantize_activations`) and each block's dot product is an
+exact integer sum. Not the default: its products run 1.4x the float32 loops' speed, but a
+whole decode step gained nothing measurable, and SmolLM2's logits err about twice as much
+as llama.cpp's (docs/kernels.md)."""
+
+_ACTIVATIONS = ["float32"]
+
+
+@contextmanager
+def activations(kind: str) -> Iterator[None]:
+    """Within the block, the compiled decode products of `INT8_TYPES` run on `kind`
+    activations: "float32" (the default: within two float32 BLAS errors of the exact
+    product) or "int8" (8-bit blocks, llama.cpp's way, within the budget derived in
+    docs/kernels.md).
+
+        with quant.activations("int8"):
+            logits = model(ids)
+    """
+    if kind not in ("int8", "float32"):
+        raise ValueError(f'expected activations "int8" or "float32", got {kind!r}')
+    previous = _ACTIVATIONS[0]
+    _ACTIVATIONS[0] = kind
+    try:
+        yield
+    finally:
+        _ACTIVATIONS[0] = previous
 
 
 def compiled_available() -> bool:
@@ -193,6 +229,58 @@ def matmul_reference(x: np.ndarray, raw: np.ndarray, kind: str, columns: int) ->
     return out
 
 
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x quantized to 8 bits per block of 32, as the int8 products use it (llama.cpp's Q8_1).
+
+    Each block b of 32 values gets dx_b = max|x_b| / 127 (rounded to float32) and
+    q = rint(x / dx_b) in [-127, 127], computed in float64, so |x - dx_b q| <= dx_b / 2 +
+    max(0, max|x_b| - 127 dx_b) (the second term: dx_b's rounding, or a dx_b that underflows
+    to zero). A block with a NaN or an infinity gets dx_b = NaN and q = 0 (its products are NaN).
+
+    Arguments:
+        x: (N, K) float32, K a multiple of 32.
+    Returns:
+        q (N, K) int8, dx (N, K/32) float32, xs (N, K/32) float32: the blocks' exact sums
+        rounded once (the Q4_1 minimum's term uses them, not the 8-bit values).
+    """
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise ValueError(f"expected x of shape (N, K) with K a multiple of 32, got {x.shape}")
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float64)  # (N, K/32, 32)
+    with np.errstate(all="ignore"):
+        total = b.sum(axis=2)
+        finite = np.isfinite(total)
+        dx = np.where(finite, np.abs(b).max(axis=2) / 127.0, np.nan).astype(np.float32)  # (N, K/32)
+        d = dx.astype(np.float64)[..., None]
+        usable = np.isfinite(d) & (d > 0)
+        q = np.where(usable, np.rint(b / np.where(usable, d, 1.0)), 0.0)
+    q = np.clip(q, -127, 127).astype(np.int8).reshape(x.shape)
+    return q, dx, total.astype(np.float32)
+
+
+def matmul_int8_reference(x: np.ndarray, raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
+    """What the int8 products compute, in float64: the dequantized W times x's 8-bit values
+    (`quantize_activations`), the Q4_1 minimum's term on x's exact block sums.
+
+    Arguments:
+        x: (N, K); raw, kind, columns: W as blocks, kind "Q4_0" or "Q4_1".
+    Returns:
+        (N, R) float64.
+    """
+    if kind not in INT8_TYPES:
+        raise ValueError(f"expected one of {', '.join(INT8_TYPES)}, got {kind!r}")
+    _check(raw, kind, columns)
+    q, dx, xs = quantize_activations(np.asarray(x, np.float32))
+    n, blocks = q.shape[0], columns // 32
+    xq = (q.reshape(n, blocks, 32).astype(np.float64) * dx.astype(np.float64)[..., None]).reshape(n, columns)
+    w = dequantize(raw, kind, columns).astype(np.float64)  # (R, K)
+    if kind == "Q4_0":
+        return xq @ w.T
+    m = _half(raw.reshape(raw.shape[0], blocks, 20), 2).astype(np.float64)  # (R, blocks)
+    steps = (w.reshape(-1, blocks, 32) - m[..., None]).reshape(w.shape)  # d q, the minimum taken out
+    return xq @ steps.T + xs.astype(np.float64) @ m.T
+
+
 # ----------------------------------------------------------------------------- compiled loops
 # Plain Python, compiled by numba in `_compiled()`; `half` is the float16 -> float32 table
 # (65,536 entries), so a block scale is one lookup of its two bytes.
@@ -290,6 +378,136 @@ def _matvec_q8_0(raw, values, half, x, out):  # pragma: no cover - compiled
                     a1[j] += d1 * (np.float32(v1[o + 2 + j]) * xa)
             out[i, r0] = a0.sum()
             out[i, r1] = a1.sum()
+
+
+def _quantize_x(x, bits, q, dx, xs, qsum):  # pragma: no cover - compiled
+    """`quantize_activations` compiled: x (N, K) -> q (N, K) int8, dx, xs (N, K/32) float32,
+    and qsum (N, K/32) int32, the sum of each block's q (the Q4_0 offset's term). `bits` is
+    x viewed as uint32: an all-ones exponent marks inf and NaN (float tests for them may be
+    folded away under fastmath)."""
+    n, blocks = dx.shape[0], dx.shape[1]
+    for i in range(n):
+        for b in range(blocks):
+            amax = 0.0
+            total = 0.0
+            special = 0
+            for j in range(32):
+                v = np.float64(x[i, 32 * b + j])
+                total += v
+                amax = max(amax, abs(v))
+                special |= np.int32((bits[i, 32 * b + j] & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+            d = np.float32(amax / 127.0) if special == 0 else np.float32(np.nan)
+            xs[i, b] = np.float32(total)
+            dx[i, b] = d
+            inverse = 1.0 / np.float64(d) if special == 0 and d > 0 else 0.0
+            s = 0
+            for j in range(32):
+                v = np.rint(np.float64(x[i, 32 * b + j]) * inverse) if inverse > 0 else 0.0
+                v = min(127.0, max(-127.0, v))
+                s += np.int32(v)
+                q[i, 32 * b + j] = np.int8(v)
+            qsum[i, b] = s
+
+
+def _matvec_q4_1_int8(raw, half, q, dx, xs, qsum, out):  # pragma: no cover - compiled
+    """Q4_1 on 8-bit activations, four rows of W at a time:
+    sum_k W[r, k] x[k] ~ sum_b d_b dx_b I_b + m_b xs_b,  I_b = sum_j nibble_j q_j,
+    an exact int32 sum (`_dot_q4`: unsigned nibbles times int8, one vector multiply-add on
+    AVX-512 VNNI, `vpdpbusd`). Eight float32 sums run side by side (four rows, the scale
+    and the minimum terms apart): one sum would wait on each block's multiply-add.
+    `qsum` is unused (one signature with Q4_0)."""
+    rows, blocks, n = raw.shape[0], dx.shape[1], dx.shape[0]
+    for i in range(n):
+        qi, dxi, xsi = q[i], dx[i], xs[i]
+        for quad in range((rows + 3) // 4):
+            r0 = 4 * quad
+            r1 = min(r0 + 1, rows - 1)  # a short last group computes its last row again
+            r2 = min(r0 + 2, rows - 1)
+            r3 = min(r0 + 3, rows - 1)
+            w0, w1, w2, w3 = raw[r0], raw[r1], raw[r2], raw[r3]
+            s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = np.float32(0.0)
+            for b in range(blocks):
+                o = 20 * b
+                at = 32 * b
+                e = dxi[b]
+                m = xsi[b]
+                s0 += _half_at(w0, o) * e * np.float32(_dot_q4(w0, o + 4, qi, at))  # noqa: F821 - bound when compiled
+                s1 += _half_at(w1, o) * e * np.float32(_dot_q4(w1, o + 4, qi, at))  # noqa: F821
+                s2 += _half_at(w2, o) * e * np.float32(_dot_q4(w2, o + 4, qi, at))  # noqa: F821
+                s3 += _half_at(w3, o) * e * np.float32(_dot_q4(w3, o + 4, qi, at))  # noqa: F821
+                t0 += _half_at(w0, o + 2) * m  # noqa: F821
+                t1 += _half_at(w1, o + 2) * m  # noqa: F821
+                t2 += _half_at(w2, o + 2) * m  # noqa: F821
+                t3 += _half_at(w3, o + 2) * m  # noqa: F821
+            out[i, r0] = s0 + t0
+            out[i, r1] = s1 + t1
+            out[i, r2] = s2 + t2
+            out[i, r3] = s3 + t3
+
+
+def _matvec_q4_0_int8(raw, half, q, dx, xs, qsum, out):  # pragma: no cover - compiled
+    """Q4_0 on 8-bit activations: W = d (nibble - 8), so I_b = sum_j nibble_j q_j - 8 qsum_b
+    (exact in int32) and the row's sum is sum_b d_b dx_b I_b; four rows at a time."""
+    rows, blocks, n = raw.shape[0], dx.shape[1], dx.shape[0]
+    for i in range(n):
+        qi, dxi, qs = q[i], dx[i], qsum[i]
+        for quad in range((rows + 3) // 4):
+            r0 = 4 * quad
+            r1 = min(r0 + 1, rows - 1)
+            r2 = min(r0 + 2, rows - 1)
+            r3 = min(r0 + 3, rows - 1)
+            w0, w1, w2, w3 = raw[r0], raw[r1], raw[r2], raw[r3]
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for b in range(blocks):
+                o = 18 * b
+                at = 32 * b
+                e = dxi[b]
+                off = 8 * qs[b]
+                s0 += _half_at(w0, o) * e * np.float32(_dot_q4(w0, o + 2, qi, at) - off)  # noqa: F821
+                s1 += _half_at(w1, o) * e * np.float32(_dot_q4(w1, o + 2, qi, at) - off)  # noqa: F821
+                s2 += _half_at(w2, o) * e * np.float32(_dot_q4(w2, o + 2, qi, at) - off)  # noqa: F821
+                s3 += _half_at(w3, o) * e * np.float32(_dot_q4(w3, o + 2, qi, at) - off)  # noqa: F821
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
+
+
+def _half_codegen(context, builder, signature, args):  # pragma: no cover - compiled
+    """LLVM IR of `_half_at(w, at)`: the little-endian float16 at byte `at` of w as float32 (one
+    `vcvtph2ps` with F16C, instead of a lookup in a 256 KB table that crowds the cache)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    w, at = args
+    data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
+    bits = builder.load(builder.bitcast(builder.gep(data, [at]), ir.IntType(16).as_pointer()), align=1)
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+
+def _dot_q4_codegen(context, builder, signature, args):  # pragma: no cover - compiled
+    """LLVM IR of `_dot_q4(w, w_at, x, x_at)`: the 16 bytes w[w_at:] as 32 nibbles (low ones
+    first, a Q4 block's order) times the 32 int8 x[x_at:], summed in int32:
+    reduce.add(zext(nibbles) * sext(x)), the pattern LLVM lowers to `vpdpbusd` (VNNI) or
+    to `vpmaddubsw`/`vpmaddwd` (AVX2)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    w, w_at, x, x_at = args
+    w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
+    x_data = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=x).data
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    bytes16, bytes32, ints32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i32, 32)
+    packed = builder.load(builder.bitcast(builder.gep(w_data, [w_at]), bytes16.as_pointer()), align=1)
+    xv = builder.load(builder.bitcast(builder.gep(x_data, [x_at]), bytes32.as_pointer()), align=1)
+    low = builder.and_(packed, ir.Constant(bytes16, [15] * 16))
+    high = builder.lshr(packed, ir.Constant(bytes16, [4] * 16))
+    nibbles = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+    products = builder.mul(builder.zext(nibbles, ints32), builder.sext(xv, ints32))
+    reduce = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(i32, [ints32]), "llvm.vector.reduce.add.v32i32"
+    )
+    return builder.call(reduce, [products])
 
 
 def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - compiled
@@ -429,6 +647,22 @@ def _parallel_q4_0(raw, half, xlo, xhi, xsum, out, parts):  # pragma: no cover -
             _matvec_q4_0_serial(raw[a:b], half, xlo, xhi, xsum, out[:, a:b])
 
 
+def _parallel_q4_1_int8(raw, half, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
+    step = _split(raw.shape[0], parts)
+    for p in prange(parts):  # noqa: F821
+        a, b = p * step, min(raw.shape[0], (p + 1) * step)
+        if a < b:
+            _matvec_q4_1_int8_serial(raw[a:b], half, q, dx, xs, qsum, out[:, a:b])
+
+
+def _parallel_q4_0_int8(raw, half, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
+    step = _split(raw.shape[0], parts)
+    for p in prange(parts):  # noqa: F821
+        a, b = p * step, min(raw.shape[0], (p + 1) * step)
+        if a < b:
+            _matvec_q4_0_int8_serial(raw[a:b], half, q, dx, xs, qsum, out[:, a:b])
+
+
 def _parallel_q8_0(raw, values, half, x, out, parts):  # pragma: no cover - compiled
     step = _split(raw.shape[0], parts)
     for p in prange(parts):  # noqa: F821
@@ -466,14 +700,30 @@ def _compiled() -> dict:
     serial = dict(cache=True, fastmath=_FASTMATH, nogil=True)
     g["_dequantize_row"] = nb.njit(**serial)(_dequantize_row)
     g["_split"] = nb.njit(cache=True)(_split)
+    types = nb.types
+
+    def _dot_q4_typing(typingctx, w, w_at, x, x_at):
+        return types.int32(w, w_at, x, x_at), _dot_q4_codegen
+
+    from numba.extending import intrinsic
+
+    g["_dot_q4"] = intrinsic(_dot_q4_typing)
+
+    def _half_typing(typingctx, w, at):
+        return types.float32(w, at), _half_codegen
+
+    g["_half_at"] = intrinsic(_half_typing)
     loops = {
         "q4_1": nb.njit(**serial)(_matvec_q4_1),
         "q4_0": nb.njit(**serial)(_matvec_q4_0),
         "q8_0": nb.njit(**serial)(_matvec_q8_0),
         "rows": nb.njit(**serial)(_matvec_rows),
         "dequantize": nb.njit(**serial)(_dequantize_rows),
+        "q4_1_int8": nb.njit(**serial)(_matvec_q4_1_int8),
+        "q4_0_int8": nb.njit(**serial)(_matvec_q4_0_int8),
+        "quantize_x": nb.njit(**serial)(_quantize_x),
     }
-    for name in ("q4_1", "q4_0", "q8_0", "rows"):
+    for name in ("q4_1", "q4_0", "q8_0", "rows", "q4_1_int8", "q4_0_int8"):
         g[f"_matvec_{name}_serial"] = loops[name]
     g["_dequantize_rows_serial"] = loops["dequantize"]
     parallel = dict(serial, parallel=True)
@@ -482,6 +732,8 @@ def _compiled() -> dict:
         "parallel q4_0": nb.njit(**parallel)(_parallel_q4_0),
         "parallel q8_0": nb.njit(**parallel)(_parallel_q8_0),
         "parallel rows": nb.njit(**parallel)(_parallel_rows),
+        "parallel q4_1_int8": nb.njit(**parallel)(_parallel_q4_1_int8),
+        "parallel q4_0_int8": nb.njit(**parallel)(_parallel_q4_0_int8),
         "parallel dequantize": nb.njit(**parallel)(_parallel_dequantize),
     })
     return loops
@@ -549,7 +801,7 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
     n = x.shape[0]
     out = np.empty((n, sum(raw.shape[0] for raw, _ in parts)), np.float32)
     threads = _threads(out.size * columns if n <= DECODE_ROWS else _TILE_VALUES * 8)
-    split = None
+    split = quantized = None  # x prepared once for all parts: float32 halves, or 8-bit blocks
     start = 0
     for raw, kind in parts:
         rows = raw.shape[0]
@@ -563,6 +815,13 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
                 part = tile[: min(step, rows - first)]  # (rows of the tile, K)
                 _run(loops, "dequantize", threads, raw, values, first, code, half, part)
                 np.matmul(x, part.T, out=target[:, first:first + part.shape[0]])  # (N, rows of the tile)
+        elif kind in INT8_TYPES and _ACTIVATIONS[0] == "int8":
+            if quantized is None:
+                blocks = columns // 32
+                quantized = (np.empty((n, columns), np.int8), np.empty((n, blocks), np.float32),
+                             np.empty((n, blocks), np.float32), np.empty((n, blocks), np.int32))  # q, dx, xs, qsum
+                loops["quantize_x"](x, x.view(np.uint32), *quantized)
+            _run(loops, f"{kind.lower()}_int8", threads, raw, half, *quantized, target)
         elif kind in ("Q4_0", "Q4_1"):
             if split is None:
                 blocks = x.reshape(n, -1, 32)  # (N, K/32, 32)

@@ -234,3 +234,113 @@ def test_encoder_block_with_kernels_within_twice_the_numpy_path():
     truth = model.astype(np.float64)(ids, mask).last_hidden_state  # the same (float32-rounded) weights
     assert ours.dtype == np.float32
     assert_within_budget(ours, numpy_ref, truth, "encoder hidden states", ulps=8)
+
+
+# ----------------------------------------------------------------------------- attention's softmax
+
+
+def _sdpa64(q, k, v, mask, scale):
+    """float64 truth of softmax(q k^T * scale + mask) v, weights and lse, a fully masked row
+    giving weights 0 and lse -inf (the project's convention)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("...le,...se->...ls", q, k) * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float64)
+    live = ~np.isneginf(s).all(-1, keepdims=True)
+    top = np.where(live, s.max(-1, keepdims=True), 0)
+    e = np.exp(s - top)
+    total = e.sum(-1, keepdims=True)
+    w = np.where(live, e / np.where(total > 0, total, 1), 0)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(total) + top)[..., 0]
+    return w @ v, w, lse
+
+
+def _attention_inputs(mask_kind, dtype=np.float32):
+    rng = np.random.default_rng(7)
+    B, H, L, S, E = 2, 3, 9, 13, 16
+    q, k, v = (rng.standard_normal((B, H, n, E)).astype(dtype) for n in (L, S, S))
+    q *= 3  # peaked rows
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((B, 1, L, S)) < 0.7
+        mask[0, 0, 2] = False  # a fully masked row
+    elif mask_kind == "float":
+        mask = (rng.standard_normal((B, H, L, S)) * 2).astype(dtype)
+        mask[..., ::4] = -np.inf
+        mask[1, 2, 5] = -np.inf  # a fully masked row
+    return q, k, v, mask
+
+
+@needs_kernels
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("scale", [None, 0.37])
+def test_attention_softmax_kernel_within_twice_numpy(mask_kind, scale):
+    """scaled_dot_product_attention in float32 takes the compiled softmax (checked with a spy):
+    output, weights and lse within twice the NumPy reference's error against float64, a fully
+    masked row giving weights 0 and lse -inf, and never NaN."""
+    from attnkit.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v, mask = _attention_inputs(mask_kind)
+    calls = []
+    real = compiled.softmax
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "softmax", lambda s, lse: (calls.append(s.shape), real(s, lse)))
+        ours = sdpa(q, k, v, attn_mask=mask, scale=scale, return_weights=True, return_lse=True)
+    assert calls, "the compiled softmax did not run"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        ref = sdpa(q, k, v, attn_mask=mask, scale=scale, return_weights=True, return_lse=True)
+    s = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out64, w64, lse64 = _sdpa64(q, k, v, mask, s)
+    assert ours.output.dtype == ours.weights.dtype == ours.lse.dtype == np.float32
+    assert_within_budget(ours.output, ref.output, out64, f"output, mask {mask_kind}", ulps=4)
+    assert_within_budget(ours.weights, ref.weights, w64, f"weights, mask {mask_kind}", ulps=4)
+    dead = np.isneginf(lse64)
+    assert (np.isneginf(ours.lse) == dead).all() and (ours.weights[dead] == 0).all()
+    assert_within_budget(ours.lse[~dead], ref.lse[~dead], lse64[~dead], f"lse, mask {mask_kind}", ulps=4)
+
+
+@needs_kernels
+def test_attention_fast_path_with_kernel_matches_the_general_path():
+    """The unmasked fast path (a decode step's call) takes the compiled softmax too: the same
+    bits as the general path, within twice NumPy's error; an overflowing row still goes to
+    the general path (float64), not NaN."""
+    from attnkit.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v, _ = _attention_inputs(None)
+    fast = sdpa(q, k, v)
+    general = sdpa(q, k, v, return_lse=True).output
+    np.testing.assert_array_equal(fast, general)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        ref = sdpa(q, k, v)
+    assert_within_budget(fast, ref, _sdpa64(q, k, v, None, 1 / math.sqrt(q.shape[-1]))[0], "fast path", ulps=4)
+    big = q.copy()
+    big[0, 0, 0] = 1e19  # scores beyond float32's range
+    out = sdpa(big, k, v)
+    assert np.isfinite(out).all()
+    assert_within_budget(out, out, _sdpa64(big, k, v, None, 1 / math.sqrt(q.shape[-1]))[0], "overflow row", ulps=8)
+
+
+@needs_kernels
+def test_attention_softmax_kernel_dtype_rules():
+    """float16 computes in float32 (the kernel runs) and returns float16; float64 stays NumPy."""
+    from attnkit.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v, mask = _attention_inputs("bool")
+    calls = []
+    real = compiled.softmax
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "softmax", lambda s, lse: (calls.append(s.dtype), real(s, lse)))
+        half = sdpa(*(x.astype(np.float16) for x in (q, k, v)), attn_mask=mask)
+        assert calls == [np.float32] and half.dtype == np.float16
+        calls.clear()
+        double = sdpa(*(x.astype(np.float64) for x in (q, k, v)), attn_mask=mask)
+        assert calls == [] and double.dtype == np.float64
+    out64 = _sdpa64(*(x.astype(np.float16) for x in (q, k, v)), mask, 1 / math.sqrt(q.shape[-1]))[0]
+    np.testing.assert_allclose(double, _sdpa64(q, k, v, mask, 1 / math.sqrt(q.shape[-1]))[0], rtol=1e-12, atol=1e-12)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        half_ref = sdpa(*(x.astype(np.float16) for x in (q, k, v)), attn_mask=mask)
+    assert_within_budget(half, half_ref, out64, "float16", ulps=4)

@@ -63,6 +63,7 @@ from attnkit.functional._checks import (
 from attnkit.functional.band import Band
 from attnkit.functional.mods import DifferentiableScoreMod, bound, create_mask
 from attnkit.functional.precision import all_finite, needs_float64, start_dtype
+from attnkit.kernels import elementwise as compiled
 
 
 class AttentionOutput(NamedTuple):
@@ -143,8 +144,21 @@ def _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype):
             np.copyto(scores, -np.inf, where=~attn_mask)
         else:
             scores += attn_mask
+    return _softmax_inplace(scores, dtype)
 
-    # Stable softmax in place: shift by the row max, exponentiate, normalize. An
+
+def _softmax_inplace(scores: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, lse): softmax over the last axis of `scores` (..., S), in place, in
+    `dtype` (scores' own), and each row's logsumexp (...): a fully masked row (all
+    -inf) gives weights 0 and lse -inf. float32 rows take the compiled softmax when
+    the kernels run (`attnkit.kernels.elementwise.softmax`), else these NumPy lines,
+    the reference. Callers ignore over/invalid/divide floating-point warnings."""
+    if compiled.usable(scores):  # float32: the compiled row softmax, one visit of each row
+        lse = np.empty(scores.shape[:-1], np.float32)  # (..., Hq, L)
+        compiled.softmax(scores, lse)
+        return scores, lse
+
+    # The reference. Stable softmax in place: shift by the row max, exponentiate, normalize. An
     # all -inf row (fully masked) is shifted by the dtype's lowest finite value
     # instead, so its exponentials are exactly 0, its lse -inf and its weights 0.
     # (Ufuncs called directly: a decode step makes these calls on tiny arrays,
@@ -353,6 +367,12 @@ def _unmasked(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow goes to the general path
         q = np.multiply(query, scale, dtype=dtype).reshape(*batch, Hkv, Hq // Hkv * L, E)
         scores = np.matmul(q, np.swapaxes(key, -1, -2))  # (..., Hkv, g*L, S)
+        if compiled.usable(scores):  # float32: the compiled row softmax (the general path takes it too)
+            lse = np.empty(scores.shape[:-1], np.float32)
+            compiled.softmax(scores, lse)
+            if not math.isfinite(np.add.reduce(lse, axis=None)):  # a row max not finite: the general path decides
+                return None
+            return np.matmul(scores, value).reshape(*batch, Hq, L, value.shape[-1])
         row_max = np.maximum.reduce(scores, axis=-1, keepdims=True)
         if not math.isfinite(np.add.reduce(row_max, axis=None)):  # (a sum too large to hold also goes)
             return None

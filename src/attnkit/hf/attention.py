@@ -45,6 +45,15 @@ What the architectures pass, and what becomes of it:
 Anything else with a value that is not None is refused, naming the architecture
 and the keyword: nothing is silently ignored.
 
+Interventions: while an `attnkit.nn.intervene` edit is open on the module in the calling
+thread (`active_edits(module)`: what `attnkit.interpret`'s ablation and patching open), the
+per-head output (B, Hq, L, Ev), before transformers' output projection, goes through each
+edit as `AttentionModule.attend`'s does (`_apply_edits`): the edit sees an `AttentionCall`
+of NumPy arrays (float32, or float64 for a float64 model) and its result goes back into the
+output's dtype and device. An edited output is a constant for autograd (interpretation runs
+under torch.no_grad()). "attnkit_tiled" and "attnkit_flash" compute exactly for such calls,
+as they do while recording.
+
 Conventions are attnkit's: a query whose keys are all masked gets output 0 and
 weights 0 (eager's finite fill value would spread it evenly over the masked
 keys instead); GQA query head h reads key/value head h // (Hq // Hkv).
@@ -56,10 +65,11 @@ import math
 import warnings
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnkit.nn.interface import active_recorders
+from attnkit.nn.interface import AttentionCall, active_edits, active_recorders
 from attnkit.torch.flash import flash_attention
 
 __all__ = [
@@ -202,6 +212,32 @@ def _record(module: torch.nn.Module, weights: torch.Tensor) -> None:
         recorder.append(weights.detach())
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as a NumPy array an edit reads: float64 stays float64, the rest float32."""
+    dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return tensor.detach().to(device="cpu", dtype=dtype).numpy()
+
+
+def _apply_edits(module, query, key, value, output: torch.Tensor, call: _Call) -> torch.Tensor:
+    """`output` (B, Hq, L, Ev) after each edit `intervene` opened on `module`, in turn (as
+    `attnkit.nn.AttentionModule.attend`); unchanged when none is open."""
+    edits = active_edits(module)
+    if not edits:
+        return output
+    q, k, v = _numpy(query), _numpy(key), _numpy(value)
+    current = _numpy(output)  # (B, Hq, L, Ev)
+    for edit in edits:
+        changed = edit(AttentionCall(module, q, k, v, current, call.scale))
+        if changed is not None:
+            changed = np.asarray(changed)
+            if changed.shape != current.shape:
+                raise ValueError(
+                    f"expected an edit to return the per-head output's shape {current.shape}, got {changed.shape}"
+                )
+            current = changed.astype(current.dtype, copy=False)
+    return torch.from_numpy(np.ascontiguousarray(current)).to(device=output.device, dtype=output.dtype)
+
+
 def attnkit_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -225,6 +261,7 @@ def attnkit_attention(
     call = _read_call("attnkit", module, query, key, attention_mask, scaling, dropout, kwargs)
     output, weights = _exact_attention(module, query, key, value, call)
     _record(module, weights)
+    output = _apply_edits(module, query, key, value, output, call)
     return output.transpose(1, 2).contiguous(), weights
 
 
@@ -243,13 +280,14 @@ def attnkit_tiled_attention(
     Same arguments as `attnkit_attention`. Returns (output (B, L, Hq, Ev), None).
     While attnkit's views record the module's maps in the calling thread
     (`attnkit.nn.active_recorders(module)` non-empty) it computes exactly instead, so that
-    the maps exist.
+    the maps exist; so it does while an `intervene` edit is open on the module.
     """
     _warn_no_weights("attnkit_tiled", kwargs)
     call = _read_call("attnkit_tiled", module, query, key, attention_mask, scaling, dropout, kwargs)
-    if active_recorders(module):
+    if active_recorders(module) or active_edits(module):
         output, weights = _exact_attention(module, query, key, value, call)
         _record(module, weights)
+        output = _apply_edits(module, query, key, value, output, call)
         return output.transpose(1, 2).contiguous(), None
     if call.sinks is not None:
         raise refusal("attnkit_tiled", module, "attention sinks (s_aux)", "use attn_implementation='attnkit'")
@@ -312,7 +350,8 @@ def attnkit_flash_attention(
     the weights are not formed (`_warn_no_weights`).
     """
     _warn_no_weights(FLASH_NAME, kwargs)
-    if active_recorders(module) or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+    four_d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+    if active_recorders(module) or active_edits(module) or four_d:
         kwargs = {name: value for name, value in kwargs.items() if name != "output_attentions"}  # warned above
         return attnkit_tiled_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     for name, feature in (("s_aux", "attention sinks (s_aux)"), ("position_bias", "a position bias")):

@@ -66,7 +66,12 @@ def _to_numpy(weights: Any) -> np.ndarray:
     return weights.detach().to(device="cpu", dtype=torch.float32).numpy()
 
 
-ADAPTER = RecordingAdapter(find=_find, to_numpy=_to_numpy)
+def _intervenes(module: Any) -> bool:
+    """A transformers attention module: attnkit's attention functions apply its edits."""
+    return is_transformers_model(module) and _attends(module)
+
+
+ADAPTER = RecordingAdapter(find=_find, to_numpy=_to_numpy, intervenes=_intervenes)
 """The adapter `record_attention` asks about transformers models."""
 
 if ADAPTER not in RECORDING_ADAPTERS:

@@ -1,7 +1,8 @@
 """What each head does, and whether it matters.
 
 Works on attnkit's own models (BERT/MiniLM encoders, GPT-2 and Llama-family decoders such
-as SmolLM2) and, for what needs attention maps only, on transformers models. `ids` is a 1-D
+as SmolLM2) and on transformers models: attention maps, and, when loaded with
+attn_implementation="attnkit", ablation, patching, the logit lens and attribution. `ids` is a 1-D
 integer array or a text (tokenized with the model's tokenizer); results are NumPy arrays
 indexed ``[layer, head]`` unless stated. See docs/interpret.md for the formulas.
 

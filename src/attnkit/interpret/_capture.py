@@ -1,4 +1,9 @@
-"""Per-head outputs of every layer, captured through `attnkit.nn.interface.intervene`."""
+"""Per-head outputs of every layer, captured through `attnkit.nn.interface.intervene`.
+
+`edit_heads` opens edits on attnkit's attention modules and on the attention modules of a
+transformers model loaded with attn_implementation="attnkit" (whose attention function,
+`attnkit.hf.attention`, applies `active_edits(module)` as attnkit's modules do).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,31 @@ from contextlib import contextmanager
 from typing import Any
 
 
-from attnkit.nn.interface import AttentionCall, intervene
+from attnkit.nn.interface import AttentionCall, AttentionModule, intervene
 
-__all__ = ["capturing", "check_heads"]
+__all__ = ["capturing", "check_heads", "edit_heads", "num_heads"]
+
+
+@contextmanager
+def edit_heads(edits: dict) -> Iterator[None]:
+    """`intervene(edits)`: attnkit's `AttentionModule`s, or the attention modules of a
+    transformers model (`attnkit.hf` registers them with `intervene`; its attention
+    functions read the edits through `active_edits`)."""
+    if any(not isinstance(module, AttentionModule) for module in edits):
+        import attnkit.hf  # noqa: F401  (registers the transformers adapter)
+    with intervene(edits):
+        yield
+
+
+def num_heads(module: Any) -> int:
+    """The query heads of an attention module: attnkit's, or a transformers one (GPT-2's
+    `num_heads`, Llama-family `config.num_attention_heads`)."""
+    count = getattr(module, "num_heads", None)
+    if count is None:
+        count = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if count is None:
+        raise TypeError(f"cannot tell how many heads {type(module).__name__} has")
+    return int(count)
 
 
 @contextmanager
@@ -24,7 +51,7 @@ def capturing(modules: list[Any], keep: Callable[[AttentionCall], Any] | None = 
             found[index].append(keep(call))
         return edit
 
-    with intervene({module: recorder(i) for i, module in enumerate(modules)}):
+    with edit_heads({module: recorder(i) for i, module in enumerate(modules)}):
         yield found
 
 
@@ -38,7 +65,7 @@ def check_heads(heads: Any, modules: list[Any]) -> list[tuple[int, int]]:
             raise ValueError(f"expected heads as (layer, head) pairs, got {item!r}") from None
         if not 0 <= layer < len(modules):
             raise ValueError(f"expected a layer in [0, {len(modules)}), got {layer} in {item!r}")
-        count = int(modules[layer].num_heads)
+        count = num_heads(modules[layer])
         if not 0 <= head < count:
             raise ValueError(f"expected a head in [0, {count}) of layer {layer}, got {head} in {item!r}")
         pairs.append((layer, head))

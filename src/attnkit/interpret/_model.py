@@ -3,9 +3,11 @@
 - attnkit decoders (`CausalLM`: GPT-2, Llama/SmolLM2, Qwen2, Mistral): everything.
 - attnkit encoders (`SentenceEncoder`, `BertModel`): attention maps, ablation, value-weighted
   maps, the query/key view (no output head: no patching, lens or attribution).
-- transformers models (any class defined in transformers): attention maps only, through
+- transformers models (any class defined in transformers): attention maps, through
   `output_attentions=True`, or `attnkit.record_attention` when loaded with
-  attn_implementation="attnkit".
+  attn_implementation="attnkit"; loaded so, also head interventions (ablation, head
+  patching: attnkit's attention function applies the edits), and for decoders with an
+  output head the residual stream (`_hf`: residual patching, the logit lens).
 
 `ids`: a 1-D sequence of token ids, or a text tokenized with the model's tokenizer.
 """
@@ -20,7 +22,10 @@ from attnkit.models.bert import BertModel, SentenceEncoder
 from attnkit.models.causal_lm import CausalLM
 from attnkit.nn.interface import AttentionModule, record_attention
 
-__all__ = ["attention_maps", "decoder", "encoder", "layer_modules", "run", "token_ids", "vocab_size"]
+__all__ = [
+    "attention_maps", "decoder", "encoder", "head_modules", "hf_decoder", "layer_modules", "run", "token_ids",
+    "vocab_size",
+]
 
 
 def is_transformers_model(model: Any) -> bool:
@@ -43,8 +48,9 @@ def decoder(model: Any, what: str) -> CausalLM:
     """`model` if it is an attnkit decoder; otherwise TypeError saying `what` needs one."""
     if not isinstance(model, CausalLM):
         raise TypeError(
-            f"{what} needs an attnkit decoder with an output head (a CausalLM: GPT-2, Llama, SmolLM2, ...; "
-            f"load one with attnkit.models.AutoCausalLM.from_pretrained), got {_describe(model)}"
+            f"{what} needs a decoder with an output head (an attnkit CausalLM: GPT-2, Llama, SmolLM2, ...; "
+            f"load one with attnkit.models.AutoCausalLM.from_pretrained, or a transformers causal LM loaded "
+            f"with attn_implementation='attnkit'), got {_describe(model)}"
         )
     return model
 
@@ -104,7 +110,8 @@ def vocab_size(model: Any) -> int | None:
 
 
 def layer_modules(model: Any) -> list[AttentionModule]:
-    """One attention module per layer, in layer order (attnkit models only)."""
+    """One attention module per layer, in layer order (attnkit models only: what reads a
+    module's own weights, such as value-weighted maps and the query/key view)."""
     _check_model(model)
     if isinstance(model, CausalLM):
         return [block.attn for block in model.layers]
@@ -112,17 +119,47 @@ def layer_modules(model: Any) -> list[AttentionModule]:
     if bert is not None:
         return [block.attn for block in bert.blocks]
     raise TypeError(
-        f"head interventions need an attnkit model (its attention goes through attnkit's modules), got "
+        f"this needs an attnkit model (its attention goes through attnkit's modules), got "
         f"{_describe(model)}; for a transformers model, load the same folder with "
         "attnkit.models.AutoCausalLM.from_pretrained"
     )
 
 
+def head_modules(model: Any) -> list[Any]:
+    """One attention module per layer, in layer order, for head interventions (`intervene`
+    edits): attnkit's `AttentionModule`s, or the attention modules of a transformers model
+    loaded with attn_implementation="attnkit" (ValueError for another implementation: its
+    attention function applies no edits)."""
+    _check_model(model)
+    if not is_transformers_model(model):
+        return layer_modules(model)
+    from attnkit.interpret import _hf
+
+    return [module for _, module in _hf.attention_layers(model)]
+
+
+def hf_decoder(model: Any, what: str) -> bool:
+    """True for a transformers model with an output head loaded with attnkit's attention
+    (`what` can run on it), False for an attnkit decoder; TypeError/ValueError otherwise."""
+    if isinstance(model, CausalLM):
+        return False
+    if is_transformers_model(model) and callable(getattr(model, "get_output_embeddings", None)) \
+            and model.get_output_embeddings() is not None:
+        head_modules(model)  # ValueError unless loaded with attnkit's attention
+        return True
+    decoder(model, what)  # raises, naming what it needs
+    return False
+
+
 def run(model: Any, ids: np.ndarray) -> np.ndarray:
-    """One forward of an attnkit model over (T,) ids: logits (T, vocab) for a decoder, the last
-    hidden state (T, d) for an encoder."""
+    """One forward of a model over (T,) ids: logits (T, vocab) for a decoder, the last
+    hidden state (T, d) for an encoder (NumPy; a transformers model runs under no_grad)."""
     if isinstance(model, CausalLM):
         return model.forward(ids)
+    if is_transformers_model(model):
+        from attnkit.interpret import _hf
+
+        return _hf.forward(model, ids)
     bert = encoder(model)
     return bert(ids[None], token_type_ids=np.zeros((1, len(ids)), np.int64)).last_hidden_state[0]
 

@@ -4,7 +4,9 @@ Zero ablation sets a head's output (its (L, E) result before the output projecti
 mean ablation sets it to the head's mean output over reference inputs, one E-vector for
 every position (the mean over every token of every reference sequence). Inside the context,
 every forward, generation, attention view and interpret function of that model, made by the
-thread (or asyncio task) that opened it, runs ablated; other threads are untouched.
+thread (or asyncio task) that opened it, runs ablated; other threads are untouched. A
+transformers model loaded with attn_implementation="attnkit" is ablated the same way, in
+its attention function (`attnkit.hf.attention`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.interpret._capture import capturing, check_heads
-from attnkit.interpret._model import layer_modules, run, token_ids
-from attnkit.nn.interface import AttentionCall, intervene
+from attnkit.interpret._capture import capturing, check_heads, edit_heads
+from attnkit.interpret._model import head_modules, run, token_ids
+from attnkit.nn.interface import AttentionCall
 
 __all__ = ["ablate", "mean_head_outputs"]
 
@@ -35,7 +37,7 @@ def mean_head_outputs(model: Any, reference: Any) -> list[np.ndarray]:
         items = list(reference)
     if not items:
         raise ValueError("expected at least one reference text or id sequence for mean ablation, got none")
-    modules = layer_modules(model)
+    modules = head_modules(model)
     count = 0
     with capturing(modules, keep=lambda call: call.output[0].sum(axis=-2, dtype=np.float64)) as found:
         for item in items:
@@ -50,7 +52,8 @@ def ablate(model: Any, heads: Any, how: str = "zero", reference: Any = None) -> 
     """Turn heads off while the context is open.
 
     Arguments:
-        model: an attnkit model (decoder or encoder).
+        model: an attnkit model (decoder or encoder), or a transformers model loaded with
+            attn_implementation="attnkit" (its forwards and `generate` run ablated).
         heads: (layer, head) pairs, e.g. ``[(17, 3), (18, 6)]``.
         how: "zero" (the head outputs 0) or "mean" (its mean output over `reference`).
         reference: for "mean": a text, a 1-D sequence of ids, or a list of them.
@@ -64,7 +67,7 @@ def ablate(model: Any, heads: Any, how: str = "zero", reference: Any = None) -> 
     """
     if how not in ABLATIONS:
         raise ValueError(f"expected how to be one of {', '.join(ABLATIONS)}, got {how!r}")
-    modules = layer_modules(model)
+    modules = head_modules(model)
     pairs = check_heads(heads, modules)
     if how == "mean":
         if reference is None:
@@ -83,5 +86,5 @@ def ablate(model: Any, heads: Any, how: str = "zero", reference: Any = None) -> 
             return out
         return edit
 
-    with intervene({modules[layer]: edit_for(layer, off) for layer, off in by_layer.items()}):
+    with edit_heads({modules[layer]: edit_for(layer, off) for layer, off in by_layer.items()}):
         yield model

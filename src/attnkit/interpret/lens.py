@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attnkit.interpret import _hf
 from attnkit.interpret._capture import capturing
-from attnkit.interpret._model import decoder, layer_modules, token_ids
+from attnkit.interpret._model import decoder, head_modules, hf_decoder, layer_modules, token_ids
 from attnkit.interpret._stream import residuals
 from attnkit.nn.decoder_layers import RMSNorm
 from attnkit.nn.layers import LayerNorm
@@ -35,7 +36,8 @@ def logit_lens(model: Any, ids: Any) -> np.ndarray:
     """The logits each layer's residual stream would give.
 
     Arguments:
-        model: an attnkit decoder.
+        model: an attnkit decoder, or a transformers causal LM loaded with
+            attn_implementation="attnkit".
         ids: text or a 1-D sequence of token ids (T,).
 
     Returns:
@@ -43,6 +45,9 @@ def logit_lens(model: Any, ids: Any) -> np.ndarray:
         layer l (entry 0: the embeddings; the last: after the last layer, the model's logits)
         through the final norm and the unembedding.
     """
+    if hf_decoder(model, "logit_lens"):
+        ids = token_ids(model, ids)
+        return _hf.lens(model, np.concatenate(_hf.residuals(model, ids)))
     model = decoder(model, "logit_lens")
     ids = token_ids(model, ids)
     stream = np.concatenate(residuals(model, ids))  # (layers + 1, T, d)
@@ -94,7 +99,9 @@ def direct_logit_attribution(model: Any, ids: Any, answer: Any, wrong: Any = Non
     """Each head's and MLP's direct contribution to the answer's logit at the last position.
 
     Arguments:
-        model: an attnkit decoder (GPT-2 or Llama family).
+        model: an attnkit decoder (GPT-2 or Llama family), or a transformers causal LM loaded
+            with attn_implementation="attnkit" whose final norm is a LayerNorm or an RMSNorm
+            (x / rms * weight) and whose attention ends in one output projection.
         ids: text or a 1-D sequence of token ids.
         answer: the answer token (an id, or a text that is one token).
         wrong: another token: attribute the difference logit(answer) - logit(wrong).
@@ -103,6 +110,8 @@ def direct_logit_attribution(model: Any, ids: Any, answer: Any, wrong: Any = Non
         LogitAttribution(heads (layers, heads), mlps (layers,), embeddings, biases, total),
         float64, with the final norm's scale frozen at its value on the full stream.
     """
+    if hf_decoder(model, "direct_logit_attribution"):
+        return _hf_attribution(model, ids, answer, wrong)
     model = decoder(model, "direct_logit_attribution")
     ids = token_ids(model, ids)
     columns = [_token(model, answer, "answer")] + ([] if wrong is None else [_token(model, wrong, "wrong")])
@@ -110,32 +119,58 @@ def direct_logit_attribution(model: Any, ids: Any, answer: Any, wrong: Any = Non
     if not isinstance(norm, (LayerNorm, RMSNorm)):
         raise TypeError(f"direct_logit_attribution knows LayerNorm and RMSNorm final norms, got {type(norm).__name__}")
     W = _unembedding(model, columns)  # (d, k)
-    u = W[:, 0] - W[:, 1] if wrong is not None else W[:, 0]  # (d,)
     modules = layer_modules(model)
     with capturing(modules, keep=lambda call: call.output[0, :, -1].astype(np.float64)) as found:  # (H, E)
         stream = [r[0, -1].astype(np.float64) for r in residuals(model, ids)]  # layers + 1 of (d,)
     layered = isinstance(norm, LayerNorm)
+    projections = [(np.asarray(m.out_proj.weight, np.float64),
+                    None if m.out_proj.bias is None else np.asarray(m.out_proj.bias, np.float64)) for m in modules]
+    final_bias = np.asarray(norm.bias, np.float64) if layered and norm.bias is not None else None
+    final = _FinalNorm(layered, np.asarray(norm.weight, np.float64), final_bias, float(norm.eps))
+    return _attribute(stream, [calls[0] for calls in found], projections, final, W, wrong is not None, 0.0)
+
+
+class _FinalNorm(NamedTuple):
+    """The final norm, as attribution freezes it: centred (LayerNorm) or not (RMSNorm)."""
+
+    layered: bool
+    weight: np.ndarray  # (d,)
+    bias: np.ndarray | None  # (d,)
+    eps: float
+
+
+def _attribute(stream: list[np.ndarray], z: list[np.ndarray], projections: list[tuple[np.ndarray, Any]],
+               norm: _FinalNorm, W: np.ndarray, difference: bool, head_bias: float) -> LogitAttribution:
+    """The decomposition of the module docstring, in float64.
+
+    Arguments:
+        stream: layers + 1 residual streams at the last position, each (d,).
+        z: per layer, the heads' outputs at the last position (H, E).
+        projections: per layer, the output projection (d, H*E) and its bias (d,) or None.
+        W: (d, k) the answer's unembedding column (and the wrong one's); difference: k == 2.
+        head_bias: the unembedding's own bias for the answer (minus the wrong one's).
+    """
+    u = W[:, 0] - W[:, 1] if difference else W[:, 0]  # (d,)
 
     def direction(part: np.ndarray) -> np.ndarray:
         """part (..., d) -> its logit (difference), through the frozen norm."""
-        if layered:
+        if norm.layered:
             part = part - part.mean(axis=-1, keepdims=True)
-        return part / scale * np.asarray(norm.weight, np.float64) @ u
+        return part / scale * norm.weight @ u
 
     final = stream[-1]
-    centred = final - final.mean() if layered else final
+    centred = final - final.mean() if norm.layered else final
     scale = np.sqrt(np.mean(centred**2) + norm.eps)
-    heads = np.zeros((len(modules), max(m.num_heads for m in modules)))
-    mlps = np.zeros(len(modules))
-    biases = 0.0
-    if layered and norm.bias is not None:
-        biases += float(np.asarray(norm.bias, np.float64) @ u)
-    for layer, module in enumerate(modules):
-        z = found[layer][0]  # (H, E) the last position
-        H, E = z.shape
-        W_O = np.asarray(module.out_proj.weight, np.float64).reshape(-1, H, E)  # (d, H, E)
-        written = np.einsum("he,dhe->hd", z, W_O)  # (H, d) each head's output
-        bias = np.zeros(W_O.shape[0]) if module.out_proj.bias is None else np.asarray(module.out_proj.bias, np.float64)
+    heads = np.zeros((len(z), max(part.shape[0] for part in z)))
+    mlps = np.zeros(len(z))
+    biases = head_bias
+    if norm.bias is not None:
+        biases += float(norm.bias @ u)
+    for layer, (weight, bias) in enumerate(projections):
+        H, E = z[layer].shape
+        W_O = weight.reshape(-1, H, E)  # (d, H, E)
+        written = np.einsum("he,dhe->hd", z[layer], W_O)  # (H, d) each head's output
+        bias = np.zeros(W_O.shape[0]) if bias is None else bias
         heads[layer, :H] = direction(written)
         biases += float(direction(bias))
         mlp = stream[layer + 1] - stream[layer] - written.sum(axis=0) - bias
@@ -143,3 +178,19 @@ def direct_logit_attribution(model: Any, ids: Any, answer: Any, wrong: Any = Non
     embeddings = float(direction(stream[0]))
     total = float(heads.sum() + mlps.sum() + embeddings + biases)
     return LogitAttribution(heads=heads, mlps=mlps, embeddings=embeddings, biases=biases, total=total)
+
+
+def _hf_attribution(model: Any, ids: Any, answer: Any, wrong: Any) -> LogitAttribution:
+    """`direct_logit_attribution` on a transformers causal LM loaded with attnkit's attention."""
+    ids = token_ids(model, ids)
+    columns = [_token(model, answer, "answer")] + ([] if wrong is None else [_token(model, wrong, "wrong")])
+    modules = head_modules(model)
+    with capturing(modules, keep=lambda call: call.output[0, :, -1].astype(np.float64)) as found:  # (H, E)
+        stream = [r[0, -1].astype(np.float64) for r in _hf.residuals(model, ids)]  # layers + 1 of (d,)
+    W, head_bias = _hf.unembedding(model, columns)  # (d, k), (k,)
+    layered, weight, bias, eps = _hf.norm_parameters(model)
+    final = _FinalNorm(layered, weight, bias, eps)
+    difference = wrong is not None
+    return _attribute(stream, [calls[0] for calls in found], [_hf.out_projection(m) for m in modules], final, W,
+                      difference, float(head_bias[0] - head_bias[1] if difference else head_bias[0]))
+

@@ -11,6 +11,10 @@ and score the logits with `metric` (for instance the answer's logit minus a wron
 Nothing below the patched layer changes, so those layers run once: the corrupt residual
 stream entering each layer is kept, each patched variant joins the batch at its own layer,
 and every layer runs once over the variants that have joined (`_stream.sweep`).
+
+A transformers causal LM loaded with attn_implementation="attnkit" is patched through its
+attention function (heads) and a forward pre-hook on the decoder layer (residual stream,
+`_hf`): each layer's variants run as one batch through the whole model.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.interpret._capture import capturing
-from attnkit.interpret._model import decoder, layer_modules, token_ids
+from attnkit.interpret import _hf
+from attnkit.interpret._capture import capturing, edit_heads, num_heads
+from attnkit.interpret._model import decoder, head_modules, hf_decoder, layer_modules, token_ids
 from attnkit.interpret._stream import positions, residuals, sweep
 from attnkit.nn.interface import AttentionCall
 
@@ -49,7 +54,8 @@ def patch_heads(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.ndar
     """Patch each head's output from the clean run into the corrupt run.
 
     Arguments:
-        model: an attnkit decoder.
+        model: an attnkit decoder, or a transformers causal LM loaded with
+            attn_implementation="attnkit".
         clean, corrupt: texts or 1-D id sequences of the same length T.
         metric: logits (T, vocab), a NumPy array in the model's dtype -> a number.
 
@@ -57,6 +63,8 @@ def patch_heads(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.ndar
         (layers, heads) float64: metric of the corrupt run with that head's output, at every
         position, taken from the clean run.
     """
+    if hf_decoder(model, "patch_heads"):
+        return _hf_patch_heads(model, clean, corrupt, metric)
     model = decoder(model, "patch_heads")
     _check_metric(metric)
     clean_ids, corrupt_ids = _pair(model, clean, corrupt, "patch_heads")
@@ -92,7 +100,8 @@ def patch_residual(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.n
     """Patch the residual stream entering each layer, one position at a time.
 
     Arguments:
-        model: an attnkit decoder.
+        model: an attnkit decoder, or a transformers causal LM loaded with
+            attn_implementation="attnkit".
         clean, corrupt: texts or 1-D id sequences of the same length T.
         metric: logits (T, vocab), a NumPy array in the model's dtype -> a number.
 
@@ -100,6 +109,8 @@ def patch_residual(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.n
         (layers, T) float64: metric of the corrupt run with the residual stream entering
         that layer at that position taken from the clean run.
     """
+    if hf_decoder(model, "patch_residual"):
+        return _hf_patch_residual(model, clean, corrupt, metric)
     model = decoder(model, "patch_residual")
     _check_metric(metric)
     clean_ids, corrupt_ids = _pair(model, clean, corrupt, "patch_residual")
@@ -114,3 +125,45 @@ def patch_residual(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.n
         return x
 
     return np.stack(sweep(model, T, [T] * len(model.layers), variants, None, metric))
+
+
+def _hf_patch_heads(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.ndarray:
+    """`patch_heads` on a transformers model: per layer, one batch of a row per head."""
+    _check_metric(metric)
+    clean_ids, corrupt_ids = _pair(model, clean, corrupt, "patch_heads")
+    modules = head_modules(model)
+    with capturing(modules) as found:
+        _hf.forward(model, clean_ids)
+    counts = [num_heads(module) for module in modules]
+    result = np.full((len(modules), max(counts)), np.nan)
+    for layer, module in enumerate(modules):
+        H = counts[layer]
+        clean_heads = found[layer][0][0]  # (H, T, E)
+
+        def edit(call: AttentionCall) -> np.ndarray:
+            out = call.output.copy()  # (H, H, T, E): row r patches head r
+            out[np.arange(H), np.arange(H)] = clean_heads
+            return out
+
+        with edit_heads({module: edit}):
+            logits = _hf.forward(model, np.repeat(corrupt_ids[None], H, axis=0))  # (H, T, vocab)
+        result[layer, :H] = [float(metric(row)) for row in logits]
+    return result
+
+
+def _hf_patch_residual(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.ndarray:
+    """`patch_residual` on a transformers model: per layer, one batch of a row per position."""
+    _check_metric(metric)
+    clean_ids, corrupt_ids = _pair(model, clean, corrupt, "patch_residual")
+    clean_stream = _hf.residuals(model, clean_ids)
+    corrupt_stream = _hf.residuals(model, corrupt_ids)
+    T = len(clean_ids)
+    every = np.arange(T)
+    result = np.empty((len(clean_stream) - 1, T))
+    for layer in range(len(result)):
+        x = np.repeat(corrupt_stream[layer], T, axis=0)  # (T, T, d): row p takes position p from the clean run
+        x[every, every] = clean_stream[layer][0]
+        with _hf.residual_patched(model, layer, x):
+            logits = _hf.forward(model, np.repeat(corrupt_ids[None], T, axis=0))  # (T, T, vocab)
+        result[layer] = [float(metric(row)) for row in logits]
+    return result

@@ -140,12 +140,16 @@ def intervene(edits: Any) -> Iterator[None]:
     the attention weights that `record_attention` records.
 
     Raises:
-        TypeError: a key is not an `AttentionModule`, or an edit is not callable.
+        TypeError: a key is not an attention module (an `AttentionModule`, or one an adapter
+            in `RECORDING_ADAPTERS` says it edits), or an edit is not callable.
     """
     items = list(dict(edits).items())
     for module, edit in items:
-        if not isinstance(module, AttentionModule):
-            raise TypeError(f"expected attention modules (AttentionModule) as keys, got {type(module).__name__}")
+        if not (isinstance(module, AttentionModule) or _adapter_intervenes(module)):
+            raise TypeError(
+                "expected attention modules as keys (an AttentionModule, or a module an adapter in "
+                f"RECORDING_ADAPTERS edits, e.g. a transformers model's under attnkit.hf), got {type(module).__name__}"
+            )
         if not callable(edit):
             raise TypeError(f"expected a callable edit for {type(module).__name__}, got {type(edit).__name__}")
     entry = _Edits({id(module): edit for module, edit in items}, tuple(module for module, _ in items))
@@ -154,6 +158,10 @@ def intervene(edits: Any) -> Iterator[None]:
         yield
     finally:  # by identity, as record_attention
         _EDITS.set(tuple(other for other in _EDITS.get() if other is not entry))
+
+
+def _adapter_intervenes(module: Any) -> bool:
+    return any(adapter.intervenes is not None and adapter.intervenes(module) for adapter in RECORDING_ADAPTERS)
 
 
 def _edited(module: Any, edits: tuple, query, key, value, output: np.ndarray, scale) -> np.ndarray:
@@ -301,6 +309,9 @@ class RecordingAdapter(NamedTuple):
 
     find: Callable[[Any], "list[Any] | None"]
     to_numpy: Callable[[Any], np.ndarray]
+    intervenes: "Callable[[Any], bool] | None" = None
+    """Whether a module of this kind applies `intervene` edits (its attention function
+    reads `active_edits(module)`); None: none does."""
 
 
 RECORDING_ADAPTERS: list[RecordingAdapter] = []

@@ -79,17 +79,16 @@ def _import() -> tuple[ModuleType | None, str]:
     return numba, ""
 
 
-def _load() -> tuple[ModuleType | None, str]:
-    """numba if it was imported already, else whether it may be, without importing it."""
-    if _import.cache_info().currsize:
-        return _import()
-    return None if _choice() else True, _choice()  # type: ignore[return-value]
+def reason_disabled() -> str:
+    """Why the NumPy reference runs ('' when the kernels run): once numba was imported, the
+    outcome of that import; before, what can be told without importing it."""
+    return _import()[1] if _import.cache_info().currsize else _choice()
 
 
 def enabled() -> bool:
     """Whether the compiled kernels run (numba is installed and ATTNKIT_KERNELS is not
     "numpy"). Does not import numba; a numba that then fails to import turns this False."""
-    return _load()[0] is not None
+    return not reason_disabled()
 
 
 def numba() -> ModuleType:
@@ -100,15 +99,10 @@ def numba() -> ModuleType:
     return module
 
 
-def reason_disabled() -> str:
-    """Why the NumPy reference runs ('' when the kernels run)."""
-    return _load()[1]
-
-
 def notice(what: str) -> str:
     """The one line a command shows when `what` would run faster with the kernels, or ''
     when they run (or were switched off on purpose with ATTNKIT_KERNELS=numpy)."""
-    reason = _load()[1]
+    reason = reason_disabled()
     if not reason or reason.startswith(_FORCE_VARIABLE):
         return ""
     return f"{what} runs on the NumPy reference ({reason}); pip install 'attnkit[fast]' makes it faster"

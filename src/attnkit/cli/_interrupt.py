@@ -10,9 +10,12 @@ record instead of trusting the exception to arrive.
 from __future__ import annotations
 
 import signal
+import sys
 from types import FrameType
+from typing import Any
 
 _received: list[int] = []
+_python_unraisable_hook = sys.unraisablehook
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -20,11 +23,21 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _unraisable(info: Any) -> None:
+    """A Ctrl+C that lands in code Python cannot raise from (a weakref callback such as the
+    import system's module-lock one, a __del__) is printed as "Exception ignored" with a
+    traceback; it is recorded already, and the command exits 130 by the record: say nothing."""
+    if isinstance(info.exc_value, KeyboardInterrupt) and _received:
+        return
+    _python_unraisable_hook(info)
+
+
 def install() -> None:
     """Take SIGINT where Python's own handler has it: note it, then raise as Python does.
     (A background job that inherited SIGINT ignored keeps ignoring it.)"""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
+        sys.unraisablehook = _unraisable
 
 
 def note(signum: int = signal.SIGINT) -> None:

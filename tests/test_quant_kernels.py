@@ -203,8 +203,8 @@ def activation_error(x: np.ndarray, dx: np.ndarray) -> np.ndarray:
 
 
 def minimums(raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
-    """|m| of each weight's block, (R, K) float64 (zero for Q4_0)."""
-    if kind == "Q4_0":
+    """|m| of each weight's block, (R, K) float64 (zero for the types without one)."""
+    if kind != "Q4_1":
         return np.zeros((raw.shape[0], columns))
     m = np.ascontiguousarray(raw.reshape(raw.shape[0], -1, 20)[..., 2:4]).view(np.float16)[..., 0]
     return np.repeat(np.abs(m.astype(np.float64)), 32, axis=1)
@@ -216,8 +216,8 @@ def check_int8_product(y: np.ndarray, x: np.ndarray, raw: np.ndarray, kind: str,
 
         |y - truth| <= 2 e_ref + (|W| + |M|) @ eps + (B + 4) u (|W| + |M|) @ (|x| + eps)
 
-    eps: `activation_error` (x's 8-bit rounding; for Q4_1 only W - M meets it, the minimum
-    M takes x's exact block sums); the last term: the float32 roundings of the B block terms
+    eps: `activation_error` (x's 8-bit rounding, met by the whole weight, the minimum M
+    included); the last term: the float32 roundings of the B block terms
     d dx I + m xs and of their sum (I is an exact integer); e_ref: the float32 BLAS error."""
     K = x.shape[1]
     weights = oracle(raw, kind, K).astype(np.float64)
@@ -250,13 +250,15 @@ def test_quantize_activations_reference_and_compiled():
     finite = np.repeat(np.isfinite(dx), 32, axis=1)
     restored = np.repeat(dx.astype(np.float64), 32, axis=1) * q
     assert (np.abs(restored - x)[finite] <= activation_error(x, dx)[finite]).all()
-    np.testing.assert_array_equal(xs[:2], x[:2].astype(np.float64).reshape(2, -1, 32).sum(axis=2).astype(np.float32))
+    sums = (dx.astype(np.float64) * q.reshape(3, -1, 32).astype(np.float64).sum(axis=2)).astype(np.float32)
+    np.testing.assert_array_equal(xs, sums)  # the 8-bit values' block sums (llama.cpp's Q8_1 s)
     if kernels.enabled():
         out = (np.empty_like(q), np.empty_like(dx), np.empty_like(xs), np.empty(dx.shape, np.int32))
         quant._compiled()["quantize_x"](x, x.view(np.uint32), *out)
         np.testing.assert_array_equal(out[0], q)
         np.testing.assert_array_equal(out[1], dx)
         np.testing.assert_array_equal(out[3], q.reshape(3, -1, 32).astype(np.int32).sum(axis=2))
+        np.testing.assert_array_equal(out[2], xs)
 
 
 @pytest.mark.parametrize("kind", quant.INT8_TYPES)

@@ -32,11 +32,11 @@ def test_fastest_schedule_times_each_then_runs_the_fastest_and_retimes_the_other
     assert runs == ["a", "b", "b", "c", "c"]
     assert choice.seconds == times
     runs.clear()
-    run(24)
-    # the fastest runs (after one warm-up); every 4th choice re-times a slower one, taking
-    # turns, each a warm-up and a timed run
-    assert "".join(runs) == "bbbb" "aa" "bbbb" "cc" "bbbb" "aa" "bbbb" "cc"
-    choice.timed("b", 5.0)  # after c: a warm-up
+    run(48)
+    # the fastest runs (after one warm-up); the 4th choice re-times a slower one (a warm-up
+    # and a timed run), taking turns; each that still loses doubles the wait: 4, 8, 16 runs
+    assert "".join(runs) == "bbbb" "aa" + "b" * 8 + "cc" + "b" * 16 + "aa" + "b" * 14
+    assert choice._interval == 32
     choice.timed("b", 5.0)  # running average: (1 + 5) / 2 = 3, now slower than c (2)
     assert choice.seconds["b"] == pytest.approx(3.0)
     assert choice.choose() == "c"

@@ -167,7 +167,11 @@ class FastestSchedule:
 
     `choose()` names the schedule to run next: each one not yet timed, then the fastest,
     except that every `retime_every`-th call re-times one of the others in turn (the
-    machine's load changes, and with it which is fastest). `timed(schedule, seconds)` folds
+    machine's load changes, and with it which is fastest). A re-timed schedule that is still
+    the slower waits twice as long for its next turn (up to 64 x `retime_every`), so a
+    schedule far slower on a busy machine (two threads spinning against other work: 20x
+    a decode step here) costs a few percent, not half the time; one that wins again brings
+    the interval back to `retime_every`. `timed(schedule, seconds)` folds
     one run's time (per unit of work) into that schedule's running average.
 
     The first run of a schedule after another one ran is a warm-up: its time is not kept
@@ -190,6 +194,9 @@ class FastestSchedule:
         self.retime_every = int(retime_every)
         self.seconds: dict[str, float] = {}  # each schedule's measured time per unit of work
         self._calls = 0
+        self._turn = 0
+        self._interval = self.retime_every  # calls between re-timings (doubles while they lose)
+        self._retiming: str | None = None  # the schedule being re-timed
         self._last: str | None = None  # the schedule timed last (warm after its first run)
         self._again: str | None = None  # a schedule whose warm-up just ran: run it again
 
@@ -201,8 +208,12 @@ class FastestSchedule:
                 return schedule  # not timed yet
         self._calls += 1
         ranked = sorted(self.schedules, key=self.seconds.__getitem__)
-        turn, due = divmod(self._calls, self.retime_every)
-        return ranked[1 + turn % (len(ranked) - 1)] if due == 0 else ranked[0]
+        if self._calls < self._interval:
+            return ranked[0]
+        self._calls = 0
+        self._turn += 1
+        self._retiming = ranked[1 + self._turn % (len(ranked) - 1)]
+        return self._retiming
 
     def timed(self, schedule: str, seconds: float) -> None:
         if schedule not in self.schedules:
@@ -213,6 +224,10 @@ class FastestSchedule:
         self._last, self._again = schedule, None
         old = self.seconds.get(schedule)
         self.seconds[schedule] = seconds if old is None else (old + seconds) / 2
+        if schedule == self._retiming:
+            self._retiming = None
+            lost = self.seconds[schedule] > min(self.seconds.values())
+            self._interval = min(2 * self._interval, 64 * self.retime_every) if lost else self.retime_every
 
     def __repr__(self) -> str:
         return f"FastestSchedule({self.schedules!r}, retime_every={self.retime_every}, seconds={self.seconds!r})"

@@ -12,17 +12,22 @@ Which path runs:
   `ATTNKIT_KERNELS=numpy` forces the NumPy reference everywhere (read once per process).
 - A caller asks `enabled()` and takes the kernel or the reference; it never imports numba
   itself. `notice()` gives the one line a command shows when it would be faster with numba.
-- Compiled code is cached on disk: numba's own cache beside the package, or, when that
-  folder is not writable, `NUMBA_CACHE_DIR` under the user's cache folder (set before numba
-  is first imported; a user's own setting wins).
+- Compiled code is cached on disk under the user's cache folder, in a folder named by a
+  digest of this package's sources (`NUMBA_CACHE_DIR`, set before numba is first imported;
+  a user's own setting wins): numba checks only the file a cached function was written in,
+  and a kernel here calls kernels of other files (the decode step calls the products), so
+  a change to any of them must start a fresh cache. When that folder cannot be made,
+  numba's own cache beside the package is used.
 
 This layer imports only `attnkit.runtime` (and numba, lazily).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -37,18 +42,43 @@ def _cache_folder() -> Path:
     return Path(base) / "attnkit" / "numba"
 
 
+def _sources_digest() -> str:
+    """A digest of this package's source files (what the compiled code is built from)."""
+    digest = hashlib.sha1()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _prepare_cache() -> None:
-    """Point numba's cache at a writable folder when the package folder is not writable."""
+    """Point numba's cache at this version's folder under the user's cache folder (numba
+    reads NUMBA_CACHE_DIR when first imported; if something imported it earlier, its
+    config is set too). Folders of other versions unused for a week are removed."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return
-    if os.access(Path(__file__).parent, os.W_OK):
-        return
-    folder = _cache_folder()
+    folder = _cache_folder() / _sources_digest()
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return
     os.environ["NUMBA_CACHE_DIR"] = str(folder)
+    config = sys.modules.get("numba.core.config")
+    if config is not None:
+        config.CACHE_DIR = str(folder)
+    _remove_old_caches(folder)
+
+
+def _remove_old_caches(keep: Path, days: float = 7.0) -> None:
+    import shutil
+    import time
+
+    for other in keep.parent.iterdir():
+        try:
+            if other != keep and other.is_dir() and time.time() - other.stat().st_mtime > days * 86400:
+                shutil.rmtree(other, ignore_errors=True)
+        except OSError:
+            pass
 
 
 @lru_cache(maxsize=None)

@@ -72,6 +72,7 @@ from attnkit.models.checkpoint import (
 )
 from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gguf import GGUFFile, check_metadata_keys, tokenizer_from_gguf
+from attnkit.models.fused_decode import fused_logits
 from attnkit.models.quantized import (
     QuantizedCausalSelfAttention,
     QuantizedEmbedding,
@@ -622,6 +623,12 @@ class LlamaForCausalLM(CausalLM):
 
     def final_norm(self, x):
         return self.norm(x).astype(self.norm.weight.dtype, copy=False)  # the parameters' dtype
+
+    def _run(self, ids, positions, cache, last_only):
+        # a quantized model's decode step runs in one compiled call when nothing watches the
+        # layers (attnkit.models.fused_decode says when); else layer by layer
+        logits = fused_logits(self, ids, positions, cache) if ids.shape == (1, 1) else None
+        return super()._run(ids, positions, cache, last_only) if logits is None else logits
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         source = self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -92,8 +92,12 @@ class KVCache:
         self.dtype = dtype
         shape_k = (batch_size, num_kv_heads, max_length, head_dim)
         shape_v = (batch_size, num_kv_heads, max_length, value_dim)
-        self.keys = [np.zeros(shape_k, dtype) for _ in range(num_layers)]  # each (B, Hkv, max, E)
-        self.values = [np.zeros(shape_v, dtype) for _ in range(num_layers)]  # each (B, Hkv, max, Ev)
+        # every layer's buffer is a view of one array (L, B, Hkv, max, E): a compiled decode
+        # step (attnkit.kernels.decode) reads and writes all layers through it
+        self._key_store = np.zeros((num_layers, *shape_k), dtype)
+        self._value_store = np.zeros((num_layers, *shape_v), dtype)
+        self.keys = list(self._key_store)  # each (B, Hkv, max, E)
+        self.values = list(self._value_store)  # each (B, Hkv, max, Ev)
         self.key_padding = np.ones((batch_size, max_length), dtype=bool)  # True = real token
         self._lengths = [0] * num_layers
         self._padded = False
@@ -143,6 +147,20 @@ class KVCache:
         self.key_padding[:, start : start + mask.shape[1]] = mask
         if not mask.all():
             self._padded = True
+
+    def _stores(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (L, B, Hkv, max, E) key and value arrays behind `keys` and `values`, or None
+        when a layer's buffer was replaced by another array."""
+        intact = all(k.base is self._key_store for k in self.keys) and all(
+            v.base is self._value_store for v in self.values)
+        return (self._key_store, self._value_store) if intact else None
+
+    def _advance(self, count: int) -> None:
+        """Count `count` more positions as stored in every layer (written by a compiled step)."""
+        stop = self.length + count
+        if stop > self.max_length:
+            raise ValueError(f"cache holds at most {self.max_length} positions; {self.length} are used and {count} more came")
+        self._lengths = [stop] * self.num_layers
 
     # -- append and attend ---------------------------------------------------------------
     def update(self, layer: int, key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

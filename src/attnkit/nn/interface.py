@@ -84,6 +84,12 @@ def active_recorders(module: Any) -> tuple[Any, ...]:
     return tuple(entry.sink for entry in open_recordings if key in entry.ids)
 
 
+def watching() -> bool:
+    """Whether any recording (`record_attention`) or intervention (`intervene`) is open in
+    the calling context: a compiled path that skips the attention modules runs only when not."""
+    return bool(_OPEN.get() or _EDITS.get())
+
+
 class AttentionCall(NamedTuple):
     """One attention call as an `intervene` edit sees it.
 

@@ -1,0 +1,201 @@
+"""The compiled decode step (`attnkit.kernels.decode`) against the module path.
+
+A quantized Llama model's decode steps run in one compiled call when nothing watches the
+layers (`attnkit.models.fused_decode`). Its logits are held to the float64 model by the
+project's rule (at most twice the float32 reference's error, plus the block kernels'
+rounding), the same greedy tokens as the module path, the same bits at 1 and 2 threads,
+and every case it must leave to the modules (recording, interventions, batches, padding,
+a replaced buffer, a replaced weight, a custom backend) is checked to run there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnkit import kernels
+from attnkit.nn.interface import intervene, record_attention
+from attnkit.runtime import blas_threads
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+U = float(np.finfo(np.float32).eps) / 2
+IDS = [1, 5, 40, 80, 120, 160, 200, 7, 9, 11, 13, 17, 19, 23, 29]
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="the compiled step needs the kernels (numba)")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, gguf):
+    from tiny_checkpoints import write_tiny_llama_gguf
+
+    path = tmp_path_factory.mktemp("fused") / "tiny.gguf"
+    write_tiny_llama_gguf(path)
+    return path
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many decode steps ran compiled."""
+    from attnkit.kernels import decode
+
+    count = [0]
+    original = decode.decode_step
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "decode_step", counted)
+    return count
+
+
+def stepwise(model, ids, *, watched=False):
+    """Logits (T, V) of feeding `ids` a token a step through one cache (module path when watched)."""
+    cache = model.new_cache(1, len(ids) + 1)
+    rows = []
+    for token in ids:
+        if watched:
+            with intervene({}):  # an open intervention: the layers run as modules
+                rows.append(model(np.array([[token]]), cache=cache)[0, -1])
+        else:
+            rows.append(model(np.array([[token]]), cache=cache)[0, -1])
+    return np.array(rows)
+
+
+def test_steps_within_the_rule_of_the_float64_model(tiny_gguf, calls):
+    """Q8_0, Q4_1, F16 and F32 matrices, permuted query/key rows: the compiled steps' logits
+    within 2x the float32 reference's error of the float64 model (plus the block kernels'
+    rounding), as the module path on the same blocks."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    blocks = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    reference = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False)
+    truth = stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False).astype(np.float64), IDS)
+    fused = stepwise(blocks, IDS)
+    assert calls[0] == len(IDS)
+    modules = stepwise(blocks, IDS, watched=True)
+    assert calls[0] == len(IDS), "an open intervention must run the modules"
+    reference_error = np.abs(stepwise(reference, IDS) - truth).max()
+    budget = 2 * reference_error + U * np.abs(truth).max() * 64
+    for name, got in (("compiled", fused), ("modules", modules)):
+        error = np.abs(got - truth).max()
+        print(f"{name}: {error:.3g} (float32 reference {reference_error:.3g})")
+        assert got.dtype == np.float32 and error <= budget, (name, error, reference_error)
+
+
+def test_greedy_tokens_and_threads(tiny_gguf, calls):
+    """`generate` through the compiled steps gives the module path's tokens; 2 threads give
+    the bits of 1 (every output row is computed whole by one thread)."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    fused = model.generate(np.array(IDS), 24, stop=())
+    assert calls[0] == 23
+    with intervene({}):
+        modules = model.generate(np.array(IDS), 24, stop=())
+    np.testing.assert_array_equal(fused, modules)
+    model.single_thread_decode = False
+    with blas_threads(1):
+        one = stepwise(model, IDS)
+    with blas_threads(2):
+        two = stepwise(model, IDS)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_what_the_modules_must_run(tiny_gguf, calls):
+    """Recording, interventions, a batch, left padding, a replaced cache buffer and a custom
+    backend all run the modules; the results are the modules' own."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    layers = model.config.num_layers
+    cache = model.new_cache(1, 8)
+    model(np.array([IDS[:3]]), cache=cache)
+    with record_attention(model) as maps:
+        model(np.array([[IDS[3]]]), cache=cache)
+    assert calls[0] == 0 and len(maps) == layers and maps[0].shape[-1] == 4
+    # an edit changes the step's output: it must have run
+    head = model.layers[0].attn
+    baseline = model(np.array([[IDS[4]]]), cache=model.new_cache(1, 2))
+    with intervene({head: lambda call: np.zeros_like(call.output)}):
+        edited = model(np.array([[IDS[4]]]), cache=model.new_cache(1, 2))
+    assert calls[0] == 1 and not np.array_equal(edited, baseline)
+    # two sequences, then a left-padded one
+    model.generate([IDS[:4], IDS[:6]], 3, stop=())
+    model.generate([IDS[:4]], 2, stop=(), attention_mask=None)
+    before = calls[0]
+    cache = model.new_cache(1, 8)
+    model(np.array([[0, IDS[0], IDS[1]]]), attention_mask=np.array([[0, 1, 1]]), cache=cache)
+    model(np.array([[IDS[2]]]), cache=cache)
+    assert calls[0] == before, "a padded cache runs the modules"
+    cache = model.new_cache(1, 8)
+    model(np.array([IDS[:2]]), cache=cache)
+    cache.keys[0] = cache.keys[0].copy()
+    model(np.array([[IDS[2]]]), cache=cache)
+    assert calls[0] == before
+    model.layers[1].attn.backend = "flash"  # a built-in exact backend: still compiled
+    model(np.array([[IDS[0]]]), cache=model.new_cache(1, 1))
+    assert calls[0] == before + 1
+
+
+def test_a_replaced_weight_is_used(tiny_gguf, calls):
+    """Replacing a norm's weight reaches the compiled step (parameters are read-only arrays,
+    so a replacement is the only change there is)."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    first = stepwise(model, IDS[:4])
+    model.layers[0].mlp_norm.weight = model.layers[0].mlp_norm.weight * 2
+    stepwise(model, IDS[:4])
+    model.layers[1].attn_norm.weight = model.layers[1].attn_norm.weight * 0.5  # after a step read the arrays
+    fused = stepwise(model, IDS[:4])
+    modules = stepwise(model, IDS[:4], watched=True)
+    assert not np.allclose(first, fused)
+    np.testing.assert_allclose(fused, modules, rtol=0, atol=1e-4 * np.abs(modules).max())
+
+
+def test_int8_steps_follow_the_int8_products(tiny_gguf, calls):
+    """With `activations("int8")` the compiled step runs the 8-bit products: its error from
+    the float64 model is of the module path's int8 size (within 2x of it, plus the float32
+    rule), and far above the float32 path's on this model (so the setting reached it)."""
+    from attnkit.kernels import quant
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    truth = stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False).astype(np.float64), IDS)
+    float32_error = np.abs(stepwise(model, IDS) - truth).max()
+    with quant.activations("int8"):
+        fused = np.abs(stepwise(model, IDS) - truth).max()
+        modules = np.abs(stepwise(model, IDS, watched=True) - truth).max()
+    print(f"int8 error: compiled {fused:.3g}, modules {modules:.3g}; float32 {float32_error:.3g}")
+    assert calls[0] == 3 * len(IDS) - len(IDS)
+    assert fused <= 2 * modules + 2 * float32_error
+    assert fused > 10 * float32_error
+
+
+def test_cli_generate_int8(tiny_gguf, monkeypatch):
+    """`attnkit generate --int8` decodes with the 8-bit products (its text is what `generate`
+    gives under `activations("int8")`); without the kernels it says so and runs float32."""
+    from typer.testing import CliRunner
+
+    from attnkit import kernels as kernels_module
+    from attnkit.cli import app
+    from attnkit.kernels import quant
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf)
+    prompt = model.tokenizer.decode(IDS[1:8])
+    ids = model.tokenizer.encode(prompt)
+    with quant.activations("int8"):
+        expected = model.tokenizer.decode(model.generate(ids, 6, stop=())[len(ids):])
+    result = CliRunner().invoke(app, ["generate", prompt, "--model", str(tiny_gguf), "-n", "6", "--int8"])
+    assert result.exit_code == 0, result.output
+    assert expected.strip() and expected.strip() in result.stdout
+    assert quant.current_activations() == "float32"  # the setting ends with the command
+    monkeypatch.setattr(kernels_module, "reason_disabled", lambda: "numba is not installed")
+    result = CliRunner().invoke(app, ["generate", prompt, "--model", str(tiny_gguf), "-n", "2", "--int8"])
+    assert result.exit_code == 0 and "--int8 has no effect: numba is not installed" in result.stderr

@@ -294,17 +294,18 @@ def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatc
     model.single_thread_rows = 100
     assert ran_with(ids[:65]) == 1
 
-    # decode steps: each schedule timed (the first step after a switch is a warm-up, run
-    # again), then the faster, the other re-timed every DECODE_RETIME_EVERY-th step
-    assert [ran_with(ids[:1]) for _ in range(3)] == [1, 4, 4]
+    # decode steps: each schedule timed (the first step of all and the first after a switch
+    # are warm-ups, run again), then the faster; the other re-timed after DECODE_RETIME_EVERY
+    # steps, then (still slower) after twice as many
+    assert [ran_with(ids[:1]) for _ in range(4)] == [1, 1, 4, 4]
     choice = model._decode_choices[(1, 4)]
     assert set(choice.seconds) == set(CausalLM.DECODE_SCHEDULES)
     choice.seconds = {"one thread": 2.0, "BLAS threads": 1.0}
     runs = [ran_with(ids[:1]) for _ in range(2 * CausalLM.DECODE_RETIME_EVERY + 4)]
-    assert runs.count(1) == 4 and runs.count(4) == len(runs) - 4  # two re-timings of two steps each
+    assert runs.count(1) == 2 and runs.count(4) == len(runs) - 2  # one re-timing of two steps
     assert runs[CausalLM.DECODE_RETIME_EVERY - 1 : CausalLM.DECODE_RETIME_EVERY + 1] == [1, 1]
     two_rows = np.stack([ids[:1], ids[1:2]])
-    assert [ran_with(two_rows) for _ in range(3)] == [1, 4, 4]  # another batch size is timed on its own
+    assert [ran_with(two_rows) for _ in range(4)] == [1, 1, 4, 4]  # another batch size is timed on its own
     assert set(model._decode_choices) == {(1, 4), (2, 4)}
 
     monkeypatch.setattr(causal_lm, "blas_thread_count", lambda: 1)

@@ -410,8 +410,10 @@ def test_bench_goal_lines_against_llama_cpp():
     from attnkit.bench import decoder
 
     result = {
-        "threads": 1, "tokens_per_second": {"attnkit": 40.0, "transformers": 20.0, "llama.cpp": 50.0},
+        "threads": 1, "tokens_per_second": {"attnkit": 40.0, "transformers": 20.0, "llama.cpp": 50.0,
+                                            "attnkit int8": 60.0},
         "decode_tokens_per_second": 42.0, "ratio": 2.0, "ratio_paired_median": 2.0, "llama_cpp_ratio": 0.8,
+        "llama_cpp_ratio_int8": 1.2,
         "times_s": {"attnkit": [3.2], "transformers": [6.4], "llama.cpp": [2.56]}, "bandwidth_gb_s": [10.0],
         "bound_tokens_per_second": 100.0, "bound_fraction": 0.42, "same_tokens": True, "llama_cpp": "installed",
         "prefill_s": {"attnkit": 0.5, "llama.cpp": 0.6},
@@ -424,14 +426,18 @@ def test_bench_goal_lines_against_llama_cpp():
     goals = decoder.report_from_raw(raw).goals
     expected = {
         "prefill of 256 tokens >= 0.8x llama.cpp: PASS (1.20x)",
-        "decode >= 1.0x llama.cpp (done at 0.8x): FAIL (0.80x; done)",
+        "decode >= 1.0x llama.cpp, float32 activations (done at 0.8x): FAIL (0.80x; done)",
+        "decode >= 1.0x llama.cpp, 8-bit activations (done at 0.8x): PASS (1.20x; done)",
         "load <= 1.0 s: PASS (0.40 s; llama.cpp 0.30 s)",
         "memory added <= 1.5x the file: PASS (1.50x, 150 MB)",
     }
     for line in expected:
         assert any(line in goal for goal in goals), (line, goals)
     del result["prefill_s"], result["footprint"]
-    assert all("llama.cpp (done at" in goal for goal in decoder.report_from_raw(raw).goals)
+    assert all("activations (done at" in goal for goal in decoder.report_from_raw(raw).goals)
+    rows = decoder.report_from_raw(raw).rows
+    assert any(row[0].startswith("the same, attnkit on 8-bit") and row[3] == 60.0 and row[6] == "1.20x llama.cpp"
+               for row in rows)
 
 
 def test_bench_counts_the_blocks_a_decode_step_reads(tiny_gguf):

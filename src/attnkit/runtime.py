@@ -174,8 +174,10 @@ class FastestSchedule:
     the interval back to `retime_every`. `timed(schedule, seconds)` folds
     one run's time (per unit of work) into that schedule's running average.
 
-    The first run of a schedule after another one ran is a warm-up: its time is not kept
-    and `choose()` names the same schedule again. Switching leaves the previous schedule's
+    The first run of all, and the first run of a schedule after another one ran, is a
+    warm-up: its time is not kept and `choose()` names the same schedule again (a first run
+    loads compiled code: a first decode step took 2.5 s, and kept, it made the faster
+    schedule look 100x slower). Switching leaves the previous schedule's
     threads busy for a while (OpenBLAS's spin about 0.1 s after a threaded call before they
     sleep, taking a core from whatever runs next), so that run would be timed slow.
 
@@ -218,7 +220,7 @@ class FastestSchedule:
     def timed(self, schedule: str, seconds: float) -> None:
         if schedule not in self.schedules:
             raise ValueError(f"expected one of {self.schedules}, got {schedule!r}")
-        if schedule != self._last and self._last is not None:  # a warm-up after a switch: not kept
+        if schedule != self._last:  # a warm-up (the first run of all, or after a switch): not kept
             self._last, self._again = schedule, schedule
             return
         self._last, self._again = schedule, None

@@ -9,8 +9,10 @@ that all see the same machine load. Measured at 1 and 2 threads (or at
 
 - tokens per second of the whole `generate` call (prefill included), for
   attnkit, transformers and, when `llama_cpp` (llama-cpp-python) is importable,
-  llama.cpp on the same file (its native Q4_1 kernels: a reference, not a
-  float32 contender; it is never installed by attnkit, and nothing depends on it);
+  llama.cpp on the same file (its native Q4_1 kernels on 8-bit activations; it is
+  never installed by attnkit, and nothing depends on it); with the compiled kernels,
+  also attnkit on 8-bit activations (`quant.activations("int8")`, `--int8`), the
+  arithmetic llama.cpp runs, beside attnkit's float32 default;
 - attnkit's decode rate alone: the 127 steps after the first token;
 - the float32 weight-bandwidth bound: a decode step reads every float32 weight
   matrix once (`weight_bytes`, 538 MB for SmolLM2-135M with its tied head),
@@ -27,7 +29,9 @@ llama.cpp (when installed; `goals` of the report): the whole greedy run >= 1.0x
 (done at 0.8x), a 256-token prompt's prefill >= 0.8x, and, measured in a fresh
 process each (the second of two runs: file in the page cache, kernels compiled),
 load <= 1.0 s and the memory the model adds (peak RSS over the run minus RSS
-before loading, `VmHWM`) <= 1.5x the file's size. With numba, attnkit runs the
+before loading, `VmHWM`) <= 1.5x the file's size; a row says how much of that is
+the compiled kernels' runtime (numba and its compiler machinery, started first in
+that process), which a process pays once whatever it loads. With numba, attnkit runs the
 file's quantized blocks (`attnkit.models.quantized`), and the bound is over
 the bytes of those blocks.
 
@@ -143,10 +147,18 @@ def rss():
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+runtime = 0
 if which == "attnkit":
     from attnkit.models.auto import AutoCausalLM
     from attnkit.runtime import blas_threads
     before = rss()
+    from attnkit import kernels
+    if kernels.enabled():  # the compiled kernels' runtime (numba, its compiler machinery): once per process
+        import numpy as np
+        from attnkit.kernels import quant
+        raw = np.zeros((4, quant.row_bytes("Q4_1", 32)), np.uint8)
+        quant.matmul(np.ones((1, 32), np.float32), raw, "Q4_1", 32)
+        runtime = rss() - before
     start = time.perf_counter()
     model = AutoCausalLM.from_pretrained(path)
     load = time.perf_counter() - start
@@ -167,7 +179,7 @@ else:
 generate = time.perf_counter() - start
 with open("/proc/self/status") as handle:  # VmHWM: this process's peak (ru_maxrss keeps the parent's over exec)
     peak = 1024 * int(next(line for line in handle if line.startswith("VmHWM:")).split()[1])
-print(json.dumps({"load_s": load, "generate_s": generate, "added_bytes": peak - before}))
+print(json.dumps({"load_s": load, "generate_s": generate, "added_bytes": peak - before, "runtime_bytes": runtime}))
 """
 
 
@@ -301,6 +313,14 @@ def run_decoder_benchmark(
     }
 
 
+def _runs_int8(model) -> bool:
+    """Whether `model` runs its decode products on GGUF blocks with the compiled kernels (so
+    8-bit activations apply to it)."""
+    from attnkit import kernels
+
+    return kernels.enabled() and any("quantized" in m.__dict__ for _, m in model.named_modules())
+
+
 def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, rounds, probe, progress):
     """One thread count: warm up, then `rounds` interleaved rounds of every contender and the probe."""
     import torch
@@ -322,6 +342,14 @@ def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, roun
         outputs["transformers"] = out[0, len(ids):].numpy()
 
     contenders = {"attnkit": run_ours, "transformers": run_hf}
+    if _runs_int8(ours):
+        from attnkit.kernels import quant
+
+        def run_ours_int8() -> None:
+            with quant.activations("int8"):
+                outputs["attnkit int8"] = ours.generate(ids, new_tokens, stop=())[len(ids):]
+
+        contenders["attnkit int8"] = run_ours_int8
     progress.step(f"{count} threads: llama.cpp (if installed)")
     lcpp = _llama_cpp_runner(path, ids, new_tokens, count)
     if lcpp is not None:
@@ -362,6 +390,8 @@ def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, roun
         "ratio": rate["attnkit"] / rate["transformers"],
         "ratio_paired_median": float(np.median(paired)),
         "llama_cpp_ratio": rate["attnkit"] / rate["llama.cpp"] if "llama.cpp" in rate else None,
+        "llama_cpp_ratio_int8": (rate["attnkit int8"] / rate["llama.cpp"]
+                                 if "llama.cpp" in rate and "attnkit int8" in rate else None),
         "times_s": times,
         "bandwidth_gb_s": [b / 1e9 for b in bandwidth],
         "bound_tokens_per_second": bound,
@@ -429,6 +459,11 @@ def report_from_raw(raw: dict[str, Any]):
         rows.append([f"greedy tokens/s, {raw['new_tokens']} new (prefill included)", t, raw["prompt_tokens"],
                      round(rate["attnkit"], 1), round(rate["transformers"], 1),
                      None if lcpp is None else round(lcpp, 1), f"{r['ratio']:.2f}x transformers"])
+        if "attnkit int8" in rate:
+            int8_ratio = r.get("llama_cpp_ratio_int8")
+            rows.append([f"the same, attnkit on 8-bit activations (--int8)", t, raw["prompt_tokens"],
+                         round(rate["attnkit int8"], 1), None, None if lcpp is None else round(lcpp, 1),
+                         None if int8_ratio is None else f"{int8_ratio:.2f}x llama.cpp"])
         rows.append(["decode tokens/s (steps only)", t, None, round(r["decode_tokens_per_second"], 1),
                      None, None, None])
         rows.append([f"float32 weight-bandwidth bound tokens/s ({max(r['bandwidth_gb_s']):.1f} GB/s)", t, None,
@@ -502,12 +537,15 @@ def _llama_cpp_rows_and_goals(raw: dict[str, Any], rows: list[list[Any]]) -> lis
                 f"{t} thread(s): goal prefill of {PREFILL_TOKENS} tokens >= {GOAL_PREFILL_VS_LLAMA_CPP}x llama.cpp: "
                 + ("not measured (llama-cpp-python not installed)" if ratio is None
                    else f"{_verdict(ratio >= GOAL_PREFILL_VS_LLAMA_CPP)} ({ratio:.2f}x)"))
-        ratio = r.get("llama_cpp_ratio")
-        goals.append(
-            f"{t} thread(s): goal decode >= {GOAL_DECODE_VS_LLAMA_CPP}x llama.cpp (done at "
-            f"{DONE_DECODE_VS_LLAMA_CPP}x): " + ("not measured (llama-cpp-python not installed)" if ratio is None else
-                                                 f"{_verdict(ratio >= GOAL_DECODE_VS_LLAMA_CPP)} ({ratio:.2f}x; "
-                                                 f"{'done' if ratio >= DONE_DECODE_VS_LLAMA_CPP else 'not done'})"))
+        for key, what in (("llama_cpp_ratio", "float32 activations"), ("llama_cpp_ratio_int8", "8-bit activations")):
+            if key not in r or (key == "llama_cpp_ratio_int8" and "attnkit int8" not in r["tokens_per_second"]):
+                continue
+            ratio = r.get(key)
+            goals.append(
+                f"{t} thread(s): goal decode >= {GOAL_DECODE_VS_LLAMA_CPP}x llama.cpp, {what} (done at "
+                f"{DONE_DECODE_VS_LLAMA_CPP}x): " + ("not measured (llama-cpp-python not installed)" if ratio is None
+                                                     else f"{_verdict(ratio >= GOAL_DECODE_VS_LLAMA_CPP)} ({ratio:.2f}x; "
+                                                     f"{'done' if ratio >= DONE_DECODE_VS_LLAMA_CPP else 'not done'})"))
         footprint = r.get("footprint") or {}
         ours, theirs = footprint.get("attnkit"), footprint.get("llama.cpp")
         if ours is None:
@@ -517,6 +555,9 @@ def _llama_cpp_rows_and_goals(raw: dict[str, Any], rows: list[list[Any]]) -> lis
         rows.append([f"MB added (peak RSS over {raw['new_tokens']} tokens - before load)", t, None,
                      round(ours["added_bytes"] / 1e6), None, None if theirs is None else round(theirs["added_bytes"] / 1e6),
                      f"file {file_mb:.0f} MB"])
+        if ours.get("runtime_bytes"):
+            rows.append(["  of which the compiled kernels' runtime (numba; once per process)", t, None,
+                         round(ours["runtime_bytes"] / 1e6), None, None, None])
         goals.append(f"{t} thread(s): goal load <= {GOAL_LOAD_S:.1f} s: {_verdict(ours['load_s'] <= GOAL_LOAD_S)} "
                      f"({ours['load_s']:.2f} s; llama.cpp {_seconds(theirs)})")
         factor = ours["added_bytes"] / max(1.0, raw.get("file_bytes", 1))

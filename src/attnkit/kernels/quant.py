@@ -926,7 +926,7 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[0]
     out = np.empty((n, sum(raw.shape[0] for raw, _ in parts)), np.float32)
-    threads = _threads(out.size * columns if n <= DECODE_ROWS else _TILE_VALUES * 8)
+    threads = _threads(out.size * columns) if n <= DECODE_ROWS else 1  # prefill: BLAS takes the threads
     split = quantized = None  # x prepared once for all parts: float32 halves, or 8-bit blocks
     start = 0
     for raw, kind in parts:

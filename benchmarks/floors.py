@@ -21,12 +21,17 @@ should run within 1.2x its floor (the encoder within 1.15x of its products).
   two weight layouts per shape), against sentence-transformers and ONNX Runtime
   (when installed). Goals: 1.3x and 1.2x; within 1.15x of the products.
 - flash: `flash_attention`'s forward floor (per tile of its grid: q kᵀ, the exp, P V)
-  and backward floor (per tile: q kᵀ, the exp, dO Vᵀ, Pᵀ dO, dS K, dSᵀ q: the five
-  products and the exp any tiled backward makes), B=1, H=8, E=64, float32, against
-  torch SDPA (no_grad forward; forward + backward through autograd); the products
-  64 wide and, with a zero column, 65 wide (flash's own width), the faster counted.
-  The exp is the one pass that cannot be fused into a product: the compiled kernel's
-  when the kernels run. Goals: forward 1.2x, forward + backward 1.0x.
+  and backward floor (per tile: q kᵀ, the exp, dO Vᵀ, Pᵀ dO, dS = P (dP - D), dS K,
+  dSᵀ q: the five products and the two element-wise passes any tiled backward makes),
+  B=1, H=8, E=64, float32, against torch SDPA (no_grad forward; forward + backward
+  through autograd); the products 64 wide and, with a ones column, 65 wide (the NumPy
+  reference's width), the faster counted. The passes that cannot be fused into a
+  product are the compiled kernels' when the kernels run. Each width counts what it
+  leaves to them: the forward's row sums of the weights (any softmax needs them) come
+  out of a 65-wide P [V, 1], so at 64 the exp pass sums the rows too; the backward's
+  - D comes out of a 65-wide [dO, -D] [V, 1], so at 64 the dS pass subtracts it.
+  (Earlier floors counted neither the row sums at 64 nor the dS pass at all: below
+  the work of any implementation.) Goals: forward 1.2x, forward + backward 1.0x.
 - decoder: SmolLM2's weight products of a decode step, back to back in decode
   order on the model's own arrays, against the bandwidth probe of `attnkit bench
   decoder`, and attnkit's decode step from `generate`. Goal: decode at 60% of the
@@ -169,9 +174,10 @@ def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
                 "flash fwd+bwd": lambda: _flash_fwd_bwd(q, k, v, d_out, threads),
                 "torch SDPA fwd+bwd": torch_fns[("torch SDPA", "fwd+bwd")],
             }
-            # The floor's products at the head width and one wider (a zero column): OpenBLAS's
+            # The floor's products at the head width and one wider (a ones column): OpenBLAS's
             # sgemm can run a 64-wide side ~18% slower than a 65-wide one (Zen 1, Haswell kernel),
-            # and flash's [q, -c] . [k, 1] and P [V, 1] products are 65 wide. The floor takes the faster.
+            # and 10-12% faster (Zen 4, SkylakeX kernel); the NumPy reference's [q, -c] . [k, 1] and
+            # P [V, 1] are 65 wide, the fused tiles' 64. The floor takes the faster.
             for width in (E, E + 1):
                 forward_floor, backward_floor = _flash_floors(q, k, v, d_out, width, block_q, block_k, tiles)
                 fns[f"forward floor {width}"] = lambda f=forward_floor: _by_heads(threads, H, f)
@@ -192,10 +198,14 @@ def flash(threads: int, rounds: int, lengths: list[int]) -> list[dict]:
 
 def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles):
     """(forward_floor, backward_floor), each work(range of heads): per tile the products and
-    the exp (`_exp`) of flash's forward (q kᵀ, exp, P V) and backward (q kᵀ, exp, dO Vᵀ, Pᵀ dO, dS K,
-    dSᵀ q; the element-wise dS = P (dP - D) is not counted), on copies of the (1, H, L, E)
-    inputs widened with zero columns to `width`."""
+    the element-wise passes of flash's forward (q kᵀ, exp, P V) and backward (q kᵀ, exp,
+    dO Vᵀ, Pᵀ dO, dS = P (dP - D), dS K, dSᵀ q), on copies of the (1, H, L, E) inputs widened
+    with zero columns to `width` (a product costs the same whatever the column holds). At the
+    head's own width the row sums of the forward's weights and the backward's - D are
+    passes' work (`_exp`'s sums, `_grad_scores`, whose kernel also sums each row's dS);
+    one column wider, products' (module docstring)."""
     H, L, E = q.shape[1:]
+    in_products = width > E  # the row sums and - D ride on a ones column
 
     def widened(x: np.ndarray) -> np.ndarray:
         out = np.zeros((H, x.shape[2], width), np.float32)
@@ -209,21 +219,24 @@ def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles)
     def forward_floor(heads: range) -> None:
         scores = np.empty((block_q, block_k), np.float32)  # a tile's buffers, reused as flash does
         pv = np.empty((block_q, width), np.float32)
+        rows = _RowVectors(block_q)  # the passes' per-row vectors (each thread its own)
         for h in heads:
             for q0, k0 in tiles:
                 s = np.matmul(qs[h, q0 : q0 + block_q], kt[h, :, k0 : k0 + block_k], out=scores)
-                _exp(s)
+                _exp(s, None if in_products else rows)
                 np.matmul(s, vw[h, k0 : k0 + block_k], out=pv)
 
     def backward_floor(heads: range) -> None:
         p, d_p = np.empty((block_q, block_k), np.float32), np.empty((block_q, block_k), np.float32)
         rows_w, cols_w = np.empty((block_q, width), np.float32), np.empty((block_k, width), np.float32)
+        rows = _RowVectors(block_q)
         for h in heads:
             for q0, k0 in tiles:
                 r, c = slice(q0, q0 + block_q), slice(k0, k0 + block_k)
                 np.matmul(qs[h, r], kt[h, :, c], out=p)
                 _exp(p)
-                np.matmul(dow[h, r], vt[h, :, c], out=d_p)  # dP; dS = P (dP - D) is not counted
+                np.matmul(dow[h, r], vt[h, :, c], out=d_p)  # dP (- D, 65 wide)
+                _grad_scores(d_p, p, None if in_products else rows)  # dS = P (dP - D), in d_p
                 dv[h, c] += np.matmul(p.T, dow[h, r], out=cols_w)
                 dq[h, r] += np.matmul(d_p, kw[h, c], out=rows_w)
                 dk[h, c] += np.matmul(d_p.T, qs[h, r], out=cols_w)
@@ -231,15 +244,47 @@ def _flash_floors(q, k, v, d_out, width: int, block_q: int, block_k: int, tiles)
     return forward_floor, backward_floor
 
 
-def _exp(s: np.ndarray) -> None:
-    """s <- exp(s): the compiled kernel's pass when the kernels run (as flash's tiles
-    take it), else NumPy's."""
+class _RowVectors:
+    """Per-row vectors of a tile for the floor's passes: zeros and ones (the forward's
+    shift and factor, and the weight sums that make the backward look for no dominant
+    key), D (its values do not change the work), and outputs."""
+
+    def __init__(self, rows: int):
+        self.zeros, self.ones = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        self.d = np.ones(rows, np.float32)
+        self.sums, self.top = np.empty(rows, np.float32), np.empty(rows, np.int64)
+
+
+def _exp(s: np.ndarray, rows: _RowVectors | None = None) -> None:
+    """s <- exp(s), and with `rows` its rows' sums too (into rows.sums): the compiled
+    kernels' pass when the kernels run (as flash's tiles take them), else NumPy's."""
     from attnkit.kernels import flash as compiled
 
-    if compiled.usable(s):
-        compiled.exp_tile(s)
+    if rows is None:
+        if compiled.usable(s):
+            compiled.exp_tile(s)
+        else:
+            np.exp(s, out=s)
+    elif compiled.usable(s):
+        compiled.band_exp_tile(s, rows.zeros, rows.zeros, rows.ones, rows.sums, -compiled.NO_BAND, compiled.NO_BAND)
     else:
         np.exp(s, out=s)
+        np.sum(s, axis=1, out=rows.sums)
+
+
+def _grad_scores(ds: np.ndarray, p: np.ndarray, rows: _RowVectors | None) -> None:
+    """ds <- p (ds - D) per row (ds holds dP; or dP - D already when rows is None): one
+    pass, the compiled kernel's when the kernels run (weight sums 0: no dominant key to
+    look for; it also sums each row's dS, as flash's pass does), else NumPy's."""
+    from attnkit.kernels import flash as compiled
+
+    if rows is None:
+        np.multiply(ds, p, out=ds)
+    elif compiled.usable(ds, p):
+        compiled.grad_scores_tile(ds, p, rows.d, rows.zeros, np.inf, rows.top, rows.sums)
+    else:
+        ds -= rows.d[:, None]
+        np.multiply(ds, p, out=ds)
 
 
 def _by_heads(threads: int, heads: int, work) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 import attnkit
 from attnkit import kernels, masks
+from attnkit.functional.flash import ONES_MIN_ROWS, PEAK, _make_plan
 from attnkit.kernels import flash as compiled
 from conftest import F32_EPS, assert_within_budget, optional, reference_attention, score_conditioning
 
@@ -116,18 +117,106 @@ def test_weighted_grad_tile_is_numpys_product_and_row_sums(rows, cols):
     assert_within_budget(sums, numpy_ref, truth, "row sums of the tile's weights", ulps=1.0 * max(1, cols // 16))
 
 
+def _band_reference(s, shift, extra, scale, lo, hi):
+    """The NumPy reference lines `band_exp_tile` replaces: the band's 0/-inf bias added,
+    the two shifts subtracted, the exp, the rows' factor, and the rows' sums."""
+    rows, cols = s.shape[-2:]
+    offset = np.arange(cols)[None, :] - np.arange(rows)[:, None]  # j - i
+    bias = np.where((offset >= lo) & (offset <= hi), np.float32(0), np.float32(-np.inf))
+    with np.errstate(invalid="ignore"):
+        x = s + bias
+        x -= shift[..., None]
+        x -= extra[..., None]
+        np.exp(x, out=x)
+        x *= scale[..., None]
+        truth = np.exp((s.astype(np.float64) + bias) - shift[..., None].astype(np.float64)
+                       - extra[..., None].astype(np.float64)) * scale[..., None].astype(np.float64)
+    return x, x.sum(axis=-1, dtype=np.float32), truth
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape, lo, hi", [
+    ((1, 1, 1), -compiled.NO_BAND, compiled.NO_BAND),
+    ((2, 7, 33), -compiled.NO_BAND, 0),  # a causal diagonal, heads side by side
+    ((3, 40, 130), -5, 20),  # a window's two edges
+    ((1, 64, 256), 100, 300),  # rows with no key in the band: all 0
+])
+def test_band_exp_tile_within_twice_the_numpy_passes(shape, lo, hi):
+    rng = np.random.default_rng(sum(shape) + hi % 97)
+    s = (rng.standard_normal(shape) * 20).astype(np.float32)
+    if shape[-1] > 1:
+        s[..., 1] = -np.inf  # a key a mask took out
+    shift = s.max(axis=-1) - rng.uniform(0, 3, shape[:-1]).astype(np.float32)
+    extra = rng.uniform(-2, 2, shape[:-1]).astype(np.float32)
+    scale = (1 + rng.uniform(-4, 4, shape[:-1]) * F32_EPS).astype(np.float32)  # f: within a few ulps of 1
+    ours, sums = s.copy(), np.empty(shape[:-1], np.float32)
+    compiled.band_exp_tile(ours, shift, extra, scale, sums, lo, hi)
+    numpy_ref, numpy_sums, truth = _band_reference(s, shift, extra, scale, max(lo, -10**9), min(hi, 10**9))
+    assert (ours[truth == 0] == 0).all(), "0 exactly where the band or a mask excludes a pair"
+    _assert_elementwise_budget(ours, numpy_ref, truth, f"band exp {shape} [{lo}, {hi}]")
+    cols = shape[-1]
+    assert_within_budget(sums, numpy_sums, truth.sum(axis=-1), "the rows' sums of the weights",
+                         ulps=1.0 * max(1, cols // 16))
+
+
+@needs_kernels
+def test_band_exp_tile_propagates_nan_and_takes_the_forwards_shift_bitwise():
+    """extra = 0 and scale = 1 give exp(s - shift) with the same s - shift the backward
+    forms before subtracting lse - shift: one shift, then the other, never their sum."""
+    rng = np.random.default_rng(11)
+    s = (rng.standard_normal((16, 64)) * 10).astype(np.float32)
+    s[3, 5] = np.nan
+    shift = s[:, :8].max(axis=1)
+    ones, zeros = np.ones(16, np.float32), np.zeros(16, np.float32)
+    forward, sums = s.copy(), np.empty(16, np.float32)
+    compiled.band_exp_tile(forward, shift, zeros, ones, sums, -compiled.NO_BAND, compiled.NO_BAND)
+    assert np.isnan(forward[3, 5]) and np.isnan(sums[3]) and not np.isnan(np.delete(sums, 3)).any()
+    expected = s - shift[:, None]
+    compiled.exp_tile(expected)  # the same exp on the same s - shift
+    assert np.array_equal(forward, expected, equal_nan=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 17), (64, 256)])
+def test_grad_scores_tile_is_numpys_ds_and_leaves_out_the_dominant_keys(rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    p = (rng.random((rows, cols), dtype=np.float32) ** 4 / cols).astype(np.float32)
+    if rows > 2:
+        p[1] = 0
+        p[1, cols // 2] = 1  # one-hot: its key is dominant
+        p[2, 0] = 0.6  # above PEAK only after f: not dominant (f is 1 here)
+    d_p = (rng.standard_normal((rows, cols)) * 10).astype(np.float32)
+    d = rng.standard_normal(rows).astype(np.float32)
+    weight = p.sum(axis=1, dtype=np.float32)
+    ours, top, sums = d_p.copy(), np.empty(rows, np.int64), np.empty(rows, np.float32)
+    found = compiled.grad_scores_tile(ours, p, d, weight, PEAK, top, sums)
+
+    expected = (d_p - d[:, None]) * p  # the NumPy reference: two IEEE operations per element
+    want_top = np.where((weight > PEAK) & (p.max(axis=1) > PEAK), np.argmax(p, axis=1), -1)
+    assert np.array_equal(top, want_top) and found == int((want_top >= 0).sum())
+    if rows > 2:
+        assert top[1] == cols // 2 and top[2] == -1
+    expected[want_top >= 0, want_top[want_top >= 0]] = 0
+    assert np.array_equal(ours, expected), "dS = P (dP - D): the same two roundings per element as NumPy's"
+    truth = expected.astype(np.float64).sum(axis=1)
+    assert_within_budget(sums, expected.sum(axis=1, dtype=np.float32), truth, "the rows' sums of dS",
+                         ulps=1.0 * max(1, cols // 16), scale=float(np.abs(expected).sum(axis=1).max()))
+
+
 # ----------------------------------------------------------------------------- whole flash calls
 
 
 def _numpy_path(monkeypatch):
     """Within the block: the NumPy reference lines run, as with ATTNKIT_KERNELS=numpy."""
     monkeypatch.setattr(compiled, "usable", lambda *arrays: False)
+    monkeypatch.setattr(compiled, "wants", lambda elements: False)  # the fused tiles too
 
 
 def _counting(monkeypatch):
     """Counts calls of the compiled loops (to prove the whole-call tests ran them)."""
-    calls = {"exp": 0, "shifted": 0, "grad": 0}
-    for name, key in (("exp_tile", "exp"), ("shifted_exp_tile", "shifted"), ("weighted_grad_tile", "grad")):
+    calls = {"exp": 0, "shifted": 0, "grad": 0, "band_exp": 0, "grad_scores": 0}
+    for name, key in (("exp_tile", "exp"), ("shifted_exp_tile", "shifted"), ("weighted_grad_tile", "grad"),
+                      ("band_exp_tile", "band_exp"), ("grad_scores_tile", "grad_scores")):
         real = getattr(compiled, name)
 
         def wrapped(*args, _real=real, _key=key):
@@ -194,7 +283,10 @@ def test_flash_with_kernels_within_twice_the_numpy_path_and_torch(torch, monkeyp
     res = attnkit.flash_attention(q, k, v, return_lse=True, **kw, **tiles)
     grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     if kernels.enabled():
-        assert calls["exp"] + calls["shifted"] > 0 and calls["grad"] > 0, f"the compiled loops did not run: {calls}"
+        if q.shape[-2] >= ONES_MIN_ROWS:  # rows enough for the fused tiles (FlashPlan.fused): they run both passes
+            assert calls["band_exp"] > 0 and calls["grad_scores"] > 0, f"the fused tiles did not run: {calls}"
+        else:
+            assert calls["exp"] + calls["shifted"] > 0 and calls["grad"] > 0, f"the compiled loops did not run: {calls}"
 
     truth, _, truth_lse = reference_attention(q, k, v, dense)
     tmask = None if dense is None else torch.tensor(dense)
@@ -217,6 +309,48 @@ def test_flash_with_kernels_within_twice_the_numpy_path_and_torch(torch, monkeyp
         assert np.isfinite(ours).all(), f"{name}: grad_{what} not finite"
         assert_within_budget(ours, theirs, want, f"{name}: grad_{what} vs NumPy path", factor=3.0, ulps=4,
                              scale=float(size))
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(window=(100, 20)), dict(is_causal=True, enable_gqa=True)],
+                         ids=["causal", "window", "causal GQA"])
+def test_fused_tiles_at_the_default_tiles_within_budget(torch, monkeypatch, kw):
+    """The fused tiles (FlashPlan.fused) on the default grid: tiles cut into pieces along
+    the band's edges, heads side by side, against the NumPy path and the float64 truth;
+    with the kernels off the plan never takes them."""
+    rng = np.random.default_rng(7)
+    L, E, Hq = 700, 64, 4
+    Hkv = 2 if kw.get("enable_gqa") else Hq
+    q = rng.standard_normal((Hq, L, E)).astype(np.float32)
+    k, v = (rng.standard_normal((Hkv, L, E)).astype(np.float32) for _ in range(2))
+    d_out = rng.standard_normal((Hq, L, E)).astype(np.float32)
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        assert not _make_plan(q, k, v, **kw)[3].fused
+        ref = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+        ref_grads = attnkit.flash_attention_backward(d_out, q, k, v, ref.output, ref)
+    calls = _counting(monkeypatch)
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
+    if kernels.enabled():
+        assert res.plan.fused and calls["band_exp"] > 0 and calls["grad_scores"] > 0, calls
+
+    window = kw.get("window", (None, 0))
+    dense = masks.sliding_window_mask(L, L, left=window[0], right=window[1])
+    kr, vr = (np.repeat(x, Hq // Hkv, axis=0) for x in (k, v))
+    truth, _, truth_lse = reference_attention(q, kr, vr, dense)
+    cond = score_conditioning(q, kr)
+    assert_within_budget(res.output, ref.output, truth, "output vs NumPy path", ulps=4,
+                         scale=float(np.abs(v).max()) * cond)
+    assert_within_budget(res.lse, ref.lse, truth_lse, "lse vs NumPy path", ulps=4, scale=cond)
+    expected = list(_float64_grads(q, kr, vr, d_out, dense))
+    g = Hq // Hkv
+    expected[1:] = [x.reshape(Hkv, g, L, E).sum(axis=1) for x in expected[1:]]  # GQA: summed over each group
+    dp_abs = float((np.abs(d_out.astype(np.float64)) @ np.abs(vr.astype(np.float64)).swapaxes(-1, -2)).max())
+    sc = 1.0 / np.sqrt(E)
+    sizes = (dp_abs * np.abs(k).max() * sc * cond, g * dp_abs * np.abs(q).max() * sc * cond,
+             g * np.abs(d_out).max() * cond)
+    for what, ours, theirs, want, size in zip(("query", "key", "value"), grads, ref_grads, expected, sizes):
+        assert_within_budget(ours, theirs, want, f"grad_{what} vs NumPy path", factor=3.0, ulps=4, scale=float(size))
 
 
 def test_kernels_give_the_same_results_on_one_thread_and_two():

@@ -1,8 +1,10 @@
 """The compiled loops behind `attnkit.kernels.flash` and `attnkit.kernels.elementwise`
 (importing this module imports numba; those modules import it on first use only).
 
-One module, so that numba's on-disk cache (which checks only the source file of the
-function it compiled) sees every change to the scalar functions the loops inline.
+The scalar functions the loops inline (exp32, ...) live here; numba's on-disk cache
+checks only the source file of the function it compiled, so `attnkit.kernels` keys its
+cache folder on a digest of all its files: a change here recompiles the loops of the
+other files (`_flash_loops.py`, the decode step) too.
 
 Plain loops over contiguous float32 rows; numba releases the GIL (nogil) so the
 runtime's worker threads and the encoder's threads run them side by side. Loops that

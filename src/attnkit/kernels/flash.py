@@ -3,6 +3,14 @@ score tile and dS = P * (dP - D) with the tile's row sums, each beside the NumPy
 lines of `attnkit.functional.flash` it replaces (those stay the reference, and
 run when `usable` says no).
 
+The fused tiles (`band_exp_tile`, `grad_scores_tile`) do all of a tile's element-wise
+work in one visit of its rows: the shift, the exp, a band's mask and the row sums in
+the forward; the weights, dS, the dominant key and dS's row sums in the backward. A
+plan takes them for a whole call (`wants`), so that its forward and its backward
+cut and shift the same tiles the same way; their products then run at the head's
+own width, without the ones columns that carry the shift and the sums through BLAS
+on the reference path.
+
 Every function works in place on C-contiguous float32 arrays and returns None.
 Error budget (docs/kernels.md): the exp is within 1 ulp of the float64 exp (NumPy's
 float32 exp: within 2), so a tile's weights, their sums and the outputs built from
@@ -16,7 +24,11 @@ import numpy as np
 from attnkit.kernels import enabled
 from attnkit.kernels._start import load, started, worth_it
 
-__all__ = ["SAVED_NS", "SMALL_TILE", "exp_tile", "load", "shifted_exp_tile", "started", "usable", "weighted_grad_tile"]
+__all__ = ["NO_BAND", "SAVED_NS", "SMALL_TILE", "band_exp_tile", "exp_tile", "grad_scores_tile", "load",
+           "shifted_exp_tile", "started", "usable", "wants", "weighted_grad_tile"]
+
+NO_BAND = 1 << 62
+"""A band side that excludes nothing (`band_exp_tile`'s lo = -NO_BAND, hi = NO_BAND)."""
 
 
 SMALL_TILE = 1024
@@ -37,6 +49,13 @@ def usable(*arrays: np.ndarray) -> bool:
     if arrays[0].size < SMALL_TILE or not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
         return False
     return worth_it(arrays[0].size, SAVED_NS) and enabled()  # (enabled() imports numba: asked last)
+
+
+def wants(elements: int) -> bool:
+    """Whether a whole flash call over `elements` score elements takes the fused tiles:
+    the kernels are on and this process's work has earned their start (`usable`'s rule,
+    asked once for the call instead of once per tile)."""
+    return worth_it(elements, SAVED_NS) and enabled()
 
 
 def _loops():
@@ -79,3 +98,68 @@ def weighted_grad_tile(ds: np.ndarray, p: np.ndarray, sums: np.ndarray) -> None:
         sums: (rows,) float32, written.
     """
     _loops().weighted_grad_rows(ds, p, sums)
+
+
+_FUSED = []  # the loops' module, once imported (a tile's call skips the import statement)
+
+
+def _fused():
+    if not _FUSED:
+        from attnkit.kernels import _flash_loops  # numba loads here, on first use
+
+        _FUSED.append(_flash_loops)
+    return _FUSED[0]
+
+
+def _rows(x: np.ndarray, n: int) -> np.ndarray:
+    """x as n contiguous float32 values (a per-row vector of a tile; copied only when a
+    strided view or another dtype)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.size == n, (x.shape, n)
+    return x.reshape(n)
+
+
+def band_exp_tile(s: np.ndarray, shift: np.ndarray, extra: np.ndarray, scale: np.ndarray, sums: np.ndarray,
+                  lo: int, hi: int) -> None:
+    """s <- exp((s - shift[..., None]) - extra[..., None]) * scale[..., None] where the
+    band allows a pair, 0 where it does not, and sums <- the rows' sums of s, in one
+    visit of each row: the NumPy reference's bias add, `s -= shift[..., None]`,
+    `np.exp(s, out=s)`, the rows' factor and `s @ 1`.
+
+    Arguments:
+        s: (..., rows, cols) C-contiguous float32 scores (heads side by side).
+        shift, extra, scale: (..., rows) per-row values (any layout; converted to
+            float32). (s - shift) - extra is formed in that order: the forward passes
+            extra = 0 and scale = 1, the backward extra = lse - shift and its factor
+            f, on the same s - shift.
+        sums: (..., rows) C-contiguous float32, written.
+        lo, hi: the band on the tile's own positions: pair (i, j) is allowed when
+            lo <= j - i <= hi (-NO_BAND, NO_BAND: no band).
+    """
+    rows, cols = s.shape[-2], s.shape[-1]
+    n = s.size // cols if cols else 0
+    assert sums.flags.c_contiguous and sums.size == n, (sums.shape, s.shape)
+    _fused().band_exp_rows(s.reshape(n, cols), _rows(shift, n), _rows(extra, n), _rows(scale, n), sums.reshape(n),
+                           max(rows, 1), int(max(lo, -NO_BAND)), int(min(hi, NO_BAND)))
+
+
+def grad_scores_tile(ds: np.ndarray, p: np.ndarray, d: np.ndarray, weight: np.ndarray, peak: float,
+                     top: np.ndarray, ds_sums: np.ndarray) -> int:
+    """ds <- p * (ds - d[:, None]) (dS = P (dP - D), dP in ds on entry); a row whose
+    weights sum above `peak` (weight) and whose largest weight is above it too gets
+    that key's dS set to 0 and its column in top (else -1; the first largest, as
+    NumPy's argmax); ds_sums <- the rows' sums of dS after that. One visit of each
+    row: the reference's `[dO, -D] . [V, 1]` column, `ds *= p`, the dominant key's
+    search and `dS @ 1`.
+
+    Arguments:
+        ds, p: (rows, cols) C-contiguous float32.
+        d, weight: (rows,) float32 (any layout): D and the rows' weight sums.
+        top: (rows,) int64, written. ds_sums: (rows,) float32, written.
+
+    Returns:
+        How many rows have a dominant key (top >= 0).
+    """
+    rows = ds.shape[0]
+    return _fused().grad_scores_rows(ds, p, _rows(d, rows), _rows(weight, rows), np.float32(peak), top, ds_sums)

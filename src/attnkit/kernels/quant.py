@@ -320,10 +320,10 @@ def _matvec_q4_1(raw, half, xlo, xhi, xsum, out, first, stop):  # pragma: no cov
                 o = 20 * b
                 _prefetch(ahead0, o)  # noqa: F821 - bound when compiled
                 _prefetch(ahead1, o)  # noqa: F821
-                d0 = half[np.int32(row0[o]) | (np.int32(row0[o + 1]) << 8)]
-                d1 = half[np.int32(row1[o]) | (np.int32(row1[o + 1]) << 8)]
-                m0 += half[np.int32(row0[o + 2]) | (np.int32(row0[o + 3]) << 8)] * xs[b]
-                m1 += half[np.int32(row1[o + 2]) | (np.int32(row1[o + 3]) << 8)] * xs[b]
+                d0 = _half_at(row0, o)  # noqa: F821
+                d1 = _half_at(row1, o)  # noqa: F821
+                m0 += _half_at(row0, o + 2) * xs[b]  # noqa: F821
+                m1 += _half_at(row1, o + 2) * xs[b]  # noqa: F821
                 for j in range(16):
                     xa = xl[16 * b + j]
                     xb = xh[16 * b + j]
@@ -355,8 +355,8 @@ def _matvec_q4_0(raw, half, xlo, xhi, xsum, out, first, stop):  # pragma: no cov
                 o = 18 * b
                 _prefetch(ahead0, o)  # noqa: F821 - bound when compiled
                 _prefetch(ahead1, o)  # noqa: F821
-                d0 = half[np.int32(row0[o]) | (np.int32(row0[o + 1]) << 8)]
-                d1 = half[np.int32(row1[o]) | (np.int32(row1[o + 1]) << 8)]
+                d0 = _half_at(row0, o)  # noqa: F821
+                d1 = _half_at(row1, o)  # noqa: F821
                 m0 -= np.float32(8.0) * d0 * xs[b]
                 m1 -= np.float32(8.0) * d1 * xs[b]
                 for j in range(16):
@@ -388,8 +388,8 @@ def _matvec_q8_0(raw, values, half, x, out, first, stop):  # pragma: no cover - 
                 o = 34 * b
                 _prefetch(ahead0, o)  # noqa: F821 - bound when compiled
                 _prefetch(ahead1, o)  # noqa: F821
-                d0 = half[np.int32(row0[o]) | (np.int32(row0[o + 1]) << 8)]
-                d1 = half[np.int32(row1[o]) | (np.int32(row1[o + 1]) << 8)]
+                d0 = _half_at(row0, o)  # noqa: F821
+                d1 = _half_at(row1, o)  # noqa: F821
                 for j in range(32):
                     xa = xi[32 * b + j]
                     a0[j] += d0 * (np.float32(v0[o + 2 + j]) * xa)

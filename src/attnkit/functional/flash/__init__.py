@@ -37,7 +37,12 @@ compute dtype, buffers are reused (out=), blocks the masks exclude entirely are
 skipped, and (batch, head, query block) tasks run on a pool of threads while
 BLAS itself is held to one thread (threadpoolctl). Value rows carry an extra
 column of ones, so P @ [V, 1] yields the row sums l with the output; the
-backward folds -D into its dP matmul the same way. (Not exp2 with log2(e)
+backward folds -D into its dP matmul the same way. With the compiled kernels
+(`attnkit.kernels.flash`, float32) a call takes the fused tiles instead
+(`FlashPlan.fused`): one compiled pass per tile shifts, exponentiates, masks the
+band's edges and sums the rows in the forward, and the backward makes dS, finds
+the dominant keys and sums dS in a second one, so every product runs at the
+head's own width and no ones column is copied. (Not exp2 with log2(e)
 folded into the scale: NumPy's exp2 is twice as fast as exp on arguments in
 [-126, 0] but 3-40x slower on -inf and on results that underflow, which masked
 and causal tiles are full of.)

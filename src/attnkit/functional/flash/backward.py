@@ -44,6 +44,11 @@ class _BackwardInputs(NamedTuple):
     row_f: np.ndarray  # (B, Hq, L) f = exp(-lse_lo), within a few ulps of 1 (-inf rows: 1)
     top: np.ndarray  # (B, Hq, L) intp: each row's dominant key (weight > PEAK), -1 for none
     top_grad: np.ndarray | None  # (B, Hq, L) score_mod's derivative at that key (None: no such mod)
+    # The fused tiles (FlashPlan.fused; else None): no ones columns anywhere (qa is qs,
+    # ka is k, ks is key * scale, va is v, do_a is dO; f goes into P, so qs_f is qs
+    # and do_f is dO), and per row:
+    shift: np.ndarray | None = None  # (B, Hq, L) the forward's shift c, as its tiles subtracted it
+    d: np.ndarray | None = None  # (B, Hq, L) D = rowsum(dO * O)
 
 
 @lru_cache(maxsize=64)
@@ -146,6 +151,74 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
                 dq_part[:, E] = sums
             dq_part *= f
             dq_acc[b, h, rows] += dq_part
+    dk_out[...] = dk
+    dv_out[...] = dv
+
+
+def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBlock, dq_acc, dk_out,
+                              dv_out) -> None:
+    """`_backward_key_block` on the compiled fused tiles (FlashPlan.fused: float32,
+    no score_mod): the same tiles, products and dominant keys, every product at the
+    head's width, and a tile's element-wise work in two passes: the weights with
+    the band's mask and their row sums (`band_exp_tile`, the forward's pass with
+    lse - shift as the extra shift), then dS with the dominant key left out and
+    dS's row sums (`grad_scores_tile`)."""
+    b, h_kv, k0, k1 = task
+    dq, dq_sums = dq_acc  # this thread's (B, Hq, L, E) dQ and (B, Hq, L) rows' sums of dS
+    k, ks, v = inputs.k[b, h_kv], inputs.ks[b, h_kv], inputs.va[b, h_kv]  # (S, E), (S, E), (S, Ev)
+    k3 = inputs.ka[b, h_kv:h_kv + 1]  # (1, S, E): _tile_scores takes heads
+    cd = k.dtype
+    E, Ev = k.shape[-1], v.shape[-1]
+    g, bq = plan.shapes.group, plan.block_q
+    dk = np.zeros((k1 - k0, E), dtype=cd)
+    dv = np.zeros((k1 - k0, Ev), dtype=cd)
+    q_start, q_end = plan.grid_q_range(k0, k1)
+    pieces = [piece for qb in range(q_start, q_end, bq)  # the forward's tiles: same grid, same cut
+              for piece in plan.pieces(qb, min(qb + bq, q_end), k0, k1)]
+    # every tile's buffers, taken once for the task (a piece is at most bq x (k1 - k0))
+    most_r, most_n = min(bq, max(q_end - q_start, 1)), k1 - k0
+    p_buf, ds_buf = (scratch_buffer(name, most_r * most_n, cd) for name in ("p", "ds"))
+    dv_buf, dk_buf = scratch_buffer("dv_part", most_n * Ev, cd), scratch_buffer("dk_part", most_n * E, cd)
+    dq_buf = scratch_buffer("dq_part", most_r * E, cd)
+    weight_buf, sums_buf = scratch_buffer("weight", most_r, cd), scratch_buffer("ds_sums", most_r, cd)
+    top_buf = scratch_buffer("top", most_r, np.int64)
+    for h in range(h_kv * g, (h_kv + 1) * g):
+        for q0, q1, c0, c1 in pieces:
+            r, n = q1 - q0, c1 - c0
+            tile = _Tile(b, h, h + 1, q0, q1, c0, c1)
+            skip, blocked, adds = plan.tile_masks(tile, cd, band=False)
+            if skip:
+                continue
+            rows, cols_k, mine = slice(q0, q1), slice(c0, c1), slice(c0 - k0, c1 - k0)
+            p3 = p_buf[: r * n].reshape(1, r, n)  # one head of the forward's tile
+            _tile_scores(plan, inputs.qa[b, h:h + 1, rows], k3, p3, tile, adds)
+            if blocked is not None:
+                np.copyto(p3, cd.type(-np.inf), where=blocked)
+            p = p3[0]
+            # forward: P = exp(s - lse) = exp((s - shift) - hi) * f, f = exp(-lo) per row
+            weight = weight_buf[:r]
+            compiled.band_exp_tile(p, inputs.shift[b, h, rows], inputs.lse_hi[b, h, rows], inputs.row_f[b, h, rows],
+                                   weight, *plan.local_band(q0, c0))
+            # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
+            dv_part = dv_buf[: n * Ev].reshape(n, Ev)
+            np.matmul(p.T, inputs.do_a[b, h, rows], out=dv_part)
+            dv[mine] += dv_part
+            ds = ds_buf[: r * n].reshape(r, n)
+            np.matmul(inputs.do_a[b, h, rows], v[cols_k].T, out=ds)  # dP
+            # forward: P = softmax(s)  ->  dS = P * (dP - D); a dominant key's dS left
+            # out (see _backward_key_block) and recorded
+            top, ds_sums = top_buf[:r], sums_buf[:r]
+            if compiled.grad_scores_tile(ds, p, inputs.d[b, h, rows], weight, PEAK, top, ds_sums):
+                found = np.flatnonzero(top >= 0)
+                inputs.top[b, h, q0 + found] = c0 + top[found]
+            # forward: s = (q * scale) k^T  ->  dQ += dS (K * scale), dK += dS^T (q * scale)
+            dk_part = dk_buf[: n * E].reshape(n, E)
+            np.matmul(ds.T, inputs.qs[b, h, rows], out=dk_part)
+            dk[mine] += dk_part
+            dq_part = dq_buf[: r * E].reshape(r, E)
+            np.matmul(ds, ks[cols_k], out=dq_part)
+            dq[b, h, rows] += dq_part
+            dq_sums[b, h, rows] += ds_sums
     dk_out[...] = dk
     dv_out[...] = dv
 
@@ -310,21 +383,31 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifte
     n_dq = max(1, min(threads, len(tasks)))  # at most one dQ buffer per thread that runs tasks
 
     # the temporaries, from one block (see runtime.scratch_arrays); dQ sums into grad_q itself and n_dq - 1 more buffers
-    ones = E + 1 if plan.key_ones else 0  # the forward's keys: with a ones column or as they are
+    fused = plan.fused_in(cd)  # the compiled tiles shift, sum and take D: no ones columns
+    one = 0 if fused else 1
+    ones = E + 1 if plan.ones_in(cd) else 0  # the forward's keys: with a ones column or as they are
+    # (fused: per thread a dQ and a dS-sums buffer, contiguous, instead of the E + 1 columns;
+    # the first thread's dQ is the result itself, fresh below)
+    more = [(B, Hq, L, E), (B, Hq, L)] * (n_dq - 1) + [(B, Hq, L)] if fused else [(B, Hq, L, E + 1)] * (n_dq - 1)
     ks, ka, va, do_a, qa, qs_f, do_f, *dq_more = scratch_arrays(
-        [(B, Hkv, S, E + 1), (B, Hkv, S, ones), (B, Hkv, S, Ev + 1), (B, Hq, L, Ev + 1), (B, Hq, L, E + 1),
-         (B, Hq, L, E), (B, Hq, L, Ev)] + [(B, Hq, L, E + 1)] * (n_dq - 1), cd)
+        [(B, Hkv, S, E + one), (B, Hkv, S, ones), (B, Hkv, S, (Ev + 1) * one), (B, Hq, L, (Ev + 1) * one),
+         (B, Hq, L, E + one), (B, Hq, L, E * one), (B, Hq, L, Ev * one)] + more, cd)
     q = _flat(q, shapes, Hq, cd)  # (B, Hq, L, E)
     k = _flat(k, shapes, Hkv, cd)  # (B, Hkv, S, E)
     np.multiply(k, cd.type(plan.scale), out=ks[..., :E])  # (B, Hkv, S, E+1) [key * scale, 1]
-    ks[..., E] = 1
-    ka = _with_ones(k, out=ka) if plan.key_ones else k
-    _with_ones(_flat(v, shapes, Hkv, cd), out=va)  # (B, Hkv, S, Ev+1)
-    d_out = np.asarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
+    ka = _with_ones(k, out=ka) if plan.ones_in(cd) else k
+    d_out = np.ascontiguousarray(grad_output, dtype=cd).reshape(B, Hq, L, Ev)
     o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)
-    do_a[..., :Ev] = d_out  # [dO, -D]
     # D = rowsum(dO * O), summed in float64: rounded once, to the compute dtype
-    do_a[..., Ev] = -np.einsum("bhle,bhle->bhl", d_out, o, dtype=np.float64)
+    d = np.einsum("bhle,bhle->bhl", d_out, o, dtype=np.float64)
+    if fused:
+        va, do_a, d = _flat(v, shapes, Hkv, cd), d_out, d.astype(cd)  # (B, Hkv, S, Ev), (B, Hq, L, Ev), (B, Hq, L)
+    else:
+        ks[..., E] = 1
+        _with_ones(_flat(v, shapes, Hkv, cd), out=va)  # (B, Hkv, S, Ev+1)
+        do_a[..., :Ev] = d_out  # [dO, -D]
+        do_a[..., Ev] = -d
+        d = None
     # The tiles hold s - shift (the forward's products, bitwise); lse - shift is
     # split into two compute-dtype parts so that the subtraction is
     # float64-accurate (a float32 lse of 40 is off by up to 2e-6):
@@ -338,20 +421,33 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifte
     row_f = np.exp(-(lse64 - lse_hi).astype(cd))
     qs = qa[..., :E]
     np.multiply(q, cd.type(plan.scale), out=qs)  # (B, Hq, L, E) query * scale
-    qa[..., E] = -shift
-    np.multiply(qs, row_f[..., None], out=qs_f)
-    np.multiply(d_out, row_f[..., None], out=do_f)
+    if fused:  # the kernel subtracts the shift, as the forward's tiles did, and multiplies P by f
+        shift = shift.astype(cd)
+        qs_f, do_f = qs, d_out
+    else:
+        qa[..., E] = -shift
+        shift = None
+        np.multiply(qs, row_f[..., None], out=qs_f)
+        np.multiply(d_out, row_f[..., None], out=do_f)
     top = np.full((B, Hq, L), -1, dtype=np.intp)
     with_grad = plan.score_mod is not None and plan.score_mod.grad is not None
     top_grad = np.ones((B, Hq, L), dtype=cd) if with_grad else None
-    inputs = _BackwardInputs(qs, qa, qs_f, k, ka, ks, va, do_a, do_f, lse_hi, row_f, top, top_grad)
+    inputs = _BackwardInputs(qs, qa, qs_f, k, ka, ks, va, do_a, do_f, lse_hi, row_f, top, top_grad, shift, d)
+    block = _backward_key_block_fused if fused else _backward_key_block
 
-    grad_q = np.zeros((B, Hq, L, E + 1), dtype=cd)  # [dQ, the rows' sums of dS]
+    # [dQ, the rows' sums of dS]: one (B, Hq, L, E + 1) array, or on the fused tiles dQ
+    # (B, Hq, L, E) and the sums (B, Hq, L) apart
+    grad_q = np.zeros((B, Hq, L, E if fused else E + 1), dtype=cd)
     grad_k = np.zeros((B, Hkv, S, E), dtype=cd)
     grad_v = np.zeros((B, Hkv, S, Ev), dtype=cd)
     for buf in dq_more:
         buf.fill(0)
-    free = [*dq_more, grad_q]  # popped from the end: the first thread sums into grad_q itself
+    if fused:
+        ds_sums = dq_more[-1]
+        free = [*zip(dq_more[:-1:2], dq_more[1:-1:2]), (grad_q, ds_sums)]
+    else:
+        ds_sums = grad_q[..., E]
+        free = [*dq_more, grad_q]  # popped from the end: the first thread sums into grad_q itself
     dq_buffers: dict[int, np.ndarray] = {}
     lock = threading.Lock()
 
@@ -362,24 +458,27 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifte
                 dq_buffers[ident] = free.pop()
             dq_acc = dq_buffers[ident]
         b, h_kv, k0, k1 = task
-        _backward_key_block(plan, inputs, task, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
+        block(plan, inputs, task, dq_acc, grad_k[b, h_kv, k0:k1], grad_v[b, h_kv, k0:k1])
 
     run_tasks(tasks, run, threads)
     for buf in dq_buffers.values():
-        if buf is not grad_q:
+        if fused and buf[0] is not grad_q:
+            grad_q += buf[0]
+            ds_sums += buf[1]
+        elif not fused and buf is not grad_q:
             grad_q += buf
-    _add_dominant_keys(inputs, grad_q, grad_k, shapes.group)
+    _add_dominant_keys(inputs, grad_q[..., :E], ds_sums, grad_k, shapes.group)
     return grad_q[..., :E], grad_k, grad_v
 
 
-def _add_dominant_keys(inputs: _BackwardInputs, grad_q, grad_k, group: int) -> None:
+def _add_dominant_keys(inputs: _BackwardInputs, grad_q, ds_sums, grad_k, group: int) -> None:
     """The dS of each row's dominant key j, which the tasks left out:
 
         forward: P = softmax(s)  ->  sum_j dS_ij = 0,  so  dS_ij = -sum_{k != j} dS_ik
 
     (then times score_mod's derivative there), added to dQ_i (dS_ij k_j * scale)
-    and dK_j (dS_ij q_i * scale). grad_q (B, Hq, L, E + 1) holds in its last
-    column the sum of every other dS of the row. A one-hot row's other weights
+    and dK_j (dS_ij q_i * scale). grad_q is (B, Hq, L, E); ds_sums (B, Hq, L)
+    holds the sum of every other dS of each row. A one-hot row's other weights
     are 0, so its dominant key's dS is exactly 0, not the rounding of dP - D."""
     rows = np.flatnonzero(inputs.top.reshape(-1) >= 0)
     if not rows.size:
@@ -387,9 +486,9 @@ def _add_dominant_keys(inputs: _BackwardInputs, grad_q, grad_k, group: int) -> N
     E = grad_k.shape[-1]
     b, h, i = np.unravel_index(rows, inputs.top.shape)
     j = inputs.top.reshape(-1)[rows]
-    ds = -grad_q[b, h, i, E]  # (n,)
+    ds = -ds_sums[b, h, i]  # (n,)
     if inputs.top_grad is not None:
         ds *= inputs.top_grad[b, h, i]
     h_kv = h // group
-    grad_q[b, h, i, :E] += ds[:, None] * inputs.ks[b, h_kv, j, :E]
+    grad_q[b, h, i] += ds[:, None] * inputs.ks[b, h_kv, j, :E]
     np.add.at(grad_k, (b, h_kv, j), ds[:, None] * inputs.qs[b, h, i])

@@ -13,7 +13,7 @@ import numpy as np
 from attnkit.functional._checks import output_ndim
 from attnkit.functional.flash.plan import FlashPlan, _Columns, _Tile, _flat, _make_plan, _with_ones
 from attnkit.functional.flash.state import AttentionState, merge_attention_states
-from attnkit.functional.precision import needs_float64, start_dtype
+from attnkit.functional.precision import all_finite, needs_float64, start_dtype
 from attnkit.kernels import flash as compiled
 from attnkit.runtime import l2_cache_bytes, run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
 
@@ -112,7 +112,8 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
 
     Fast path: each row's shift c is fixed before the first tile, the largest
     score over a few keys that every row of the task may see. BLAS subtracts it
-    inside the score product ([q * scale, -c] . [k, 1]), so a tile costs its two
+    inside the score product ([q * scale, -c] . [k, 1]), or on the fused tiles
+    their compiled pass does (`_fused_tiles`), so a tile costs its two
     products and one exp, with no running max to rescale by: c is a real score
     of the row, so the true maximum term is exp(max - c) >= 1 and nothing that
     matters underflows. If some score lies so far above c that a sum overflows,
@@ -125,32 +126,41 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
     cd = ka.dtype
     E, Ev = inputs.q.shape[-1], rows.out.shape[-1]
     nh, r = h1 - h0, q1 - q0
-    qa = scratch_buffer("qa", nh * r * (E + 1), cd)[: nh * r * (E + 1)].reshape(nh, r, E + 1)  # [q * scale, -c]
+    fused = plan.fused_in(cd)  # the compiled tiles shift and sum: q * scale alone, products at width E
+    width = E if fused else E + 1
+    qa = scratch_buffer("qa", nh * r * width, cd)[: nh * r * width].reshape(nh, r, width)  # [q * scale, -c]
     np.multiply(inputs.q[b, h0:h1, q0:q1], cd.type(plan.scale), out=qa[..., :E])
-    acc = np.zeros((nh, r, Ev + 1), dtype=cd)  # [sum p v, sum p]
-    part = scratch_buffer("part", nh * r * (Ev + 1), cd)[: nh * r * (Ev + 1)].reshape(nh, r, Ev + 1)
     sample = None if rows.shift is None else _sample_keys(plan, q0, q1, rows.k_start, rows.k_end)
+    acc = scratch_buffer("acc", nh * r * (Ev + 1), cd)[: nh * r * (Ev + 1)].reshape(nh, r, Ev + 1)  # [sum p v, sum p]
+    if not fused or sample is None:  # (the fused tiles sum apart; see _fused_tiles)
+        acc[...] = 0  # (a scratch buffer: a fresh zeroed one past 128 KiB is new pages, faulted in on every task)
+    part = scratch_buffer("part", nh * r * (Ev + 1), cd)[: nh * r * (Ev + 1)].reshape(nh, r, Ev + 1)
     if sample is not None:
-        c = np.max(np.matmul(qa[..., :E], ka[:, sample, :E].swapaxes(-1, -2)), axis=2)
-        qa[..., E] = -c
+        # (the sample's scores as (keys, rows): a 16-wide product ran at half the speed)
+        c = np.max(np.matmul(ka[:, sample, :E], qa[..., :E].swapaxes(-1, -2)), axis=1)  # (heads, rows)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below (per thread)
-            for tile, s, at in _score_tiles(plan, inputs, rows, qa, ka):
-                _exp_tile(s)
-                _weights_times_values(s, va[:, tile.k0:tile.k1], part[:, at])  # [P V, P 1]
-                acc[:, at] += part[:, at]
-        total = acc[..., Ev]
+            if fused:
+                weighted, total = _fused_tiles(plan, inputs, rows, qa, ka, va, c)
+            else:
+                qa[..., E] = -c
+                for tile, s, at in _score_tiles(plan, inputs, rows, qa, ka):
+                    _exp_tile(s)
+                    _weights_times_values(s, va[:, tile.k0:tile.k1], part[:, at])  # [P V, P 1]
+                    acc[:, at] += part[:, at]
+                weighted, total = acc[..., :Ev], acc[..., Ev]
         # c is a score the row sees, so its sum is >= 1 up to rounding. Far below
         # (scores near 1e19 in float64, 1e8 in float32) the sample's product
         # rounded c above the tiles' fused s - c, every weight is small and p v
         # can underflow: the running max (top weight exactly 1) takes the task.
-        if np.isfinite(acc).all() and (total >= 0.5).all():
-            np.divide(acc[..., :Ev], total[..., None], out=rows.out)
+        if all_finite(weighted, total) and (total >= 0.5).all():
+            np.divide(weighted, total[..., None], out=rows.out)
             rows.shifted_lse[...] = np.log(total.astype(np.float64))
             rows.lse[...] = c.astype(np.float64) + rows.shifted_lse
             rows.shift[...] = c
             return
         acc[...] = 0
-    qa[..., E] = 0
+    if not fused:
+        qa[..., E] = 0
     m = np.full((nh, r), -np.inf, dtype=cd)  # running max per row
     new_m = scratch_tile("new_m", nh, r, cd)
     alpha = scratch_tile("alpha", nh, r, cd)
@@ -180,6 +190,34 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
         rows.shifted_lse[...] = rows.lse
 
 
+def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, va, c) -> tuple[np.ndarray, ...]:
+    """The fast path's tiles on the compiled fused kernel (FlashPlan.fused): per
+    tile the product q kᵀ at the head's width, one pass that shifts by c, takes
+    the exp, masks the band and sums the rows (`band_exp_tile`), and P V. qs
+    (heads, rows, E) is q * scale, ka and va the task's keys and values (heads,
+    S, E) and (heads, S, Ev), c (heads, rows) the shifts. Returns sum p v
+    (heads, rows, Ev) and sum p (heads, rows), in this thread's scratch (each
+    contiguous: adding a tile into Ev of Ev + 1 columns cost several times a
+    contiguous add)."""
+    cd = ka.dtype
+    nh, r, Ev = qs.shape[0], qs.shape[1], va.shape[-1]
+    zeros, ones = scratch_tile("zeros", nh, r, cd), scratch_tile("ones", nh, r, cd)
+    zeros[...], ones[...] = 0, 1  # the forward's extra shift and factor: (s - c) - 0 is s - c, x * 1 is x
+    weighted = scratch_buffer("weighted", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)  # sum p v
+    total = scratch_tile("total", nh, r, cd)  # sum p
+    weighted[...], total[...] = 0, 0
+    part = scratch_buffer("pv", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)
+    for tile, s, at in _score_tiles(plan, inputs, rows, qs, ka, band=False):
+        n_rows = at.stop - at.start
+        sums = scratch_tile("sums", nh, n_rows, cd)
+        compiled.band_exp_tile(s, c[:, at], zeros[:, at], ones[:, at], sums, *plan.local_band(tile.q0, tile.k0))
+        out = part[:, :n_rows]  # (heads, rows, Ev): contiguous per head
+        np.matmul(s, va[:, tile.k0:tile.k1], out=out)
+        weighted[:, at] += out
+        total[:, at] += sums
+    return weighted, total
+
+
 def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) -> slice | None:
     """Up to _SAMPLE_KEYS keys of [k_start, k_end) that every query of [q0, q1)
     may see, or None: only a band may exclude keys (no mask, mask_mod or
@@ -191,10 +229,11 @@ def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) ->
     return slice(start, end) if end > start else None
 
 
-def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka):
+def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka, band: bool = True):
     """(tile, s, part) for each piece (plan.pieces) of each key tile of a
     forward task that has an allowed pair: s (heads, rows, cols) its scores
-    less the shift in qa, masked (-inf where not allowed), in a scratch buffer
+    less the shift in qa, masked (-inf where not allowed; the band's edges
+    left to the fused kernel when `band` is False), in a scratch buffer
     reused by the next piece; part the piece's rows as offsets in the task."""
     b, h0, h1, q0 = rows.b, rows.h0, rows.h1, rows.q0
     cd = ka.dtype
@@ -202,7 +241,7 @@ def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka):
     for k_tile in range(rows.k_start, rows.k_end, plan.block_k):
         for r0, r1, k0, k1 in plan.pieces(q0, rows.q1, k_tile, min(k_tile + plan.block_k, rows.k_end)):
             tile = _Tile(b, h0, h1, r0, r1, k0, k1)
-            skip, blocked, adds = plan.tile_masks(tile, cd)
+            skip, blocked, adds = plan.tile_masks(tile, cd, band)
             if skip:
                 continue
             r, n = r1 - r0, k1 - k0
@@ -323,7 +362,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
     B, Hq, L, S = math.prod(shapes.batch), shapes.q_heads, shapes.L, shapes.S
     Hkv = shapes.kv_heads
     k, v = _flat(k, shapes, Hkv, cd), _flat(v, shapes, Hkv, cd)  # (B, Hkv, S, E), (B, Hkv, S, Ev)
-    if plan.key_ones:  # with a ones column each (few query rows take them as they are: FlashPlan.key_ones)
+    if plan.ones_in(cd):  # with a ones column each (few query rows, the fused tiles: as they are; FlashPlan)
         ka, va = scratch_arrays([(B, Hkv, S, shapes.E + 1), (B, Hkv, S, shapes.Ev + 1)], cd)
         k, v = _with_ones(k, out=ka), _with_ones(v, out=va)
     inputs = _ForwardInputs(_flat(q, shapes, Hq, cd), k, v)

@@ -143,6 +143,12 @@ def test_tokenizer_matches_transformers(encoder, hf_tokenizer):
     for text, mine, ids, types in zip(SENTENCES, ours, theirs["input_ids"], theirs["token_type_ids"]):
         assert mine.ids == ids, text
         assert mine.type_ids == types, text
+    # the model's path (no character offsets) gives the same numbers, truncation included
+    fast_ids, fast_types = encoder.tokenizer.encode_ids(SENTENCES + [LONG_TEXT])
+    for text, mine, ids, types in zip(SENTENCES + [LONG_TEXT], encoder.tokenizer.encode(SENTENCES + [LONG_TEXT]),
+                                      fast_ids, fast_types):
+        assert ids.dtype == types.dtype == np.intp
+        assert ids.tolist() == mine.ids and types.tolist() == mine.type_ids, text
 
 
 @pytest.mark.slow
@@ -258,6 +264,28 @@ def test_embeddings_match_sentence_transformers(encoder, st_embeddings):
         np.linalg.norm(got64, axis=1), np.linalg.norm(expected64, axis=1), np.ones(len(SENTENCES)),
         what="embedding norms",
     )
+
+
+@pytest.mark.slow
+def test_embeddings_with_compiled_kernels_match_sentence_transformers(encoder, st_embeddings):
+    """With the compiled kernels started, encode() takes the compiled packed attention (a spy
+    checks it ran) and stays within the budget of sentence-transformers' float32 error against
+    the float64 truth."""
+    from attnkit import kernels
+    from attnkit.kernels import elementwise
+
+    if not kernels.enabled():
+        pytest.skip(f"compiled kernels off: {kernels.reason_disabled()}")
+    elementwise.load()
+    expected, truth = st_embeddings
+    calls = []
+    real = elementwise.attention_softmax
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(elementwise, "attention_softmax", lambda s, scale: (calls.append(s.shape), real(s, scale)))
+        got = encoder.encode(SENTENCES, batch_size=7)
+    assert calls, "the compiled packed attention did not run"
+    assert got.shape == (len(SENTENCES), 384) and got.dtype == np.float32
+    assert_within_budget(got, expected, truth, what=f"embeddings of {len(SENTENCES)} sentences, compiled kernels")
 
 
 @pytest.mark.slow

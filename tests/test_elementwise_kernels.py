@@ -344,3 +344,130 @@ def test_attention_softmax_kernel_dtype_rules():
         m.setattr(compiled, "usable", lambda *a: False)
         half_ref = sdpa(*(x.astype(np.float16) for x in (q, k, v)), attn_mask=mask)
     assert_within_budget(half, half_ref, out64, "float16", ulps=4)
+
+
+# ----------------------------------------------------------------------------- packed encoder attention
+
+
+def _softmax64(s):
+    """float64 softmax over the last axis; a row of -inf gives weights 0."""
+    s = np.asarray(s, np.float64)
+    live = ~np.isneginf(s).all(-1, keepdims=True)
+    e = np.exp(s - np.where(live, s.max(-1, keepdims=True), 0))
+    total = e.sum(-1, keepdims=True)
+    return np.where(live, e / np.where(total > 0, total, 1), 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 3), (96, 24), (40, 53)])
+@pytest.mark.parametrize("scale", [0.125, 0.37])
+def test_attention_softmax_within_twice_numpy(rows, cols, scale):
+    """softmax(scale * s) of short rows, the exp over all rows at once: within twice the
+    NumPy reference's error (the scores scaled in float32, then its softmax lines) against
+    the float64 softmax of the same float32 scores."""
+    from attnkit.functional.attention import _softmax_inplace
+
+    rng = np.random.default_rng(rows * cols)
+    s = (rng.standard_normal((rows, cols)) * 20).astype(np.float32)
+    if rows > 2:
+        s[1] = 3.0  # a constant row: uniform weights
+        s[2, 0] = 1e4  # one dominant score: a one-hot row
+    ours = s.copy()
+    compiled.attention_softmax(ours, scale)
+    truth = _softmax64(np.float64(scale) * s.astype(np.float64))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        numpy_ref, _ = _softmax_inplace(s * np.float32(scale), np.dtype(np.float32))
+    assert ours.dtype == np.float32
+    assert_within_budget(ours, numpy_ref, truth, f"attention softmax {rows}x{cols}, scale {scale}", ulps=2)
+    np.testing.assert_allclose(ours.sum(-1, dtype=np.float64), 1.0, rtol=cols * F32_EPS)
+
+
+@needs_kernels
+def test_attention_softmax_rows_of_minus_infinity_and_nan():
+    """A row of -inf gives weights 0 (never NaN); NaN in a row makes that row NaN, as torch's
+    softmax does; the other rows are untouched by either."""
+    s = np.array([[-np.inf] * 4, [1.0, np.nan, 2.0, 0.0], [np.nan, 1.0, 2.0, 0.0], [1.0, 2.0, 3.0, 4.0]], np.float32)
+    compiled.attention_softmax(s, 0.5)
+    assert (s[0] == 0).all()
+    assert np.isnan(s[1]).all() and np.isnan(s[2]).all()
+    np.testing.assert_allclose(s[3], _softmax64(0.5 * np.array([1.0, 2.0, 3.0, 4.0])), rtol=4 * F32_EPS)
+
+
+def _random_bert(seed=0, hidden=64, heads=4):
+    from attnkit.models.bert import BertModel
+    from attnkit.models.bert_config import BertConfig
+
+    config = BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+                        intermediate_size=4 * hidden, max_position_embeddings=64)
+    model = BertModel(config)
+    rng = np.random.default_rng(seed)
+    model.load_state_dict({name: rng.standard_normal(param.shape) * 0.2 for name, param in model.named_parameters()})
+    return model
+
+
+@needs_kernels
+@pytest.mark.parametrize("lengths", [[9, 9, 9, 12, 12, 30], [5, 1, 17, 17, 3, 40, 2], [1]])
+def test_packed_encoder_attention_with_kernels_within_twice_the_numpy_path(lengths):
+    """A random BERT (2 layers, random biases of the size of the weights) on packed sequences
+    (runs of equal lengths, unsorted lengths, one token): the compiled attention on the
+    products (query bias only, the value bias through the output projection) against the
+    float64 model, within twice the float32 NumPy path's error (`varlen_attention` with
+    every bias added); the compiled path is checked to have run."""
+    model = _random_bert()
+    rng = np.random.default_rng(len(lengths))
+    ids = rng.integers(0, 100, sum(lengths))
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    model32 = model.astype(np.float32)
+    calls = []
+    real = compiled.attention_softmax
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "attention_softmax", lambda s, scale: (calls.append(s.shape), real(s, scale)))
+        ours = model32(ids, cu_seqlens=cu).last_hidden_state
+    assert len(calls) == 2 * (1 + int(np.count_nonzero(np.diff(lengths)))), calls  # a call per run of one length
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compiled, "usable", lambda *a: False)
+        numpy_ref = model32(ids, cu_seqlens=cu).last_hidden_state
+    truth = model.astype(np.float64)(ids, cu_seqlens=cu).last_hidden_state
+    assert ours.dtype == np.float32 and ours.shape == (sum(lengths), 64)
+    assert_within_budget(ours, numpy_ref, truth, f"packed hidden states {lengths}", ulps=8)
+
+
+def test_numpy_switch_keeps_the_packed_encoder_on_the_reference():
+    """ATTNKIT_KERNELS=numpy: a packed forward runs the NumPy reference and never loads the
+    compiled loops, even when asked to start them."""
+    code = (
+        "import sys, numpy as np\n"
+        "from attnkit.kernels import _start\n"
+        "from attnkit.models.bert import BertModel\n"
+        "from attnkit.models.bert_config import BertConfig\n"
+        "_start.load()\n"
+        "config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,\n"
+        "                    intermediate_size=64, max_position_embeddings=32)\n"
+        "model = BertModel(config).astype(np.float32)\n"
+        "out = model(np.arange(20) % 50, cu_seqlens=np.array([0, 7, 20])).last_hidden_state\n"
+        "assert np.isfinite(out).all()\n"
+        "assert 'attnkit.kernels._encoder_loops' not in sys.modules and 'numba' not in sys.modules\n"
+    )
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "ATTNKIT_KERNELS": "numpy"})
+    assert run.returncode == 0, run.stderr
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, cols, width", [(1, 1, 1), (5, 9, 3), (77, 1152, 384)])
+def test_add_bias_to_leading_columns_is_numpy_exactly(rows, cols, width):
+    """x[:, :F] += bias: one float32 addition per element, so the same bits as NumPy's; the
+    other columns untouched."""
+    rng = np.random.default_rng(cols)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    bias = rng.standard_normal(width).astype(np.float32)
+    ours = x.copy()
+    compiled.add_bias_to_leading_columns(ours, bias)
+    expected = x.copy()
+    expected[:, :width] += bias
+    np.testing.assert_array_equal(ours, expected)

@@ -1,13 +1,18 @@
 """The encoder's element-wise work, compiled: exact (erf) GELU with its linear layer's
-bias, LayerNorm with the residual and bias adds before it, and a row softmax, each
-beside the NumPy function it replaces (`attnkit.models.bert.gelu_inplace` and
-`_layer_norm_inplace`, `attnkit.nn.layers.gelu` and `layer_norm`, the softmax of
-`attnkit.functional.attention`), which stay the reference and run when `usable` says no.
+bias, LayerNorm with the residual and bias adds before it, a row softmax, and the
+scaled softmax of a packed encoder's short attention rows (with the query bias add
+before it), each beside the NumPy lines it replaces (`attnkit.models.bert.gelu_inplace`
+and `_layer_norm_inplace`, `attnkit.nn.layers.gelu` and `layer_norm`, the softmax of
+`attnkit.functional.attention`, which `attnkit.functional.varlen_attention` runs for
+the packed encoder), which stay the reference and run when `usable` says no.
 
 Every function works in place on C-contiguous float32 arrays and returns None.
 Error budget (docs/kernels.md): GELU uses the NumPy encoder's own erfc fit (relative
 error < 1.2e-7) with an exp within 1 ulp, so it stays within 2x the NumPy path's error;
-LayerNorm and softmax sum in float64, so their error is the final roundings only.
+LayerNorm and softmax sum in float64, so their error is the final roundings only;
+`attention_softmax` takes the same exp and float64 row sums (its scale multiplies the
+shifted scores: one more float32 rounding); `add_bias_to_leading_columns` is one float32
+addition per element, NumPy's bits.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import numpy as np
 from attnkit.kernels import enabled
 from attnkit.kernels._start import load, started, worth_it
 
-__all__ = ["SAVED_NS", "add_layer_norm", "gelu", "gelu_bias", "layer_norm", "load", "softmax", "started", "usable"]
+__all__ = ["SAVED_NS", "add_bias_to_leading_columns", "add_layer_norm", "attention_softmax", "gelu", "gelu_bias",
+           "layer_norm", "load", "softmax", "started", "usable"]
 
 
 SAVED_NS = 4.0
@@ -92,3 +98,33 @@ def softmax(scores: np.ndarray, lse: np.ndarray) -> None:
         lse: (...) C-contiguous float32, written.
     """
     _loops().softmax_rows(scores.reshape(-1, scores.shape[-1]), lse.reshape(-1))
+
+
+def _encoder_loops():
+    from attnkit.kernels import _encoder_loops  # numba loads here, on first use
+
+    return _encoder_loops
+
+
+def attention_softmax(scores: np.ndarray, scale: float) -> None:
+    """scores <- softmax(scale * scores) over the last axis, in place: the attention
+    weights of unmasked score rows, fast for short rows (an encoder's sentences; the exp
+    runs over all rows at once, see attnkit.kernels._encoder_loops). A row of -inf gives
+    weights 0; NaN in a row makes the row NaN.
+
+    Arguments:
+        scores: (..., S) C-contiguous float32, q k^T before scaling.
+        scale: > 0, the attention's scale (1 / sqrt(E) by default).
+    """
+    _encoder_loops().softmax_short_rows(scores.reshape(-1, scores.shape[-1]), np.float32(scale))
+
+
+def add_bias_to_leading_columns(x: np.ndarray, bias: np.ndarray) -> None:
+    """x[:, :F] += bias in place: NumPy's `x[:, :F] += bias`, which runs row by row over a
+    strided view (the query columns of fused q/k/v products).
+
+    Arguments:
+        x: (N, C) C-contiguous float32.
+        bias: (F,) float32, F <= C.
+    """
+    _encoder_loops().add_to_leading_columns(x, bias)

@@ -309,7 +309,9 @@ class BertModel(Module):
         Attention: a padded batch attends through each layer's attention module
         (`attend`: its backend, recorded by `record_attention`). A packed batch
         runs `attnkit.functional.varlen_attention` with the module's backend
-        ("naive" or "flash"); while the model is recorded or intervened on
+        ("naive" or "flash"; for "naive" in float32 with the compiled kernels on,
+        the same attention runs on the fused projections directly, without
+        copies); while the model is recorded or intervened on
         (`attnkit.nn.interface.intervene`), or for a backend
         varlen_attention does not know (one registered by a user), it goes
         through `attend` instead, for groups of up to ATTENTION_GROUP
@@ -350,10 +352,10 @@ class BertModel(Module):
                 raise ValueError(f"expected attention_mask of shape {(B, T)}, got {key_mask.shape}")
             key_mask = key_mask.astype(bool)
 
-        def attend(module: AttentionModule, qkv: np.ndarray) -> np.ndarray:
+        def attend(module: AttentionModule, qkv: np.ndarray, qkv_bias: np.ndarray | None):
             if packed:
-                return self._attend_packed(module, qkv, cu)
-            return self._attend_padded(module, qkv, B, key_mask)
+                return self._attend_packed(module, qkv, qkv_bias, cu)
+            return self._attend_padded(module, _add_bias(qkv, qkv_bias), B, key_mask), None
 
         recording = record_attention(self) if output_attentions else contextlib.nullcontext()
         with recording as recorded:
@@ -376,18 +378,22 @@ class BertModel(Module):
 
     # ----- one layer, on token rows
 
-    def _block(
-        self, block: TransformerBlock, x: np.ndarray, attend: Callable[[AttentionModule, np.ndarray], np.ndarray]
-    ) -> np.ndarray:
-        """One post-LN layer on token rows (N, D) -> new rows (N, D); `attend(module,
-        qkv)` turns the fused (N, 3D) projections into the (N, D) attention context.
-        Never writes to x (so the returned rows can be kept as hidden states)."""
+    def _block(self, block: TransformerBlock, x: np.ndarray, attend: Callable) -> np.ndarray:
+        """One post-LN layer on token rows (N, D) -> new rows (N, D). `attend(module, qkv,
+        qkv_bias)` turns the fused (N, 3D) products and their bias into the (N, D) attention
+        context, and returns it with the value bias when it left that out (else None):
+        each row of softmax weights sums to 1, so P (V + b_v) = P V + b_v, and b_v passes
+        through the output projection into its bias. Never writes to x (so the returned
+        rows can be kept as hidden states)."""
         attn, ffn = block.attn, block.ffn
         qkv_weight, qkv_bias = attn.fused_weights("qkv", x.dtype)
         qkv = x @ qkv_weight.T  # (N, 3D): one matrix product for the three projections
-        qkv += qkv_bias
-        y = attend(attn, qkv) @ attn.out_proj.weight.T  # (N, D)
-        x = _add_layer_norm_inplace(y, attn.out_proj.bias, x, block.norm1)  # LayerNorm(y + bias + x)
+        context, value_bias = attend(attn, qkv, qkv_bias)  # (N, D)
+        out_weight, out_bias = attn.out_proj.weight, attn.out_proj.bias
+        y = context @ out_weight.T  # (N, D)
+        if value_bias is not None:
+            out_bias = out_bias + value_bias @ out_weight.T  # (D,): b_o + W_o b_v
+        x = _add_layer_norm_inplace(y, out_bias, x, block.norm1)  # LayerNorm(y + bias + x)
         h = x @ ffn.fc1.weight.T  # (N, F)
         if h.dtype == np.float32:
             gelu_inplace(h, ffn.fc1.bias)
@@ -407,14 +413,30 @@ class BertModel(Module):
         out = module.attend(q, k, v, attn_mask=None if key_mask is None else key_mask[:, None, None, :])
         return out.transpose(0, 2, 1, 3).reshape(B * T, H * E)  # (B, T, H, E) -> rows
 
-    def _attend_packed(self, module: AttentionModule, qkv: np.ndarray, cu: np.ndarray) -> np.ndarray:
-        """(total, 3D) projections of packed sequences -> (total, D) context."""
+    def _attend_packed(
+        self, module: AttentionModule, qkv: np.ndarray, qkv_bias: np.ndarray | None, cu: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(total, 3D) products of packed sequences and their bias -> ((total, D) context, the
+        value bias when left out (see `_block`), else None).
+
+        With the compiled kernels, the naive backend and nobody recording or editing, the
+        attention runs on the products directly (`_packed_attention_compiled`) and only
+        the query bias is added: the key bias shifts each row of scores by one constant,
+        q . b_k, which the softmax removes, and the value bias is left to `_block`. Else the
+        whole bias is added and `varlen_attention` (the reference) or `attend` runs."""
         H, E = self.config.num_attention_heads, self.config.head_dim
+        D = H * E
         N = qkv.shape[0]
-        heads = qkv.reshape(N, 3, H, E)
-        if module.backend in VARLEN_BACKENDS and not (active_recorders(module) or active_edits(module)):
+        plain = not (active_recorders(module) or active_edits(module))
+        if plain and module.backend == "naive" and compiled.usable(qkv):
+            if qkv_bias is None:
+                return _packed_attention_compiled(qkv, cu, H, E), None
+            compiled.add_bias_to_leading_columns(qkv, qkv_bias[:D])  # qkv[:, :D] += b_q
+            return _packed_attention_compiled(qkv, cu, H, E), qkv_bias[2 * D :]
+        heads = _add_bias(qkv, qkv_bias).reshape(N, 3, H, E)
+        if module.backend in VARLEN_BACKENDS and plain:
             out = varlen_attention(heads[:, 0], heads[:, 1], heads[:, 2], cu, cu, backend=module.backend)
-            return out.reshape(N, H * E)
+            return out.reshape(N, D), None
         # Through `attend` (recorded, edited, or a backend varlen_attention does not know): pad
         # groups of consecutive sequences into contiguous (3, G, H, L, E) heads, masked.
         context = np.empty((N, H * E), qkv.dtype)
@@ -432,7 +454,37 @@ class BertModel(Module):
                 attn_mask=None if G == 1 else real[:, None, None, :],  # (G, 1, 1, L)
             )  # (G, H, L, E)
             context[rows] = out.transpose(0, 2, 1, 3)[real].reshape(-1, H * E)
-        return context
+        return context, None
+
+
+def _add_bias(products: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """products += bias (in place, when there is one); returns products."""
+    if bias is not None:
+        products += bias
+    return products
+
+
+def _packed_attention_compiled(qkv: np.ndarray, cu: np.ndarray, H: int, E: int) -> np.ndarray:
+    """softmax(q k^T / sqrt(E)) v per packed sequence and head, straight from the fused
+    (total, 3 H E) projections, with the compiled softmax for short rows
+    (`attnkit.kernels.elementwise.attention_softmax`): `varlen_attention`'s naive backend
+    (the reference) without its copies. Each run of consecutive sequences of one length L
+    is one batch: q, k and v are strided views of the projections, both products are
+    batched BLAS products on them, and P V lands in the context rows directly. Returns the
+    (total, H E) context."""
+    context = np.empty((qkv.shape[0], H * E), qkv.dtype)
+    lengths = np.diff(cu)
+    bounds = [0, *(np.flatnonzero(lengths[1:] != lengths[:-1]) + 1).tolist(), len(lengths)]
+    scale = 1.0 / math.sqrt(E)
+    for first, last in zip(bounds[:-1], bounds[1:]):
+        n, L = last - first, int(lengths[first])
+        rows = slice(int(cu[first]), int(cu[last]))
+        x = qkv[rows].reshape(n, L, 3, H, E)
+        scores = np.matmul(x[:, :, 0].transpose(0, 2, 1, 3), x[:, :, 1].transpose(0, 2, 3, 1))  # (n, H, L, L)
+        compiled.attention_softmax(scores, scale)
+        out = context[rows].reshape(n, L, H, E).transpose(0, 2, 1, 3)  # (n, H, L, E), a view
+        np.matmul(scores, x[:, :, 2].transpose(0, 2, 1, 3), out=out)  # P V
+    return context
 
 
 def load_bert(folder: str | Path) -> BertModel:
@@ -789,9 +841,7 @@ class SentenceEncoder:
         out = np.empty((len(texts), self.dim), np.float32)
         if not texts:
             return out
-        encodings = self.tokenizer.encode(texts)
-        ids = [np.asarray(e.ids, dtype=np.intp) for e in encodings]
-        types = [np.asarray(e.type_ids, dtype=np.intp) for e in encodings]
+        ids, types = self.tokenizer.encode_ids(texts)
         order = np.argsort([len(i) for i in ids], kind="stable")
         for start in range(0, len(texts), batch_size):
             batch = order[start : start + batch_size]

@@ -29,6 +29,7 @@ RMSNorm weights (attention, feed-forward per layer, then the final one).
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -255,24 +256,25 @@ def decode_step(token: int, slot: int, arrays: tuple, cos: np.ndarray, sin: np.n
     """Logits (V,) float32 of token `token` at cache index `slot`.
 
     Arguments:
-        arrays: (matrices, values, table, orders, norms, eps, heads, kv_heads, E) as the
-            module docstring describes them (numba typed lists, built once per model).
+        arrays: (matrices, values, table, orders, norms, eps, heads, kv_heads, E, V) as the
+            module docstring describes them (numba typed lists, built once per model; V the
+            vocabulary, the head's rows).
         cos, sin: (E,) float32, the token's rotary tables.
         keys, values: (L, Hkv, max, E) float32, the sequence's cache (the new key and value
             are written at `slot`).
         scale: the score scale.
         int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
-        parts: threads for the products (numba's thread count is set to it for the call).
+        parts: threads for the products (numba's thread count in this thread is set to it).
     """
-    matrices, blocks, table, orders, norms, eps, heads, kv_heads, E = arrays
+    matrices, blocks, table, orders, norms, eps, heads, kv_heads, E, vocab = arrays
     step = compiled()
-    logits = np.empty(matrices[len(matrices) - 1].shape[0], np.float32)
-    nb = kernels.numba()
-    previous = nb.get_num_threads()
-    nb.set_num_threads(parts)
-    try:
-        step(int(token), int(slot), matrices, blocks, table, orders, norms, eps, cos, sin, keys, values, heads,
-             kv_heads, E, float(scale), bool(int8), int(parts), quant._half_table(), logits)
-    finally:
-        nb.set_num_threads(previous)
+    logits = np.empty(vocab, np.float32)
+    if getattr(_threads, "parts", None) != parts:  # numba's setting is per thread; set it when it changes
+        kernels.numba().set_num_threads(parts)
+        _threads.parts = parts
+    step(int(token), int(slot), matrices, blocks, table, orders, norms, eps, cos, sin, keys, values, heads,
+         kv_heads, E, float(scale), bool(int8), int(parts), quant._half_table(), logits)
     return logits
+
+
+_threads = threading.local()  # the numba thread count this thread last set for the step

@@ -15,7 +15,7 @@ Every decode loop prefetches the blocks of the rows 16 ahead (the file's pages s
 hardware prefetcher at each 4 KB boundary). With `activations("int8")` (opt-in), the Q4_0,
 Q4_1 and Q8_0 decode loops run as llama.cpp's do:
 x quantized to 8 bits per block of 32 (`quantize_activations`), each block's dot product an
-exact int32 sum (`_dot_q4`, `_dot_q8`: LLVM IR that becomes `vpdpbusd` on AVX-512 VNNI);
+exact int32 sum (`_rows4_*`: loops in LLVM IR on `vpdpbusd` with AVX-512 VNNI, `vpmaddubsw` with AVX2);
 `matmul_int8_reference` is what they compute, in float64 (budget: docs/kernels.md).
 
 The NumPy reference beside them, `dequantize(raw, kind, K)`, writes out the block formats
@@ -428,73 +428,35 @@ def _quantize_x(x, bits, q, dx, xs, qsum):  # pragma: no cover - compiled
 def _matvec_q4_1_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
     """Q4_1 on 8-bit activations, four rows of W at a time:
     sum_k W[r, k] x[k] ~ sum_b d_b dx_b I_b + m_b xs_b,  I_b = sum_j nibble_j q_j,
-    an exact int32 sum (`_dot_q4`: unsigned nibbles times int8, one vector multiply-add on
-    AVX-512 VNNI, `vpdpbusd`). Eight float32 sums run side by side (four rows, the scale
-    and the minimum terms apart): one sum would wait on each block's multiply-add.
-    `qsum` is unused (one signature with Q4_0)."""
-    blocks, n = dx.shape[1], dx.shape[0]
+    each I_b exact in int32 lanes (`_rows4_q4_1`: a loop in LLVM IR whose block dot
+    products are `vpdpbusd` with AVX-512 VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2, and
+    stay in eight vector lanes, scaled by d_b dx_b, until the row ends: one horizontal sum
+    per row instead of one per block). `half` is unused (one signature with the others)."""
+    n = dx.shape[0]
     for i in range(n):
-        qi, dxi, xsi = q[i], dx[i], xs[i]
+        qi, dxi, xsi, qsi = q[i], dx[i], xs[i], qsum[i]
         for r0 in range(first, stop, 4):
             r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
             r2 = min(r0 + 2, stop - 1)
             r3 = min(r0 + 3, stop - 1)
-            ahead = min(r0 + PREFETCH_ROWS, stop - 1)
-            p0, p1 = raw[ahead], raw[min(ahead + 1, stop - 1)]
-            p2, p3 = raw[min(ahead + 2, stop - 1)], raw[min(ahead + 3, stop - 1)]
-            w0, w1, w2, w3 = raw[r0], raw[r1], raw[r2], raw[r3]
-            s0 = s1 = s2 = s3 = t0 = t1 = t2 = t3 = np.float32(0.0)
-            for b in range(blocks):
-                o = 20 * b
-                _prefetch(p0, o)  # noqa: F821
-                _prefetch(p1, o)  # noqa: F821
-                _prefetch(p2, o)  # noqa: F821
-                _prefetch(p3, o)  # noqa: F821
-                at = 32 * b
-                e = dxi[b]
-                m = xsi[b]
-                s0 += _half_at(w0, o) * e * np.float32(_dot_q4(w0, o + 4, qi, at))  # noqa: F821 - bound when compiled
-                s1 += _half_at(w1, o) * e * np.float32(_dot_q4(w1, o + 4, qi, at))  # noqa: F821
-                s2 += _half_at(w2, o) * e * np.float32(_dot_q4(w2, o + 4, qi, at))  # noqa: F821
-                s3 += _half_at(w3, o) * e * np.float32(_dot_q4(w3, o + 4, qi, at))  # noqa: F821
-                t0 += _half_at(w0, o + 2) * m  # noqa: F821
-                t1 += _half_at(w1, o + 2) * m  # noqa: F821
-                t2 += _half_at(w2, o + 2) * m  # noqa: F821
-                t3 += _half_at(w3, o + 2) * m  # noqa: F821
-            out[i, r0] = s0 + t0
-            out[i, r1] = s1 + t1
-            out[i, r2] = s2 + t2
-            out[i, r3] = s3 + t3
+            s0, s1, s2, s3 = _rows4_q4_1(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821 - bound when compiled
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
 
 
 def _matvec_q4_0_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
     """Q4_0 on 8-bit activations: W = d (nibble - 8), so I_b = sum_j nibble_j q_j - 8 qsum_b
-    (exact in int32) and the row's sum is sum_b d_b dx_b I_b; four rows at a time."""
-    blocks, n = dx.shape[1], dx.shape[0]
+    (the offset's term kept apart, in float32); four rows at a time (`_rows4_q4_0`)."""
+    n = dx.shape[0]
     for i in range(n):
-        qi, dxi, qs = q[i], dx[i], qsum[i]
+        qi, dxi, xsi, qsi = q[i], dx[i], xs[i], qsum[i]
         for r0 in range(first, stop, 4):
             r1 = min(r0 + 1, stop - 1)
             r2 = min(r0 + 2, stop - 1)
             r3 = min(r0 + 3, stop - 1)
-            ahead = min(r0 + PREFETCH_ROWS, stop - 1)
-            p0, p1 = raw[ahead], raw[min(ahead + 1, stop - 1)]
-            p2, p3 = raw[min(ahead + 2, stop - 1)], raw[min(ahead + 3, stop - 1)]
-            w0, w1, w2, w3 = raw[r0], raw[r1], raw[r2], raw[r3]
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for b in range(blocks):
-                o = 18 * b
-                _prefetch(p0, o)  # noqa: F821
-                _prefetch(p1, o)  # noqa: F821
-                _prefetch(p2, o)  # noqa: F821
-                _prefetch(p3, o)  # noqa: F821
-                at = 32 * b
-                e = dxi[b]
-                off = 8 * qs[b]
-                s0 += _half_at(w0, o) * e * np.float32(_dot_q4(w0, o + 2, qi, at) - off)  # noqa: F821
-                s1 += _half_at(w1, o) * e * np.float32(_dot_q4(w1, o + 2, qi, at) - off)  # noqa: F821
-                s2 += _half_at(w2, o) * e * np.float32(_dot_q4(w2, o + 2, qi, at) - off)  # noqa: F821
-                s3 += _half_at(w3, o) * e * np.float32(_dot_q4(w3, o + 2, qi, at) - off)  # noqa: F821
+            s0, s1, s2, s3 = _rows4_q4_0(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821
             out[i, r0] = s0
             out[i, r1] = s1
             out[i, r2] = s2
@@ -502,37 +464,148 @@ def _matvec_q4_0_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: 
 
 
 def _matvec_q8_0_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
-    """Q8_0 on 8-bit activations: sum_b d_b dx_b I_b, I_b = sum_j w_j q_j an exact int32 sum of
-    int8 times int8 (`_dot_q8`); four rows at a time. `half`, `xs`, `qsum` are unused (one
-    signature with the Q4 loops)."""
-    blocks, n = dx.shape[1], dx.shape[0]
+    """Q8_0 on 8-bit activations: sum_b d_b dx_b I_b, I_b = sum_j w_j q_j of int8 times
+    int8, as |w| (unsigned) times q sign(w) (q is never -128, so nothing overflows), the
+    same instructions as the Q4 loops (`_rows4_q8_0`); four rows at a time."""
+    n = dx.shape[0]
     for i in range(n):
-        qi, dxi = q[i], dx[i]
+        qi, dxi, xsi, qsi = q[i], dx[i], xs[i], qsum[i]
         for r0 in range(first, stop, 4):
             r1 = min(r0 + 1, stop - 1)
             r2 = min(r0 + 2, stop - 1)
             r3 = min(r0 + 3, stop - 1)
-            ahead = min(r0 + PREFETCH_ROWS, stop - 1)
-            p0, p1 = raw[ahead], raw[min(ahead + 1, stop - 1)]
-            p2, p3 = raw[min(ahead + 2, stop - 1)], raw[min(ahead + 3, stop - 1)]
-            w0, w1, w2, w3 = raw[r0], raw[r1], raw[r2], raw[r3]
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for b in range(blocks):
-                o = 34 * b
-                _prefetch(p0, o)  # noqa: F821
-                _prefetch(p1, o)  # noqa: F821
-                _prefetch(p2, o)  # noqa: F821
-                _prefetch(p3, o)  # noqa: F821
-                at = 32 * b
-                e = dxi[b]
-                s0 += _half_at(w0, o) * e * np.float32(_dot_q8(w0, o + 2, qi, at))  # noqa: F821
-                s1 += _half_at(w1, o) * e * np.float32(_dot_q8(w1, o + 2, qi, at))  # noqa: F821
-                s2 += _half_at(w2, o) * e * np.float32(_dot_q8(w2, o + 2, qi, at))  # noqa: F821
-                s3 += _half_at(w3, o) * e * np.float32(_dot_q8(w3, o + 2, qi, at))  # noqa: F821
+            s0, s1, s2, s3 = _rows4_q8_0(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821
             out[i, r0] = s0
             out[i, r1] = s1
             out[i, r2] = s2
             out[i, r3] = s3
+
+
+_BLOCK_BYTES = {"q4_1": 20, "q4_0": 18, "q8_0": 34}
+
+
+def _dot_instructions() -> str:
+    """Which block dot product the IR loops emit: "vnni" (AVX-512 VNNI), "avx2", or
+    "generic" (LLVM's own lowering), from the host's features; "generic" when numba
+    compiles for another CPU (NUMBA_CPU_NAME)."""
+    from llvmlite import binding
+
+    nb = kernels.numba()
+    if nb.config.CPU_NAME not in (None, "", "host"):
+        return "generic"
+    features = binding.get_host_cpu_features()
+    if features.get("avx512vnni", False) and features.get("avx512vl", False):
+        return "vnni"
+    return "avx2" if features.get("avx2", False) else "generic"
+
+
+def _rows4_codegen(kind):  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)`: four rows of
+    W (blocks of `kind`) against one row of 8-bit x, returning their four sums. Per block:
+    the 32 weights as unsigned bytes (nibbles; Q8_0's |w|) against x's 32 signed bytes
+    (Q8_0: times sign(w)), summed into eight int32 lanes, converted (exact), scaled by
+    d_b dx_b and added to eight float32 lanes per row (allocas that LLVM keeps in
+    registers); the minimum's (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The
+    rows 16 ahead are prefetched (`_prefetch`'s reason)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = _BLOCK_BYTES[kind]
+    dot = _dot_instructions()
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, q, dx, xs, qsum = args
+        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        lanes_f, lanes_i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+        bytes32, bytes16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        proxy = cgutils.create_struct_proxy
+        matrix = proxy(signature.args[0])(context, builder, value=raw)
+        stride = builder.extract_value(matrix.strides, 0)
+        q_data = proxy(signature.args[5])(context, builder, value=q).data
+        dx_array = proxy(signature.args[6])(context, builder, value=dx)
+        xs_data = proxy(signature.args[7])(context, builder, value=xs).data
+        qsum_data = proxy(signature.args[8])(context, builder, value=qsum).data
+        blocks = builder.extract_value(dx_array.shape, 0)
+        rows = [builder.gep(matrix.data, [builder.mul(r, stride)]) for r in (r0, r1, r2, r3)]
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes_f, [0.0] * 8)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+        module = builder.module
+        prefetch = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+        if dot == "vnni":
+            vpdpbusd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(lanes_i, [lanes_i, lanes_i, lanes_i]), "llvm.x86.avx512.vpdpbusd.256")
+        elif dot == "avx2":
+            words = ir.VectorType(i16, 16)
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(words, [bytes32, bytes32]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(lanes_i, [words, words]),
+                                                    "llvm.x86.avx2.pmadd.wd")
+
+        def block_dot(unsigned, signed):  # <32 x i8> (as unsigned) . <32 x i8> -> <8 x i32>
+            if dot == "vnni":
+                return builder.call(vpdpbusd, [ir.Constant(lanes_i, [0] * 8), builder.bitcast(unsigned, lanes_i),
+                                               builder.bitcast(signed, lanes_i)])
+            if dot == "avx2":  # pairs of products fit int16: 2 * 255 * 127 < 32768
+                pairs = builder.call(maddubs, [unsigned, signed])
+                return builder.call(maddwd, [pairs, ir.Constant(ir.VectorType(i16, 16), [1] * 16)])
+            wide = ir.VectorType(i32, 32)
+            products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
+            parts = [builder.shuffle_vector(products, products, ir.Constant(lanes_i, list(range(8 * k, 8 * k + 8))))
+                     for k in range(4)]
+            return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+        def half_at(pointer):
+            return builder.fpext(builder.load(builder.bitcast(pointer, ir.HalfType().as_pointer()), align=1), f32)
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            ahead = builder.add(builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS)), offset)
+            for row in rows:  # never faults: a prefetch past the end is dropped
+                builder.call(prefetch, [builder.gep(row, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                        ir.Constant(i32, 1)])
+            e = builder.load(builder.gep(dx_array.data, [b]))
+            x = builder.load(builder.bitcast(builder.gep(q_data, [builder.mul(b, ir.Constant(b.type, 32))]),
+                                             bytes32.as_pointer()), align=1)
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                d = half_at(block)
+                if kind == "q8_0":
+                    w = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, 2)]), bytes32.as_pointer()),
+                                     align=1)
+                    zero = ir.Constant(bytes32, [0] * 32)
+                    negative = builder.icmp_signed("<", w, zero)
+                    unsigned = builder.select(negative, builder.sub(zero, w), w)
+                    signed = builder.select(negative, builder.sub(zero, x), x)
+                else:
+                    at = 4 if kind == "q4_1" else 2
+                    packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
+                                                          bytes16.as_pointer()), align=1)
+                    low = builder.and_(packed, ir.Constant(bytes16, [15] * 16))
+                    high = builder.lshr(packed, ir.Constant(bytes16, [4] * 16))
+                    unsigned = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+                    signed = x
+                scale = builder.fmul(d, e)
+                lanes = builder.sitofp(block_dot(unsigned, signed), lanes_f)
+                spread = builder.insert_element(ir.Constant(lanes_f, ir.Undefined), scale, ir.Constant(i32, 0))
+                spread = builder.shuffle_vector(spread, spread, ir.Constant(lanes_i, [0] * 8))
+                builder.store(builder.fadd(builder.load(total), builder.fmul(lanes, spread)), total)
+                if kind == "q4_1":  # m_b xs_b
+                    m = half_at(builder.gep(block, [ir.Constant(i32, 2)]))
+                    part = builder.fmul(m, builder.load(builder.gep(xs_data, [b])))
+                    builder.store(builder.fadd(builder.load(term), part), term)
+                elif kind == "q4_0":  # -8 d_b dx_b qsum_b
+                    count = builder.sitofp(builder.load(builder.gep(qsum_data, [b])), f32)
+                    part = builder.fmul(builder.fmul(scale, ir.Constant(f32, -8.0)), count)
+                    builder.store(builder.fadd(builder.load(term), part), term)
+        reduce = cgutils.get_or_insert_function(module, ir.FunctionType(f32, [f32, lanes_f]),
+                                                "llvm.vector.reduce.fadd.v8f32")
+        results = [builder.fadd(builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)]), builder.load(term))
+                   for total, term in zip(sums, terms)]
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
 
 
 def _half_codegen(context, builder, signature, args):  # pragma: no cover - compiled
@@ -545,57 +618,6 @@ def _half_codegen(context, builder, signature, args):  # pragma: no cover - comp
     data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
     bits = builder.load(builder.bitcast(builder.gep(data, [at]), ir.IntType(16).as_pointer()), align=1)
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
-
-
-def _dot_q4_codegen(context, builder, signature, args):  # pragma: no cover - compiled
-    """LLVM IR of `_dot_q4(w, w_at, x, x_at)`: the 16 bytes w[w_at:] as 32 nibbles (low ones
-    first, a Q4 block's order) times the 32 int8 x[x_at:], summed in int32:
-    reduce.add(zext(nibbles) * sext(x)), the pattern LLVM lowers to `vpdpbusd` (VNNI) or
-    to `vpmaddubsw`/`vpmaddwd` (AVX2)."""
-    from llvmlite import ir
-    from numba.core import cgutils
-
-    w, w_at, x, x_at = args
-    w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
-    x_data = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=x).data
-    i8, i32 = ir.IntType(8), ir.IntType(32)
-    bytes16, bytes32, ints32 = ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i32, 32)
-    packed = builder.load(builder.bitcast(builder.gep(w_data, [w_at]), bytes16.as_pointer()), align=1)
-    xv = builder.load(builder.bitcast(builder.gep(x_data, [x_at]), bytes32.as_pointer()), align=1)
-    low = builder.and_(packed, ir.Constant(bytes16, [15] * 16))
-    high = builder.lshr(packed, ir.Constant(bytes16, [4] * 16))
-    nibbles = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
-    products = builder.mul(builder.zext(nibbles, ints32), builder.sext(xv, ints32))
-    reduce = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(i32, [ints32]), "llvm.vector.reduce.add.v32i32"
-    )
-    return builder.call(reduce, [products])
-
-
-def _dot_q8_codegen(context, builder, signature, args):  # pragma: no cover - compiled
-    """LLVM IR of `_dot_q8(w, w_at, x, x_at)`: the 32 int8 w[w_at:] times the 32 int8 x[x_at:],
-    summed in int32, as |w| (unsigned) times x * sign(w) (x is never -128, so that cannot
-    overflow): reduce.add(zext(|w|) * sext(x sign(w))), the pattern of `_dot_q4` that LLVM
-    lowers to `vpdpbusd` (VNNI) or `vpmaddubsw` (AVX2), as llama.cpp's Q8_0 dot products do."""
-    from llvmlite import ir
-    from numba.core import cgutils
-
-    w, w_at, x, x_at = args
-    w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
-    x_data = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=x).data
-    i8, i32 = ir.IntType(8), ir.IntType(32)
-    bytes32, ints32 = ir.VectorType(i8, 32), ir.VectorType(i32, 32)
-    wv = builder.load(builder.bitcast(builder.gep(w_data, [w_at]), bytes32.as_pointer()), align=1)
-    xv = builder.load(builder.bitcast(builder.gep(x_data, [x_at]), bytes32.as_pointer()), align=1)
-    zero = ir.Constant(bytes32, [0] * 32)
-    negative = builder.icmp_signed("<", wv, zero)
-    magnitude = builder.select(negative, builder.sub(zero, wv), wv)  # |w| as unsigned (|-128| = 128)
-    signed_x = builder.select(negative, builder.sub(zero, xv), xv)
-    products = builder.mul(builder.zext(magnitude, ints32), builder.sext(signed_x, ints32))
-    reduce = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(i32, [ints32]), "llvm.vector.reduce.add.v32i32"
-    )
-    return builder.call(reduce, [products])
 
 
 def _prefetch_codegen(context, builder, signature, args):  # pragma: no cover - compiled
@@ -816,27 +838,26 @@ def _compiled() -> dict:
     g["_split"] = nb.njit(cache=True)(_split)
     types = nb.types
 
-    def _dot_q4_typing(typingctx, w, w_at, x, x_at):
-        return types.int32(w, w_at, x, x_at), _dot_q4_codegen
-
     from numba.extending import intrinsic
-
-    g["_dot_q4"] = intrinsic(_dot_q4_typing)
 
     def _half_typing(typingctx, w, at):
         return types.float32(w, at), _half_codegen
 
     g["_half_at"] = intrinsic(_half_typing)
 
-    def _dot_q8_typing(typingctx, w, w_at, x, x_at):
-        return types.int32(w, w_at, x, x_at), _dot_q8_codegen
-
-    g["_dot_q8"] = intrinsic(_dot_q8_typing)
-
     def _prefetch_typing(typingctx, w, at):
         return types.none(w, at), _prefetch_codegen
 
     g["_prefetch"] = intrinsic(_prefetch_typing)
+
+    def rows4(kind):
+        def _rows4_typing(typingctx, raw, r0, r1, r2, r3, q, dx, xs, qsum):
+            return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, q, dx, xs, qsum), _rows4_codegen(kind)
+
+        return intrinsic(_rows4_typing)
+
+    for kind in _BLOCK_BYTES:
+        g[f"_rows4_{kind}"] = rows4(kind)
     loops = {
         "q4_1": nb.njit(**serial)(_matvec_q4_1),
         "q4_0": nb.njit(**serial)(_matvec_q4_0),

@@ -290,6 +290,41 @@ def test_int8_products_within_their_budget(kind, gguf):
     np.testing.assert_array_equal(one, two)
 
 
+def test_int8_block_dots_on_every_instruction_set(gguf):
+    """The IR loops' three ways to a block's dot product (AVX-512 VNNI, AVX2, LLVM's generic
+    lowering), each the host can run, give the same sums, within float32 roundings of the
+    float64 `matmul_int8_reference` (another CPU takes another branch: all are checked here)."""
+    compiled_or_skip()
+    nb = kernels.numba()
+    available = ["generic"] + [dot for dot in ("avx2", "vnni") if dot == quant._dot_instructions()
+                               or (dot == "avx2" and quant._dot_instructions() == "vnni")]
+    rng = np.random.default_rng(9)
+    K = 32 * 6
+    for kind in quant.INT8_TYPES:
+        raw = random_blocks(kind, 9, K, rng)
+        x = (rng.standard_normal((1, K)) * np.exp(rng.standard_normal((1, K)))).astype(np.float32)
+        q, dx, xs = quant.quantize_activations(x)
+        qsum = q.reshape(1, -1, 32).astype(np.int32).sum(axis=2)
+        exact = quant.matmul_int8_reference(x, raw, kind, K)[0]
+        size = ((np.abs(x) + 1) @ (np.abs(oracle(raw, kind, K).astype(np.float64)) + minimums(raw, kind, K)).T)[0]
+        sums = {}
+        for dot in available:
+            rows4 = quant._rows4_intrinsic(kind.lower(), dot)
+
+            @nb.njit
+            def run(raw, q, dx, xs, qsum, rows4=rows4):
+                out = np.empty(raw.shape[0], np.float32)
+                for r0 in range(0, raw.shape[0], 4):
+                    r1, r2, r3 = min(r0 + 1, raw.shape[0] - 1), min(r0 + 2, raw.shape[0] - 1), min(r0 + 3, raw.shape[0] - 1)
+                    out[r0], out[r1], out[r2], out[r3] = rows4(raw, r0, r1, r2, r3, q, dx, xs, qsum)
+                return out
+
+            sums[dot] = run(raw, q[0], dx[0], xs[0], qsum[0])
+            assert (np.abs(sums[dot] - exact) <= (K // 32 + 4) * U * size).all(), (kind, dot)
+        for dot in available[1:]:
+            np.testing.assert_allclose(sums[dot], sums["generic"], rtol=0, atol=(K // 32 + 4) * U * size.max())
+
+
 def test_int8_activations_leave_other_paths_alone(gguf):
     """Prefill, the other types and the NumPy reference ignore the setting; the default is
     float32; a wrong name is refused."""

@@ -499,7 +499,7 @@ def _dot_instructions() -> str:
     return "avx2" if features.get("avx2", False) else "generic"
 
 
-def _rows4_codegen(kind):  # pragma: no cover - compiled
+def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
     """The LLVM IR of `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)`: four rows of
     W (blocks of `kind`) against one row of 8-bit x, returning their four sums. Per block:
     the 32 weights as unsigned bytes (nibbles; Q8_0's |w|) against x's 32 signed bytes
@@ -511,7 +511,7 @@ def _rows4_codegen(kind):  # pragma: no cover - compiled
     from numba.core import cgutils
 
     size = _BLOCK_BYTES[kind]
-    dot = _dot_instructions()
+    dot = dot or _dot_instructions()
 
     def codegen(context, builder, signature, args):
         raw, r0, r1, r2, r3, q, dx, xs, qsum = args
@@ -826,6 +826,18 @@ def _parallel_dequantize(raw, values, start, code, half, out, parts):  # pragma:
 _FASTMATH = {"reassoc", "contract", "nsz"}  # reorder sums; NaN and inf still propagate
 
 
+def _rows4_intrinsic(kind: str, dot: str | None = None):
+    """The numba intrinsic `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)` -> four
+    float32 sums, its block dots on `dot` ("vnni", "avx2", "generic"; default: the host's)."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    def _rows4_typing(typingctx, raw, r0, r1, r2, r3, q, dx, xs, qsum):
+        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, q, dx, xs, qsum), _rows4_codegen(kind, dot)
+
+    return intrinsic(_rows4_typing)
+
+
 @lru_cache(maxsize=1)
 def _compiled() -> dict:
     """The loops above compiled by numba (cached on disk), bound into this module's globals
@@ -850,14 +862,8 @@ def _compiled() -> dict:
 
     g["_prefetch"] = intrinsic(_prefetch_typing)
 
-    def rows4(kind):
-        def _rows4_typing(typingctx, raw, r0, r1, r2, r3, q, dx, xs, qsum):
-            return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, q, dx, xs, qsum), _rows4_codegen(kind)
-
-        return intrinsic(_rows4_typing)
-
     for kind in _BLOCK_BYTES:
-        g[f"_rows4_{kind}"] = rows4(kind)
+        g[f"_rows4_{kind}"] = _rows4_intrinsic(kind)
     loops = {
         "q4_1": nb.njit(**serial)(_matvec_q4_1),
         "q4_0": nb.njit(**serial)(_matvec_q4_0),

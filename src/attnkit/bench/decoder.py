@@ -461,7 +461,7 @@ def report_from_raw(raw: dict[str, Any]):
                      None if lcpp is None else round(lcpp, 1), f"{r['ratio']:.2f}x transformers"])
         if "attnkit int8" in rate:
             int8_ratio = r.get("llama_cpp_ratio_int8")
-            rows.append([f"the same, attnkit on 8-bit activations (--int8)", t, raw["prompt_tokens"],
+            rows.append(["the same, attnkit on 8-bit activations (--int8)", t, raw["prompt_tokens"],
                          round(rate["attnkit int8"], 1), None, None if lcpp is None else round(lcpp, 1),
                          None if int8_ratio is None else f"{int8_ratio:.2f}x llama.cpp"])
         rows.append(["decode tokens/s (steps only)", t, None, round(r["decode_tokens_per_second"], 1),

@@ -73,20 +73,15 @@ def _product(raw, values, code, x, first, stop, int8, half, xl, xh, xs, q, dx, x
     if int8 and (code == 3 or code == 4 or code == 7):
         q2, dx2 = q[:K].reshape(1, K), dx[:blocks].reshape(1, blocks)
         xs2, qs2 = xsq[:blocks].reshape(1, blocks), qsum[:blocks].reshape(1, blocks)
-        if code == 4:
-            _q4_1_int8(raw, half, q2, dx2, xs2, qs2, out2, first, stop)  # noqa: F821
-        elif code == 3:
-            _q4_0_int8(raw, half, q2, dx2, xs2, qs2, out2, first, stop)  # noqa: F821
-        else:
-            _q8_0_int8(raw, half, q2, dx2, xs2, qs2, out2, first, stop)  # noqa: F821
+        _int8(raw, code, q2, dx2, xs2, qs2, out2, first, stop)  # noqa: F821
     elif code == 4 or code == 3:
         xl2, xh2, xs2 = xl[: K // 2].reshape(1, K // 2), xh[: K // 2].reshape(1, K // 2), xs[:blocks].reshape(1, blocks)
         if code == 4:
-            _q4_1(raw, half, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
+            _q4_1(raw, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
         else:
-            _q4_0(raw, half, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
+            _q4_0(raw, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
     elif code == 7:
-        _q8_0(raw, values, half, x.reshape(1, K), out2, first, stop)  # noqa: F821
+        _q8_0(raw, values, x.reshape(1, K), out2, first, stop)  # noqa: F821
     else:
         _rows(raw, values, code, half, x.reshape(1, K), out2, first, stop)  # noqa: F821
 
@@ -242,7 +237,7 @@ def compiled():
         "prange": nb.prange,
         "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row,
         "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"], "_rows": loops["rows"],
-        "_q4_1_int8": loops["q4_1_int8"], "_q4_0_int8": loops["q4_0_int8"], "_q8_0_int8": loops["q8_0_int8"],
+        "_int8": loops["int8"],
     })
     options = dict(cache=True, fastmath=quant._FASTMATH, nogil=True)
     for name in ("_prepare", "_product", "_rms_norm", "_rotate"):

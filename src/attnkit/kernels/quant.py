@@ -291,11 +291,12 @@ def matmul_int8_reference(x: np.ndarray, raw: np.ndarray, kind: str, columns: in
 
 
 # ----------------------------------------------------------------------------- compiled loops
-# Plain Python, compiled by numba in `_compiled()`; `half` is the float16 -> float32 table
-# (65,536 entries), so a block scale is one lookup of its two bytes.
+# Plain Python, compiled by numba in `_compiled()`. The product loops read a block's float16
+# scale with `_half_at` (one `vcvtph2ps`); the dequantizing loops take `half`, the float16 ->
+# float32 table (65,536 entries), so a scale is one lookup of its two bytes.
 
 
-def _matvec_q4_1(raw, half, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
+def _matvec_q4_1(raw, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
     """Q4_1, two rows of W at a time (they share the loads of x).
 
     W[r, 32b + j] = d (qs[j] & 15) + m,  W[r, 32b + 16 + j] = d (qs[j] >> 4) + m
@@ -335,7 +336,7 @@ def _matvec_q4_1(raw, half, xlo, xhi, xsum, out, first, stop):  # pragma: no cov
             out[i, r1] = a1.sum() + m1
 
 
-def _matvec_q4_0(raw, half, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
+def _matvec_q4_0(raw, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
     """Q4_0 as `_matvec_q4_1`: W = d (q - 8), so the block's minimum term is -8 d_b xsum[b]."""
     blocks, n = xsum.shape[1], xsum.shape[0]
     a0 = np.empty(16, np.float32)
@@ -370,7 +371,7 @@ def _matvec_q4_0(raw, half, xlo, xhi, xsum, out, first, stop):  # pragma: no cov
             out[i, r1] = a1.sum() + m1
 
 
-def _matvec_q8_0(raw, values, half, x, out, first, stop):  # pragma: no cover - compiled
+def _matvec_q8_0(raw, values, x, out, first, stop):  # pragma: no cover - compiled
     """Q8_0, two rows at a time: W[r, 32b + j] = d * qs[j] (int8; `values` is raw viewed as int8)."""
     n, blocks = x.shape[0], x.shape[1] // 32
     a0 = np.empty(32, np.float32)
@@ -425,13 +426,11 @@ def _quantize_x(x, bits, q, dx, xs, qsum):  # pragma: no cover - compiled
             xs[i, b] = np.float32(np.float64(d) * s)  # the 8-bit values' sum (NaN where d is)
 
 
-def _matvec_q4_1_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
-    """Q4_1 on 8-bit activations, four rows of W at a time:
-    sum_k W[r, k] x[k] ~ sum_b d_b dx_b I_b + m_b xs_b,  I_b = sum_j nibble_j q_j,
-    each I_b exact in int32 lanes (`_rows4_q4_1`: a loop in LLVM IR whose block dot
-    products are `vpdpbusd` with AVX-512 VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2, and
-    stay in eight vector lanes, scaled by d_b dx_b, until the row ends: one horizontal sum
-    per row instead of one per block). `half` is unused (one signature with the others)."""
+def _matvec_int8(raw, code, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
+    """W (blocks of type `code`: Q4_0, Q4_1 or Q8_0) on 8-bit activations, four rows at a
+    time through the IR loops `_rows4_<kind>` (see `_rows4_codegen`):
+    sum_k W[r, k] x[k] ~ sum_b d_b dx_b I_b (+ m_b xs_b for Q4_1; - 8 d_b dx_b qsum_b for
+    Q4_0), each I_b exact in int32 lanes, kept in vector lanes until the row ends."""
     n = dx.shape[0]
     for i in range(n):
         qi, dxi, xsi, qsi = q[i], dx[i], xs[i], qsum[i]
@@ -439,42 +438,12 @@ def _matvec_q4_1_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: 
             r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
             r2 = min(r0 + 2, stop - 1)
             r3 = min(r0 + 3, stop - 1)
-            s0, s1, s2, s3 = _rows4_q4_1(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821 - bound when compiled
-            out[i, r0] = s0
-            out[i, r1] = s1
-            out[i, r2] = s2
-            out[i, r3] = s3
-
-
-def _matvec_q4_0_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
-    """Q4_0 on 8-bit activations: W = d (nibble - 8), so I_b = sum_j nibble_j q_j - 8 qsum_b
-    (the offset's term kept apart, in float32); four rows at a time (`_rows4_q4_0`)."""
-    n = dx.shape[0]
-    for i in range(n):
-        qi, dxi, xsi, qsi = q[i], dx[i], xs[i], qsum[i]
-        for r0 in range(first, stop, 4):
-            r1 = min(r0 + 1, stop - 1)
-            r2 = min(r0 + 2, stop - 1)
-            r3 = min(r0 + 3, stop - 1)
-            s0, s1, s2, s3 = _rows4_q4_0(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821
-            out[i, r0] = s0
-            out[i, r1] = s1
-            out[i, r2] = s2
-            out[i, r3] = s3
-
-
-def _matvec_q8_0_int8(raw, half, q, dx, xs, qsum, out, first, stop):  # pragma: no cover - compiled
-    """Q8_0 on 8-bit activations: sum_b d_b dx_b I_b, I_b = sum_j w_j q_j of int8 times
-    int8, as |w| (unsigned) times q sign(w) (q is never -128, so nothing overflows), the
-    same instructions as the Q4 loops (`_rows4_q8_0`); four rows at a time."""
-    n = dx.shape[0]
-    for i in range(n):
-        qi, dxi, xsi, qsi = q[i], dx[i], xs[i], qsum[i]
-        for r0 in range(first, stop, 4):
-            r1 = min(r0 + 1, stop - 1)
-            r2 = min(r0 + 2, stop - 1)
-            r3 = min(r0 + 3, stop - 1)
-            s0, s1, s2, s3 = _rows4_q8_0(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821
+            if code == 4:
+                s0, s1, s2, s3 = _rows4_q4_1(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821 - bound when compiled
+            elif code == 3:
+                s0, s1, s2, s3 = _rows4_q4_0(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821
+            else:
+                s0, s1, s2, s3 = _rows4_q8_0(raw, r0, r1, r2, r3, qi, dxi, xsi, qsi)  # noqa: F821
             out[i, r0] = s0
             out[i, r1] = s1
             out[i, r2] = s2
@@ -759,52 +728,36 @@ def _split(rows, parts):  # pragma: no cover - compiled
     return (step + 3) // 4 * 4
 
 
-def _parallel_q4_1(raw, half, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
+def _parallel_q4_1(raw, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
     step = _split(raw.shape[0], parts)
     for p in prange(parts):  # noqa: F821 - numba's prange, bound when compiled
         a, b = p * step, min(raw.shape[0], (p + 1) * step)
         if a < b:
-            _matvec_q4_1_serial(raw, half, xlo, xhi, xsum, out, a, b)
+            _matvec_q4_1_serial(raw, xlo, xhi, xsum, out, a, b)
 
 
-def _parallel_q4_0(raw, half, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
+def _parallel_q4_0(raw, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
     step = _split(raw.shape[0], parts)
     for p in prange(parts):  # noqa: F821
         a, b = p * step, min(raw.shape[0], (p + 1) * step)
         if a < b:
-            _matvec_q4_0_serial(raw, half, xlo, xhi, xsum, out, a, b)
+            _matvec_q4_0_serial(raw, xlo, xhi, xsum, out, a, b)
 
 
-def _parallel_q4_1_int8(raw, half, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
+def _parallel_int8(raw, code, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
     step = _split(raw.shape[0], parts)
     for p in prange(parts):  # noqa: F821
         a, b = p * step, min(raw.shape[0], (p + 1) * step)
         if a < b:
-            _matvec_q4_1_int8_serial(raw, half, q, dx, xs, qsum, out, a, b)
+            _matvec_int8_serial(raw, code, q, dx, xs, qsum, out, a, b)
 
 
-def _parallel_q4_0_int8(raw, half, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
+def _parallel_q8_0(raw, values, x, out, parts):  # pragma: no cover - compiled
     step = _split(raw.shape[0], parts)
     for p in prange(parts):  # noqa: F821
         a, b = p * step, min(raw.shape[0], (p + 1) * step)
         if a < b:
-            _matvec_q4_0_int8_serial(raw, half, q, dx, xs, qsum, out, a, b)
-
-
-def _parallel_q8_0_int8(raw, half, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_q8_0_int8_serial(raw, half, q, dx, xs, qsum, out, a, b)
-
-
-def _parallel_q8_0(raw, values, half, x, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_q8_0_serial(raw, values, half, x, out, a, b)
+            _matvec_q8_0_serial(raw, values, x, out, a, b)
 
 
 def _parallel_rows(raw, values, code, half, x, out, parts):  # pragma: no cover - compiled
@@ -870,12 +823,10 @@ def _compiled() -> dict:
         "q8_0": nb.njit(**serial)(_matvec_q8_0),
         "rows": nb.njit(**serial)(_matvec_rows),
         "dequantize": nb.njit(**serial)(_dequantize_rows),
-        "q4_1_int8": nb.njit(**serial)(_matvec_q4_1_int8),
-        "q4_0_int8": nb.njit(**serial)(_matvec_q4_0_int8),
-        "q8_0_int8": nb.njit(**serial)(_matvec_q8_0_int8),
+        "int8": nb.njit(**serial)(_matvec_int8),
         "quantize_x": nb.njit(**serial)(_quantize_x),
     }
-    for name in ("q4_1", "q4_0", "q8_0", "rows", "q4_1_int8", "q4_0_int8", "q8_0_int8"):
+    for name in ("q4_1", "q4_0", "q8_0", "rows", "int8"):
         g[f"_matvec_{name}_serial"] = loops[name]
     g["_dequantize_rows_serial"] = loops["dequantize"]
     parallel = dict(serial, parallel=True)
@@ -884,9 +835,7 @@ def _compiled() -> dict:
         "parallel q4_0": nb.njit(**parallel)(_parallel_q4_0),
         "parallel q8_0": nb.njit(**parallel)(_parallel_q8_0),
         "parallel rows": nb.njit(**parallel)(_parallel_rows),
-        "parallel q4_1_int8": nb.njit(**parallel)(_parallel_q4_1_int8),
-        "parallel q4_0_int8": nb.njit(**parallel)(_parallel_q4_0_int8),
-        "parallel q8_0_int8": nb.njit(**parallel)(_parallel_q8_0_int8),
+        "parallel int8": nb.njit(**parallel)(_parallel_int8),
         "parallel dequantize": nb.njit(**parallel)(_parallel_dequantize),
     })
     return loops
@@ -974,16 +923,16 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
                 quantized = (np.empty((n, columns), np.int8), np.empty((n, blocks), np.float32),
                              np.empty((n, blocks), np.float32), np.empty((n, blocks), np.int32))  # q, dx, xs, qsum
                 loops["quantize_x"](x, x.view(np.uint32), *quantized)
-            _run(loops, f"{kind.lower()}_int8", threads, raw, half, *quantized, target)
+            _run(loops, "int8", threads, raw, code, *quantized, target)
         elif kind in ("Q4_0", "Q4_1"):
             if split is None:
                 blocks = x.reshape(n, -1, 32)  # (N, K/32, 32)
                 split = (np.ascontiguousarray(blocks[:, :, :16]).reshape(n, -1),  # (N, K/2): values 0..15 of each block
                          np.ascontiguousarray(blocks[:, :, 16:]).reshape(n, -1),  # (N, K/2): values 16..31
                          blocks.sum(axis=2, dtype=np.float32))  # (N, K/32)
-            _run(loops, kind.lower(), threads, raw, half, *split, target)
+            _run(loops, kind.lower(), threads, raw, *split, target)
         elif kind == "Q8_0":
-            _run(loops, "q8_0", threads, raw, values, half, x, target)
+            _run(loops, "q8_0", threads, raw, values, x, target)
         else:
             _run(loops, "rows", threads, raw, values, code, half, x, target)
     return out

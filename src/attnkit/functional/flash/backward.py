@@ -68,6 +68,15 @@ class _KeyBlock(NamedTuple):
     k1: int
 
 
+def _task_pieces(plan: FlashPlan, k0: int, k1: int) -> tuple[int, int, list]:
+    """(q_start, q_end, pieces) of the key block k0..k1: the query rows that can see it and
+    the forward's tiles over them (same grid, same cut), as `plan.pieces` gives them."""
+    q_start, q_end = plan.grid_q_range(k0, k1)
+    bq = plan.block_q
+    return q_start, q_end, [piece for qb in range(q_start, q_end, bq)
+                            for piece in plan.pieces(qb, min(qb + bq, q_end), k0, k1)]
+
+
 def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBlock, dq_acc, dk_out, dv_out) -> None:
     """One backward task (see _KeyBlock): accumulate its dK, dV over every query
     head of the group and every query tile that can see the keys, into dk_out
@@ -82,12 +91,10 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
     k3 = inputs.ka[b, h_kv:h_kv + 1]  # (1, S, E+1) or (1, S, E): _tile_scores takes heads
     cd = k.dtype
     E, Ev = k.shape[-1], do_a.shape[-1] - 1
-    g, bq = plan.shapes.group, plan.block_q
+    g = plan.shapes.group
     dk = np.zeros((k1 - k0, E), dtype=cd)
     dv = np.zeros((k1 - k0, Ev), dtype=cd)
-    q_start, q_end = plan.grid_q_range(k0, k1)
-    pieces = [piece for qb in range(q_start, q_end, bq)  # the forward's tiles: same grid, same cut
-              for piece in plan.pieces(qb, min(qb + bq, q_end), k0, k1)]
+    _, _, pieces = _task_pieces(plan, k0, k1)
     for h in range(h_kv * g, (h_kv + 1) * g):
         for q0, q1, c0, c1 in pieces:
             r, n = q1 - q0, c1 - c0
@@ -172,9 +179,7 @@ def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _K
     g, bq = plan.shapes.group, plan.block_q
     dk = np.zeros((k1 - k0, E), dtype=cd)
     dv = np.zeros((k1 - k0, Ev), dtype=cd)
-    q_start, q_end = plan.grid_q_range(k0, k1)
-    pieces = [piece for qb in range(q_start, q_end, bq)  # the forward's tiles: same grid, same cut
-              for piece in plan.pieces(qb, min(qb + bq, q_end), k0, k1)]
+    q_start, q_end, pieces = _task_pieces(plan, k0, k1)
     # every tile's buffers, taken once for the task (a piece is at most bq x (k1 - k0))
     most_r, most_n = min(bq, max(q_end - q_start, 1)), k1 - k0
     p_buf, ds_buf = (scratch_buffer(name, most_r * most_n, cd) for name in ("p", "ds"))

@@ -10,6 +10,9 @@ Which path runs:
 
 - `enabled()` is True when numba imports and `ATTNKIT_KERNELS` is not "numpy".
   `ATTNKIT_KERNELS=numpy` forces the NumPy reference everywhere (read once per process).
+- The decoder's kernels (quantized products, the decode step) also run from a native
+  library built once per version and CPU (`attnkit.kernels.native`): a process that
+  finds it never imports numba. `ATTNKIT_KERNELS=numba` runs them in-process instead.
 - A caller asks `enabled()` and takes the kernel or the reference; it never imports numba
   itself. `notice()` gives the one line a command shows when it would be faster with numba.
 - Compiled code is cached on disk under the user's cache folder, in a folder named by a

@@ -15,31 +15,44 @@ intervention), and the tests hold the two together.
 
 Products are the loops of `attnkit.kernels.quant` on row ranges: with float32 activations
 (the default) or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs
-them. With `parts` > 1 every product's rows are split into `parts` ranges run side by side
-(numba's `prange`); the three products that read one input (query, key, value; gate, up)
-share one parallel region.
+them.
 
-The model's arrays come as numba typed lists (built once per model by the caller):
-`matrices` the (rows, bytes per row) uint8 blocks of each product, 7 a layer (query, key,
-value, output, gate, up, down), then the embedding and the output head; `table` one row
-per matrix: (type code, K, output offset in its group's buffer); `orders` the output
-order of each layer's query and key rows (llama.cpp's permuted rows); `norms` the 2L + 1
-RMSNorm weights (attention, feed-forward per layer, then the final one).
+Threads: the step is one entry of the native kernels (`attnkit.kernels.native`),
+`_step_entry(frame, part)`, called once per thread with `part` 0 .. parts - 1 (the calling
+thread runs part 0). Every product's rows are split in `parts` ranges and each part
+computes its range; the attention heads are split the same way. The parts meet at a
+barrier (a counter and a generation number, spun on with `pause`, then yielding) after
+each product group and after attention: five a layer. What is cheap and read whole (the
+residual stream, the norms, SiLU, the rotary embedding) each part computes for itself, in
+the same order, so every part holds the same bits without waiting for another.
+
+The frame (int64, `FRAME` entries, named below) holds the step's sizes and the addresses
+of its arrays: `TABLE` one row per matrix, (address, rows, bytes per row, type code, K,
+output offset in its group's buffer), 7 a layer (query, key, value, output, gate, up,
+down), then the embedding and the output head; `ORDERS` (L, Hq E + Hkv E) int64, the output
+order of each layer's query and key rows (llama.cpp's permuted rows); `NORMS` the
+addresses of the 2L + 1 RMSNorm weights (attention and feed-forward per layer, then the
+final one), `FLOATS` float64 (scale, eps of each norm); `SHARED` float32 scratch the
+parts write their shares into.
 """
 
 from __future__ import annotations
 
-import threading
 from functools import lru_cache
 
 import numpy as np
 
 from attnkit import kernels
-from attnkit.kernels import quant
+from attnkit.kernels import native, quant
 
-__all__ = ["compiled", "decode_step"]
+__all__ = ["FRAME", "compiled", "decode_step"]
 
 MATRICES_PER_LAYER = 7  # query, key, value, output, gate, up, down
+TABLE_COLUMNS = 6  # address, rows, bytes per row, type code, K, output offset
+
+(TOKEN, SLOT, PARTS, BARRIER, TABLE, MATRICES, ORDERS, NORMS, FLOATS, COS, SIN, KEYS, VALUES, MAX_LENGTH,
+ LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, INT8, HALF, LOGITS, SHARED) = range(23)
+FRAME = 23
 
 
 def _prepare(x, int8, half_split, xl, xh, xs, q, dx, xsq, qsum):  # pragma: no cover - compiled
@@ -86,25 +99,46 @@ def _product(raw, values, code, x, first, stop, int8, half, xl, xh, xs, q, dx, x
         _rows(raw, values, code, half, x.reshape(1, K), out2, first, stop)  # noqa: F821
 
 
-def _group(matrices, values, table, start, count, x, parts, int8, half, xl, xh, xs, q, dx, xsq, qsum,
+def _group(table, start, count, x, part, parts, int8, half, xl, xh, xs, q, dx, xsq, qsum,
            out):  # pragma: no cover - compiled
-    """x (K,) @ W.T for matrices start .. start + count - 1 (one input), each written at its
-    offset in `out` (1-D); every matrix's rows split in `parts` ranges run side by side."""
-    code0 = table[start, 0]
+    """This part's share of x (K,) @ W.T for matrices start .. start + count - 1 (one input):
+    rows part * step .. of each matrix, written at the matrix's offset in `out` (1-D). x is
+    prepared (split, or quantized) into this part's scratch."""
+    code0 = table[start, 3]
     int8_here = int8 and (code0 == 3 or code0 == 4 or code0 == 7) and x.shape[0] % 32 == 0
     _prepare(x, int8_here, x.shape[0] % 32 == 0, xl, xh, xs, q, dx, xsq, qsum)
-    for p in prange(parts):  # noqa: F821 - numba's prange
-        for m in range(start, start + count):
-            raw = matrices[m]
-            rows = raw.shape[0]
-            step = ((rows + parts - 1) // parts + 3) // 4 * 4
-            first = p * step
-            stop = min(rows, first + step)
-            if first < stop:
-                at = table[m, 2]
-                code = table[m, 0]
-                _product(raw, values[m], code, x, first, stop, int8_here and (code == 3 or code == 4 or code == 7),
-                         half, xl, xh, xs, q, dx, xsq, qsum, out[at: at + rows])
+    for m in range(start, start + count):
+        rows = table[m, 1]
+        step = ((rows + parts - 1) // parts + 3) // 4 * 4
+        first = part * step
+        stop = min(rows, first + step)
+        if first < stop:
+            raw = carray(_u8(table[m, 0]), (rows, table[m, 2]))  # noqa: F821 - bound when compiled
+            values = carray(_i8(table[m, 0]), (rows, table[m, 2]))  # noqa: F821
+            at = table[m, 5]
+            code = table[m, 3]
+            _product(raw, values, code, x, first, stop, int8_here and (code == 3 or code == 4 or code == 7),
+                     half, xl, xh, xs, q, dx, xsq, qsum, out[at: at + rows])
+
+
+def _barrier(address, parts):  # pragma: no cover - compiled
+    """Wait until every part arrived (int64 counter at `address`, generation at + 8): the
+    last to arrive resets the counter and moves the generation on; the others spin on it
+    (then yield, when it takes long: another process may hold their CPU)."""
+    if parts == 1:
+        return
+    generation = _atomic_load(address + 8)  # noqa: F821 - bound when compiled
+    if _atomic_add(address, 1) == parts - 1:  # noqa: F821
+        _atomic_add(address, -parts)  # noqa: F821
+        _atomic_add(address + 8, 1)  # noqa: F821
+        return
+    spins = 0
+    while _atomic_load(address + 8) == generation:  # noqa: F821
+        spins += 1
+        if spins < 20000:
+            _pause()  # noqa: F821
+        else:
+            _sched_yield()  # noqa: F821
 
 
 def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
@@ -131,19 +165,55 @@ def _rotate(v, heads, E, cos, sin):  # pragma: no cover - compiled
             v[o + half + i] = b * cos[half + i] + a * sin[half + i]
 
 
-def _decode_step(token, slot, matrices, values, table, orders, norms, eps, cos, sin, keys, vals, heads, kv_heads,
-                 E, scale, int8, parts, half, logits):  # pragma: no cover - compiled
-    """One token through every layer (see the module docstring); logits (V,) float32.
+def _attend(h, g, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, scores, mixed,
+            attended):  # pragma: no cover - compiled
+    """Head h's query (in `rotated`) over the cached keys of group g and its own new key
+    (the cache's slot is written by part 0; every part reads the new key and value from its
+    own `rotated`), the sums in float64; its E outputs into `attended`."""
+    top = -np.inf
+    for t in range(slot + 1):
+        s = 0.0
+        if t < slot:
+            for e in range(E):
+                s += np.float64(rotated[h * E + e]) * np.float64(keys[layer, g, t, e])
+        else:
+            for e in range(E):
+                s += np.float64(rotated[h * E + e]) * np.float64(rotated[(heads + g) * E + e])
+        s *= scale
+        scores[t] = s
+        top = max(top, s)
+    total = 0.0
+    for t in range(slot + 1):
+        w = np.exp(scores[t] - top)
+        scores[t] = w
+        total += w
+    for e in range(E):
+        mixed[e] = 0.0
+    for t in range(slot):
+        w = scores[t] / total
+        for e in range(E):
+            mixed[e] += w * np.float64(vals[layer, g, t, e])
+    w = scores[slot] / total
+    for e in range(E):
+        mixed[e] += w * np.float64(rotated[(heads + kv_heads + g) * E + e])
+        attended[h * E + e] = np.float32(mixed[e])
+
+
+def _step(part, parts, barrier, token, slot, table, orders, norms, floats, cos, sin, keys, vals, heads, kv_heads, E,
+          int8, half, shared, logits):  # pragma: no cover - compiled
+    """Part `part` of one token through every layer (see the module docstring).
 
     token: the id; slot: its index in the cache (the cached length before it); cos, sin (E,)
     its rotary tables; keys, vals (L, Hkv, max, E) float32, this sequence's cache, written at
-    `slot`; scale: the score scale."""
+    `slot` (by part 0); floats: (scale, eps of each norm); shared: float32 scratch for the
+    products' outputs and the attention's (every part writes its share)."""
     layers = keys.shape[0]
     embed = MATRICES_PER_LAYER * layers
-    d = table[embed, 1]
-    ff = matrices[4].shape[0]
+    d = table[embed, 4]
+    ff = table[4, 1]
+    scale = floats[0]
     widest = max(d, ff, heads * E)
-    xl = np.empty(widest // 2 + 16, np.float32)
+    xl = np.empty(widest // 2 + 16, np.float32)  # this part's scratch
     xh = np.empty(widest // 2 + 16, np.float32)
     xs = np.empty(widest // 32 + 1, np.float32)
     q8 = np.empty(widest + 32, np.int8)
@@ -151,24 +221,29 @@ def _decode_step(token, slot, matrices, values, table, orders, norms, eps, cos, 
     xsq = np.empty(widest // 32 + 1, np.float32)
     qsum = np.empty(widest // 32 + 1, np.int32)
     row = np.empty(d, np.float32)
-    _dequantize_row(matrices[embed], values[embed], token, table[embed, 0], half, row)  # noqa: F821
-    x = row.astype(np.float64)  # the residual stream
+    raw = carray(_u8(table[embed, 0]), (table[embed, 1], table[embed, 2]))  # noqa: F821 - bound when compiled
+    values = carray(_i8(table[embed, 0]), (table[embed, 1], table[embed, 2]))  # noqa: F821
+    _dequantize_row(raw, values, token, table[embed, 3], half, row)  # noqa: F821
+    x = row.astype(np.float64)  # the residual stream (each part's own, the same bits)
     normed = np.empty(d, np.float32)
     qkv_rows = (heads + 2 * kv_heads) * E
-    qkv = np.empty(qkv_rows, np.float32)
     rotated = np.empty(qkv_rows, np.float32)
-    attended = np.empty(heads * E, np.float32)
     scores = np.empty(slot + 1, np.float64)
     mixed = np.empty(E, np.float64)
-    projected = np.empty(d, np.float32)
-    gate_up = np.empty(2 * ff, np.float32)
     hidden = np.empty(ff, np.float32)
+    qkv = shared[:qkv_rows]  # written by the parts, read whole after a barrier
+    attended = shared[qkv_rows: qkv_rows + heads * E]
+    projected = shared[qkv_rows + heads * E: qkv_rows + heads * E + d]
+    gate_up = shared[qkv_rows + heads * E + d: qkv_rows + heads * E + d + 2 * ff]
     group = heads // kv_heads
+    per_part = (heads + parts - 1) // parts
     for layer in range(layers):
         base = MATRICES_PER_LAYER * layer
         # attention
-        _rms_norm(x, norms[2 * layer], eps[2 * layer], normed)
-        _group(matrices, values, table, base, 3, normed, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum, qkv)
+        weight = carray(_f32(norms[2 * layer]), (d,))  # noqa: F821
+        _rms_norm(x, weight, floats[1 + 2 * layer], normed)
+        _group(table, base, 3, normed, part, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum, qkv)
+        _barrier(barrier, parts)
         order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
         for i in range(order.shape[0]):
             rotated[i] = qkv[order[i]]
@@ -176,100 +251,167 @@ def _decode_step(token, slot, matrices, values, table, orders, norms, eps, cos, 
             rotated[i] = qkv[i]
         _rotate(rotated[: heads * E], heads, E, cos, sin)
         _rotate(rotated[heads * E: (heads + kv_heads) * E], kv_heads, E, cos, sin)
-        for g in range(kv_heads):
-            for e in range(E):
-                keys[layer, g, slot, e] = rotated[(heads + g) * E + e]
-                vals[layer, g, slot, e] = rotated[(heads + kv_heads + g) * E + e]
-        for h in range(heads):  # one query over the cached keys, its sums in float64
-            g = h // group
-            top = -np.inf
-            for t in range(slot + 1):
-                s = 0.0
+        if part == 0:
+            for g in range(kv_heads):
                 for e in range(E):
-                    s += np.float64(rotated[h * E + e]) * np.float64(keys[layer, g, t, e])
-                s *= scale
-                scores[t] = s
-                top = max(top, s)
-            total = 0.0
-            for t in range(slot + 1):
-                w = np.exp(scores[t] - top)
-                scores[t] = w
-                total += w
-            for e in range(E):
-                mixed[e] = 0.0
-            for t in range(slot + 1):
-                w = scores[t] / total
-                for e in range(E):
-                    mixed[e] += w * np.float64(vals[layer, g, t, e])
-            for e in range(E):
-                attended[h * E + e] = np.float32(mixed[e])
-        _group(matrices, values, table, base + 3, 1, attended, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum,
-               projected)
+                    keys[layer, g, slot, e] = rotated[(heads + g) * E + e]
+                    vals[layer, g, slot, e] = rotated[(heads + kv_heads + g) * E + e]
+        for h in range(part * per_part, min(heads, (part + 1) * per_part)):
+            _attend(h, h // group, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, scores, mixed, attended)
+        _barrier(barrier, parts)
+        _group(table, base + 3, 1, attended, part, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum, projected)
+        _barrier(barrier, parts)
         for i in range(d):
             x[i] += projected[i]
         # feed-forward
-        _rms_norm(x, norms[2 * layer + 1], eps[2 * layer + 1], normed)
-        _group(matrices, values, table, base + 4, 2, normed, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum,
-               gate_up)
+        weight = carray(_f32(norms[2 * layer + 1]), (d,))  # noqa: F821
+        _rms_norm(x, weight, floats[2 + 2 * layer], normed)
+        _group(table, base + 4, 2, normed, part, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum, gate_up)
+        _barrier(barrier, parts)
         for i in range(ff):
             gate = gate_up[i]
             hidden[i] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * gate_up[ff + i]
-        _group(matrices, values, table, base + 6, 1, hidden, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum,
-               projected)
+        _group(table, base + 6, 1, hidden, part, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum, projected)
+        _barrier(barrier, parts)
         for i in range(d):
             x[i] += projected[i]
-    _rms_norm(x, norms[2 * layers], eps[2 * layers], normed)
-    _group(matrices, values, table, embed + 1, 1, normed, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum,
-           logits)
+    weight = carray(_f32(norms[2 * layers]), (d,))  # noqa: F821
+    _rms_norm(x, weight, floats[1 + 2 * layers], normed)
+    _group(table, embed + 1, 1, normed, part, parts, int8, half, xl, xh, xs, q8, dx, xsq, qsum, logits)
 
 
-_SOURCES = {f.__name__: f for f in (_prepare, _product, _group, _rms_norm, _rotate, _decode_step)}
+def _step_entry(frame_address, part):  # pragma: no cover - compiled
+    """The native entry: the frame's arrays (see the module docstring), then `_step`."""
+    frame = carray(_i64(frame_address), (FRAME,))  # noqa: F821 - bound when compiled
+    layers, heads, kv_heads, E = frame[LAYERS], frame[HEADS], frame[KV_HEADS], frame[HEAD_DIM]
+    matrices = frame[MATRICES]
+    table = carray(_i64(frame[TABLE]), (matrices, TABLE_COLUMNS))  # noqa: F821
+    orders = carray(_i64(frame[ORDERS]), (layers, (heads + kv_heads) * E))  # noqa: F821
+    norms = carray(_i64(frame[NORMS]), (2 * layers + 1,))  # noqa: F821
+    floats = carray(_f64(frame[FLOATS]), (2 * layers + 2,))  # noqa: F821
+    cos = carray(_f32(frame[COS]), (E,))  # noqa: F821
+    sin = carray(_f32(frame[SIN]), (E,))  # noqa: F821
+    cache = (layers, kv_heads, frame[MAX_LENGTH], E)
+    keys = carray(_f32(frame[KEYS]), cache)  # noqa: F821
+    vals = carray(_f32(frame[VALUES]), cache)  # noqa: F821
+    half = carray(_f32(frame[HALF]), (1 << 16,))  # noqa: F821
+    logits = carray(_f32(frame[LOGITS]), (frame[VOCAB],))  # noqa: F821
+    ff = table[4, 1]
+    d = table[MATRICES_PER_LAYER * layers, 4]
+    shared = carray(_f32(frame[SHARED]), ((heads + 2 * kv_heads) * E + heads * E + d + 2 * ff,))  # noqa: F821
+    _step(part, frame[PARTS], frame[BARRIER], frame[TOKEN], frame[SLOT], table, orders, norms, floats, cos, sin,
+          keys, vals, heads, kv_heads, E, frame[INT8] != 0, half, shared, logits)
+
+
+def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int) -> int:
+    """float32 elements of the step's SHARED scratch."""
+    return (heads + 2 * kv_heads) * E + heads * E + d + 2 * ff
+
+
+_SOURCES = {f.__name__: f for f in (_prepare, _product, _group, _barrier, _rms_norm, _rotate, _attend, _step)}
 
 
 @lru_cache(maxsize=1)
 def compiled():
-    """The step compiled by numba (cached on disk). Its products' regions are parallel
-    (`_group`); the caller sets numba's thread count to `parts`."""
+    """Bind the step's compiled pieces into this module's globals (numba compiles
+    `_step_entry`, the native entry, from them: `attnkit.kernels.native`)."""
     nb = kernels.numba()
     loops = quant._compiled()
     g = globals()
+    g.update(native.helpers())
     g.update({
-        "prange": nb.prange,
+        "carray": nb.carray,
         "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row,
         "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"], "_rows": loops["rows"],
         "_int8": loops["int8"],
     })
-    options = dict(cache=True, fastmath=quant._FASTMATH, nogil=True)
-    for name in ("_prepare", "_product", "_rms_norm", "_rotate"):
-        g[name] = nb.njit(**options)(_SOURCES[name])
-    g["_group"] = nb.njit(parallel=True, **options)(_SOURCES["_group"])
-    return nb.njit(**options)(_SOURCES["_decode_step"])
+    options = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
+    for name, fn in _SOURCES.items():
+        g[name] = nb.njit(**options)(fn)
+    return g["_step"]
 
 
-def decode_step(token: int, slot: int, arrays: tuple, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                values: np.ndarray, scale: float, *, int8: bool = False, parts: int = 1) -> np.ndarray:
+def _entry_sources() -> dict:
+    compiled()
+    return {"step": _step_entry}
+
+
+def _entries() -> native.Entries:
+    """This module's native entry ("step"; `attnkit.kernels.native`)."""
+    return native.entries("decode", _entry_sources)
+
+
+class _Frame:
+    """One model's frame for the step (addresses of its arrays, which it keeps alive), the
+    barrier and the shared scratch; the per-step fields are set by `decode_step`."""
+
+    def __init__(self, arrays: tuple) -> None:
+        table, orders, norms, floats, heads, kv_heads, E, vocab, keep = arrays
+        layers = orders.shape[0]
+        d, ff = int(table[MATRICES_PER_LAYER * layers, 4]), int(table[4, 1])
+        self.keep = (table, orders, norms, floats, keep)
+        self.barrier = np.zeros(2, np.int64)
+        self.shared = np.empty(shared_size(heads, kv_heads, E, d, ff), np.float32)
+        self.vocab = vocab
+        frame = self.frame = np.zeros(FRAME, np.int64)
+        frame[[TABLE, MATRICES, ORDERS, NORMS, FLOATS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, HALF, BARRIER,
+               SHARED]] = [table.ctypes.data, table.shape[0], orders.ctypes.data, norms.ctypes.data,
+                           floats.ctypes.data, layers, heads, kv_heads, E, vocab, quant._half_table().ctypes.data,
+                           self.barrier.ctypes.data, self.shared.ctypes.data]
+
+
+def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale: float, heads: int, kv_heads: int,
+            E: int, vocab: int) -> _Frame:
+    """A model's frame for `decode_step`.
+
+    Arguments:
+        table: (M, 6) int64 as the module docstring describes (the addresses of the blocks,
+            which the caller keeps alive with the model).
+        orders: (L, Hq E + Hkv E) int64.
+        norms: the 2L + 1 RMSNorm weights, float32 C-contiguous (read where they are: an
+            edit in place reaches the step).
+        eps: their epsilons; scale: the score scale.
+        heads, kv_heads, E, vocab: the model's sizes.
+    """
+    addresses = np.array([n.ctypes.data for n in norms], np.int64)
+    floats = np.array([scale, *eps], np.float64)
+    return _Frame((np.ascontiguousarray(table, np.int64), np.ascontiguousarray(orders, np.int64), addresses, floats,
+                   heads, kv_heads, E, vocab, tuple(norms)))
+
+
+def decode_step(token: int, slot: int, frame: _Frame, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                values: np.ndarray, *, int8: bool = False, parts: int = 1) -> np.ndarray:
     """Logits (V,) float32 of token `token` at cache index `slot`.
 
     Arguments:
-        arrays: (matrices, values, table, orders, norms, eps, heads, kv_heads, E, V) as the
-            module docstring describes them (numba typed lists, built once per model; V the
-            vocabulary, the head's rows).
-        cos, sin: (E,) float32, the token's rotary tables.
-        keys, values: (L, Hkv, max, E) float32, the sequence's cache (the new key and value
-            are written at `slot`).
-        scale: the score scale.
+        frame: the model's, from `prepare`.
+        cos, sin: (E,) float32 C-contiguous, the token's rotary tables.
+        keys, values: (L, Hkv, max, E) float32 C-contiguous, the sequence's cache (the new key
+            and value are written at `slot`).
         int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
-        parts: threads for the products (numba's thread count in this thread is set to it).
+        parts: threads (the calling thread runs part 0, the pool's threads the others).
     """
-    matrices, blocks, table, orders, norms, eps, heads, kv_heads, E, vocab = arrays
-    step = compiled()
-    logits = np.empty(vocab, np.float32)
-    if getattr(_threads, "parts", None) != parts:  # numba's setting is per thread; set it when it changes
-        kernels.numba().set_num_threads(parts)
-        _threads.parts = parts
-    step(int(token), int(slot), matrices, blocks, table, orders, norms, eps, cos, sin, keys, values, heads,
-         kv_heads, E, float(scale), bool(int8), int(parts), quant._half_table(), logits)
+    if not (keys.flags.c_contiguous and values.flags.c_contiguous and keys.dtype == np.float32
+            and values.dtype == np.float32 and keys.shape == values.shape):
+        raise ValueError(f"expected two C-contiguous float32 caches of one shape, got {keys.shape} {keys.dtype} "
+                         f"and {values.shape} {values.dtype}")
+    entry = _entries()["step"]
+    logits = np.empty(frame.vocab, np.float32)
+    f = frame.frame
+    f[TOKEN], f[SLOT], f[PARTS], f[INT8] = token, slot, parts, int(bool(int8))
+    f[COS], f[SIN], f[KEYS], f[VALUES], f[MAX_LENGTH] = (cos.ctypes.data, sin.ctypes.data, keys.ctypes.data,
+                                                        values.ctypes.data, keys.shape[2])
+    f[LOGITS] = logits.ctypes.data
+    frame.barrier[0] = 0
+    address = f.ctypes.data
+    if parts == 1:
+        entry(address, 0)
+    else:
+        from attnkit.runtime import worker_pool
+
+        pool = worker_pool(parts - 1)
+        others = [pool.submit(entry, address, p) for p in range(1, parts)]
+        entry(address, 0)
+        for other in others:
+            other.result()
     return logits
-
-
-_threads = threading.local()  # the numba thread count this thread last set for the step

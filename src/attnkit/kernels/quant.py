@@ -39,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from attnkit import kernels
+from attnkit.kernels import native
 
 __all__ = [
     "INT8_TYPES", "QUANT_TYPES", "BlockType", "activations", "compiled_available", "current_activations", "dequantize", "dequantize_compiled",
@@ -719,8 +720,14 @@ def _matvec_rows(raw, values, code, half, x, out, first, stop):  # pragma: no co
             out[i, r] = s
 
 
-# The splitters: `parts` contiguous ranges of rows (a multiple of four each, so the two- and
-# four-row loops never straddle), one per thread; each runs the serial loop above on its range.
+# The native entries (`attnkit.kernels.native`): each `fn(frame, part)`, the frame an int64
+# array of addresses and sizes. `part` of `parts` takes a contiguous range of the rows (a
+# multiple of four, so the two- and four-row loops never straddle two parts).
+
+(P_RAW, P_ROWS, P_ROW_BYTES, P_CODE, P_K, P_X, P_N, P_OUT, P_OUT_STRIDE, P_PARTS, P_INT8, P_HALF) = range(12)
+PRODUCT_FRAME = 12
+(D_RAW, D_ROWS, D_ROW_BYTES, D_CODE, D_K, D_START, D_COUNT, D_OUT, D_HALF, D_PARTS) = range(10)
+DEQUANTIZE_FRAME = 10
 
 
 def _split(rows, parts):  # pragma: no cover - compiled
@@ -728,55 +735,64 @@ def _split(rows, parts):  # pragma: no cover - compiled
     return (step + 3) // 4 * 4
 
 
-def _parallel_q4_1(raw, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821 - numba's prange, bound when compiled
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_q4_1_serial(raw, xlo, xhi, xsum, out, a, b)
+def _product_entry(frame_address, part):  # pragma: no cover - compiled
+    """Part `part` of x (N, K) @ W.T into out (N, R; rows OUT_STRIDE apart): x prepared for
+    the block type (float32 halves and block sums, or 8-bit blocks), then the type's loop
+    on this part's rows."""
+    f = carray(_i64(frame_address), (PRODUCT_FRAME,))  # noqa: F821 - bound when compiled
+    rows, width, code, K, n = f[P_ROWS], f[P_ROW_BYTES], f[P_CODE], f[P_K], f[P_N]
+    step = _split(rows, f[P_PARTS])
+    first, stop = part * step, min(rows, (part + 1) * step)
+    if first >= stop:
+        return
+    raw = carray(_u8(f[P_RAW]), (rows, width))  # noqa: F821
+    values = carray(_i8(f[P_RAW]), (rows, width))  # noqa: F821
+    x = carray(_f32(f[P_X]), (n, K))  # noqa: F821
+    out = carray(_f32(f[P_OUT]), (n, f[P_OUT_STRIDE]))[:, :rows]  # noqa: F821
+    blocks = K // 32
+    if f[P_INT8] != 0 and (code == 3 or code == 4 or code == 7):
+        q, dx = np.empty((n, K), np.int8), np.empty((n, blocks), np.float32)
+        xs, qsum = np.empty((n, blocks), np.float32), np.empty((n, blocks), np.int32)
+        _quantize_x_serial(x, x.view(np.uint32), q, dx, xs, qsum)  # noqa: F821
+        _matvec_int8_serial(raw, code, q, dx, xs, qsum, out, first, stop)  # noqa: F821
+    elif code == 3 or code == 4:
+        xl, xh = np.empty((n, K // 2), np.float32), np.empty((n, K // 2), np.float32)
+        xs = np.empty((n, blocks), np.float32)
+        for i in range(n):
+            for b in range(blocks):
+                total = 0.0
+                for j in range(16):
+                    lo, hi = x[i, 32 * b + j], x[i, 32 * b + 16 + j]
+                    xl[i, 16 * b + j] = lo
+                    xh[i, 16 * b + j] = hi
+                    total += np.float64(lo) + np.float64(hi)
+                xs[i, b] = np.float32(total)
+        if code == 4:
+            _matvec_q4_1_serial(raw, xl, xh, xs, out, first, stop)  # noqa: F821
+        else:
+            _matvec_q4_0_serial(raw, xl, xh, xs, out, first, stop)  # noqa: F821
+    elif code == 7:
+        _matvec_q8_0_serial(raw, values, x, out, first, stop)  # noqa: F821
+    else:
+        half = carray(_f32(f[P_HALF]), (1 << 16,))  # noqa: F821
+        _matvec_rows_serial(raw, values, code, half, x, out, first, stop)  # noqa: F821
 
 
-def _parallel_q4_0(raw, xlo, xhi, xsum, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_q4_0_serial(raw, xlo, xhi, xsum, out, a, b)
+def _dequantize_entry(frame_address, part):  # pragma: no cover - compiled
+    """Part `part` of rows START .. START + COUNT of W into out (COUNT, K) float32."""
+    f = carray(_i64(frame_address), (DEQUANTIZE_FRAME,))  # noqa: F821 - bound when compiled
+    rows, width, count = f[D_ROWS], f[D_ROW_BYTES], f[D_COUNT]
+    step = _split(count, f[D_PARTS])
+    first, stop = part * step, min(count, (part + 1) * step)
+    if first >= stop:
+        return
+    raw = carray(_u8(f[D_RAW]), (rows, width))  # noqa: F821
+    values = carray(_i8(f[D_RAW]), (rows, width))  # noqa: F821
+    out = carray(_f32(f[D_OUT]), (count, f[D_K]))  # noqa: F821
+    half = carray(_f32(f[D_HALF]), (1 << 16,))  # noqa: F821
+    _dequantize_rows_serial(raw, values, f[D_START] + first, f[D_CODE], half, out[first:stop])  # noqa: F821
 
 
-def _parallel_int8(raw, code, q, dx, xs, qsum, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_int8_serial(raw, code, q, dx, xs, qsum, out, a, b)
-
-
-def _parallel_q8_0(raw, values, x, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_q8_0_serial(raw, values, x, out, a, b)
-
-
-def _parallel_rows(raw, values, code, half, x, out, parts):  # pragma: no cover - compiled
-    step = _split(raw.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(raw.shape[0], (p + 1) * step)
-        if a < b:
-            _matvec_rows_serial(raw, values, code, half, x, out, a, b)
-
-
-def _parallel_dequantize(raw, values, start, code, half, out, parts):  # pragma: no cover - compiled
-    step = _split(out.shape[0], parts)
-    for p in prange(parts):  # noqa: F821
-        a, b = p * step, min(out.shape[0], (p + 1) * step)
-        if a < b:
-            _dequantize_rows_serial(raw, values, start + a, code, half, out[a:b])
-
-
-_FASTMATH = {"reassoc", "contract", "nsz"}  # reorder sums; NaN and inf still propagate
 
 
 def _rows4_intrinsic(kind: str, dot: str | None = None):
@@ -797,8 +813,9 @@ def _compiled() -> dict:
     under the names the splitters call."""
     nb = kernels.numba()
     g = globals()
-    g["prange"] = nb.prange
-    serial = dict(cache=True, fastmath=_FASTMATH, nogil=True)
+    g.update(native.helpers())
+    g["carray"] = nb.carray
+    serial = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
     g["_dequantize_row"] = nb.njit(**serial)(_dequantize_row)
     g["_split"] = nb.njit(cache=True)(_split)
     types = nb.types
@@ -826,19 +843,20 @@ def _compiled() -> dict:
         "int8": nb.njit(**serial)(_matvec_int8),
         "quantize_x": nb.njit(**serial)(_quantize_x),
     }
-    for name in ("q4_1", "q4_0", "q8_0", "rows", "int8"):
-        g[f"_matvec_{name}_serial"] = loops[name]
+    for name in ("q4_1", "q4_0", "q8_0", "rows", "int8", "quantize_x"):
+        g[f"_matvec_{name}_serial" if name != "quantize_x" else "_quantize_x_serial"] = loops[name]
     g["_dequantize_rows_serial"] = loops["dequantize"]
-    parallel = dict(serial, parallel=True)
-    loops.update({
-        "parallel q4_1": nb.njit(**parallel)(_parallel_q4_1),
-        "parallel q4_0": nb.njit(**parallel)(_parallel_q4_0),
-        "parallel q8_0": nb.njit(**parallel)(_parallel_q8_0),
-        "parallel rows": nb.njit(**parallel)(_parallel_rows),
-        "parallel int8": nb.njit(**parallel)(_parallel_int8),
-        "parallel dequantize": nb.njit(**parallel)(_parallel_dequantize),
-    })
     return loops
+
+
+def _entry_sources() -> dict:
+    _compiled()
+    return {"product": _product_entry, "dequantize": _dequantize_entry}
+
+
+def _entries() -> native.Entries:
+    """This module's native entries ("product", "dequantize"; `attnkit.kernels.native`)."""
+    return native.entries("quant", _entry_sources)
 
 
 PARALLEL_MACS = 1 << 18
@@ -851,9 +869,9 @@ def _threads(macs: int) -> int:
     `attnkit.runtime.blas_threads`), one for small products, at most numba's pool."""
     if macs < PARALLEL_MACS:
         return 1
-    from attnkit.runtime import blas_thread_count
+    from attnkit.runtime import blas_thread_count, cpu_count
 
-    return max(1, min(blas_thread_count(), kernels.numba().config.NUMBA_NUM_THREADS))
+    return max(1, min(blas_thread_count(), cpu_count()))
 
 
 @lru_cache(maxsize=1)
@@ -898,65 +916,61 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
         compiled = kernels.enabled()
     if not compiled or x.dtype == np.float64:  # the loops are float32; float64 is the reference's
         return np.concatenate([matmul_reference(x, raw, kind, columns) for raw, kind in parts], axis=1)
-    loops = _compiled()
+    run = _entries()
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[0]
     out = np.empty((n, sum(raw.shape[0] for raw, _ in parts)), np.float32)
     threads = _threads(out.size * columns) if n <= DECODE_ROWS else 1  # prefill: BLAS takes the threads
-    split = quantized = None  # x prepared once for all parts: float32 halves, or 8-bit blocks
+    int8 = _ACTIVATIONS[0] == "int8"
     start = 0
     for raw, kind in parts:
         rows = raw.shape[0]
+        raw = np.ascontiguousarray(raw)
         target = out[:, start:start + rows]  # (N, R_i)
         start += rows
-        code, half, values = QUANT_TYPES[kind].code, _half_table(), raw.view(np.int8)
+        code = QUANT_TYPES[kind].code
         if n > DECODE_ROWS:  # prefill: dequantized tiles, BLAS products
             step = max(2, _TILE_VALUES // columns)
             tile = np.empty((min(step, rows), columns), np.float32)
             for first in range(0, rows, step):
                 part = tile[: min(step, rows - first)]  # (rows of the tile, K)
-                _run(loops, "dequantize", threads, raw, values, first, code, half, part)
+                _dequantize_into(run, raw, code, columns, first, part, threads)
                 np.matmul(x, part.T, out=target[:, first:first + part.shape[0]])  # (N, rows of the tile)
-        elif kind in INT8_TYPES and _ACTIVATIONS[0] == "int8":
-            if quantized is None:
-                blocks = columns // 32
-                quantized = (np.empty((n, columns), np.int8), np.empty((n, blocks), np.float32),
-                             np.empty((n, blocks), np.float32), np.empty((n, blocks), np.int32))  # q, dx, xs, qsum
-                loops["quantize_x"](x, x.view(np.uint32), *quantized)
-            _run(loops, "int8", threads, raw, code, *quantized, target)
-        elif kind in ("Q4_0", "Q4_1"):
-            if split is None:
-                blocks = x.reshape(n, -1, 32)  # (N, K/32, 32)
-                split = (np.ascontiguousarray(blocks[:, :, :16]).reshape(n, -1),  # (N, K/2): values 0..15 of each block
-                         np.ascontiguousarray(blocks[:, :, 16:]).reshape(n, -1),  # (N, K/2): values 16..31
-                         blocks.sum(axis=2, dtype=np.float32))  # (N, K/32)
-            _run(loops, kind.lower(), threads, raw, *split, target)
-        elif kind == "Q8_0":
-            _run(loops, "q8_0", threads, raw, values, x, target)
-        else:
-            _run(loops, "rows", threads, raw, values, code, half, x, target)
+            continue
+        frame = np.zeros(PRODUCT_FRAME, np.int64)
+        frame[:] = (raw.ctypes.data, rows, raw.shape[1], code, columns, x.ctypes.data, n, target.ctypes.data,
+                    out.shape[1], threads, int(int8 and kind in INT8_TYPES), _half_table().ctypes.data)
+        _parts(run["product"], frame, threads)
     return out
 
 
-def _run(loops: dict, name: str, threads: int, *args) -> None:
-    """The serial loop on one thread (a product's loop over all of W's rows, args[0]), else
-    the splitter over `threads` row ranges."""
+def _parts(entry, frame: np.ndarray, threads: int) -> None:
+    """entry(frame, part) for every part: part 0 on this thread, the others on the pool's
+    (the entries release the GIL)."""
+    address = frame.ctypes.data
     if threads == 1:
-        loops[name](*args) if name == "dequantize" else loops[name](*args, 0, args[0].shape[0])
+        entry(address, 0)
         return
-    nb = kernels.numba()
-    previous = nb.get_num_threads()
-    nb.set_num_threads(threads)
-    try:
-        loops[f"parallel {name}"](*args, threads)
-    finally:
-        nb.set_num_threads(previous)
+    from attnkit.runtime import worker_pool
+
+    others = [worker_pool(threads - 1).submit(entry, address, p) for p in range(1, threads)]
+    entry(address, 0)
+    for other in others:
+        other.result()
+
+
+def _dequantize_into(run, raw: np.ndarray, code: int, columns: int, start: int, out: np.ndarray, threads: int) -> None:
+    """Rows start .. start + len(out) of W (C-contiguous blocks) into out (C-contiguous float32)."""
+    frame = np.zeros(DEQUANTIZE_FRAME, np.int64)
+    frame[:] = (raw.ctypes.data, raw.shape[0], raw.shape[1], code, columns, start, out.shape[0], out.ctypes.data,
+                _half_table().ctypes.data, threads)
+    _parts(run["dequantize"], frame, threads)
 
 
 def dequantize_compiled(raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
     """`dequantize` by the compiled loop (`_dequantize_row`): the tests hold it to the reference."""
     _check(raw, kind, columns)
     out = np.empty((raw.shape[0], columns), np.float32)
-    _run(_compiled(), "dequantize", _threads(out.size * 8), raw, raw.view(np.int8), 0, QUANT_TYPES[kind].code,
-         _half_table(), out)
+    _dequantize_into(_entries(), np.ascontiguousarray(raw), QUANT_TYPES[kind].code, columns, 0, out,
+                     _threads(out.size * 8))
     return out

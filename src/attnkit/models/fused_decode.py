@@ -12,8 +12,8 @@ together):
 - nothing watches the layers in this context: no `record_attention`, no `intervene`;
 - the cache is float32, holds one sequence without padding, and its buffers are its own.
 
-The arrays the compiled step reads (numba typed lists of the blocks, the norms, the row
-orders) are built once per model and rebuilt when a weight or a module is replaced.
+The frame the compiled step reads (the addresses of the blocks and the norms, the row
+orders) is built once per model and rebuilt when a weight or a module is replaced.
 """
 
 from __future__ import annotations
@@ -96,21 +96,22 @@ def _unchanged(links: tuple, count: int, model: Any) -> bool:
     return all(map(operator.is_, map(dict.get, containers, keys), values))
 
 
-def _readonly(array: np.ndarray) -> np.ndarray:
-    view = np.ascontiguousarray(array).view()
-    view.flags.writeable = False  # one numba type for the file's read-only blocks and any other
-    return view
-
-
 def _build(model: Any) -> tuple:
-    """(matrices, values, table, orders, norms, eps, heads, kv_heads, E, V) for `decode_step`."""
+    """The model's frame for `decode_step` (`attnkit.kernels.decode.prepare`), and the blocks
+    it points at (kept alive beside it)."""
+    from attnkit.kernels import decode
     from attnkit.kernels.quant import QUANT_TYPES
-
-    List = kernels.numba().typed.List  # noqa: N806 - numba's class (imported through kernels: its cache folder)
 
     c = model.config
     heads, kv_heads, E = c.num_heads, c.num_kv_heads, c.head_dim
-    matrices, table, orders, norms, eps = List(), [], List(), List(), []
+    blocks, table, orders, norms, eps = [], [], [], [], []
+
+    def add(tensor, offset: int) -> None:
+        raw = np.ascontiguousarray(tensor.raw)
+        blocks.append(raw)
+        table.append((raw.ctypes.data, raw.shape[0], raw.shape[1], QUANT_TYPES[tensor.kind].code, tensor.columns,
+                      offset))
+
     layers = list(model.layers)
     for block in layers:
         group_offset = 0
@@ -118,13 +119,12 @@ def _build(model: Any) -> tuple:
             tensor = getattr(getattr(block, owner), name).quantized
             if index in (3, 4, 6):  # a new group: output, gate (with up), down
                 group_offset = 0
-            matrices.append(_readonly(tensor.raw))
-            table.append((QUANT_TYPES[tensor.kind].code, tensor.columns, group_offset))
+            add(tensor, group_offset)
             group_offset += tensor.shape[0]
         q, k = block.attn.q_proj.quantized, block.attn.k_proj.quantized
         q_order = np.arange(heads * E) if q.row_order is None else q.row_order
         k_order = np.arange(kv_heads * E) if k.row_order is None else k.row_order
-        orders.append(np.concatenate([q_order, heads * E + k_order]).astype(np.int64))
+        orders.append(np.concatenate([q_order, heads * E + k_order]))
         for norm in (block.attn_norm, block.mlp_norm):
             norms.append(np.ascontiguousarray(norm.weight, np.float32))
             eps.append(norm.eps)
@@ -132,19 +132,17 @@ def _build(model: Any) -> tuple:
     eps.append(model.norm.eps)
     embed = model.embed.quantized
     head = embed if c.tie_word_embeddings else model.lm_head.quantized
-    for tensor in (embed, head):
-        matrices.append(_readonly(tensor.raw))
-        table.append((QUANT_TYPES[tensor.kind].code, tensor.columns, 0))
-    values = List()
-    for raw in matrices:
-        values.append(raw.view(np.int8))
+    add(embed, 0)
+    add(head, 0)
     scale = layers[0].attn.scale
-    return (matrices, values, np.asarray(table, np.int64), orders, norms, np.asarray(eps, np.float64), heads,
-            kv_heads, E, head.shape[0]), (1.0 / math.sqrt(E) if scale is None else float(scale))
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    frame = decode.prepare(np.array(table, np.int64), np.array(orders, np.int64), norms, eps, scale, heads, kv_heads,
+                           E, head.shape[0])
+    return frame, blocks
 
 
 def _eligible_model(model: Any) -> tuple | None:
-    """(links, arrays, scale) for `model`, rebuilt when a link changed; None when the model
+    """(links, frame, blocks) for `model`, rebuilt when a link changed; None when the model
     is not one the compiled step runs."""
     built = model.__dict__.get("_fused_decode")
     if built is not None and _unchanged(built[0], built[3], model):
@@ -180,17 +178,17 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
         return None
     from attnkit.kernels.decode import decode_step
     from attnkit.kernels.quant import current_activations
-    from attnkit.runtime import blas_thread_count
+    from attnkit.runtime import blas_thread_count, cpu_count
 
-    _, arrays, scale = built
+    _, frame, _ = built
     slot = cache.length
     if slot + 1 > cache.max_length:
         raise ValueError(f"cache holds at most {cache.max_length} positions; {slot} are used and 1 more came")
     cos, sin = model.rotary.cos_sin(positions[0])  # (1, E) each
     keys, values = stores
-    parts = max(1, min(blas_thread_count(), kernels.numba().config.NUMBA_NUM_THREADS))
-    logits = decode_step(int(ids[0, 0]), slot, arrays, np.ascontiguousarray(cos[0], np.float32),
-                         np.ascontiguousarray(sin[0], np.float32), keys[:, 0], values[:, 0], scale,
+    parts = max(1, min(blas_thread_count(), cpu_count()))
+    logits = decode_step(int(ids[0, 0]), slot, frame, np.ascontiguousarray(cos[0], np.float32),
+                         np.ascontiguousarray(sin[0], np.float32), keys[:, 0], values[:, 0],
                          int8=current_activations() == "int8", parts=parts)
     cache._advance(1)
     return logits[None, None]

@@ -165,38 +165,52 @@ def _rotate(v, heads, E, cos, sin):  # pragma: no cover - compiled
             v[o + half + i] = b * cos[half + i] + a * sin[half + i]
 
 
+def _exp_shifted(s, n, top):  # pragma: no cover - compiled
+    """s[t] <- exp(s[t] - top) for t < n, float32 (`_loops.exp32`, 0.7 ulp; compiled with
+    contraction only: reassociation would undo the exp's range reduction)."""
+    for t in range(n):
+        s[t] = _exp32(s[t] - top)  # noqa: F821 - bound when compiled
+
+
 def _attend(h, g, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, scores, mixed,
             attended):  # pragma: no cover - compiled
     """Head h's query (in `rotated`) over the cached keys of group g and its own new key
     (the cache's slot is written by part 0; every part reads the new key and value from its
-    own `rotated`), the sums in float64; its E outputs into `attended`."""
-    top = -np.inf
-    for t in range(slot + 1):
-        s = 0.0
-        if t < slot:
-            for e in range(E):
-                s += np.float64(rotated[h * E + e]) * np.float64(keys[layer, g, t, e])
-        else:
-            for e in range(E):
-                s += np.float64(rotated[h * E + e]) * np.float64(rotated[(heads + g) * E + e])
-        s *= scale
+    own `rotated`), in float32 as the module path's attention: scores, their exps by a
+    vectorized polynomial, the weighted values, one division by the exps' sum at the end."""
+    q = rotated[h * E: (h + 1) * E]
+    new_key = rotated[(heads + g) * E: (heads + g + 1) * E]
+    new_value = rotated[(heads + kv_heads + g) * E: (heads + kv_heads + g + 1) * E]
+    scale32 = np.float32(scale)
+    top = np.float32(-np.inf)
+    for t in range(slot):
+        key = keys[layer, g, t]
+        s = np.float32(0.0)
+        for e in range(E):
+            s += q[e] * key[e]
+        s *= scale32
         scores[t] = s
         top = max(top, s)
-    total = 0.0
+    s = np.float32(0.0)
+    for e in range(E):
+        s += q[e] * new_key[e]
+    s *= scale32
+    scores[slot] = s
+    top = max(top, s)
+    _exp_shifted(scores, slot + 1, top)
+    total = np.float32(0.0)
     for t in range(slot + 1):
-        w = np.exp(scores[t] - top)
-        scores[t] = w
-        total += w
+        total += scores[t]
     for e in range(E):
-        mixed[e] = 0.0
+        mixed[e] = scores[slot] * new_value[e]
     for t in range(slot):
-        w = scores[t] / total
+        w = scores[t]
+        value = vals[layer, g, t]
         for e in range(E):
-            mixed[e] += w * np.float64(vals[layer, g, t, e])
-    w = scores[slot] / total
+            mixed[e] += w * value[e]
+    inverse = np.float32(1.0) / total
     for e in range(E):
-        mixed[e] += w * np.float64(rotated[(heads + kv_heads + g) * E + e])
-        attended[h * E + e] = np.float32(mixed[e])
+        attended[h * E + e] = mixed[e] * inverse
 
 
 def _step(part, parts, barrier, token, slot, table, orders, norms, floats, cos, sin, keys, vals, heads, kv_heads, E,
@@ -228,8 +242,8 @@ def _step(part, parts, barrier, token, slot, table, orders, norms, floats, cos, 
     normed = np.empty(d, np.float32)
     qkv_rows = (heads + 2 * kv_heads) * E
     rotated = np.empty(qkv_rows, np.float32)
-    scores = np.empty(slot + 1, np.float64)
-    mixed = np.empty(E, np.float64)
+    scores = np.empty(slot + 1, np.float32)
+    mixed = np.empty(E, np.float32)
     hidden = np.empty(ff, np.float32)
     qkv = shared[:qkv_rows]  # written by the parts, read whole after a barrier
     attended = shared[qkv_rows: qkv_rows + heads * E]
@@ -309,6 +323,7 @@ def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int) -> int:
 
 
 _SOURCES = {f.__name__: f for f in (_prepare, _product, _group, _barrier, _rms_norm, _rotate, _attend, _step)}
+_EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 
 @lru_cache(maxsize=1)
@@ -325,6 +340,10 @@ def compiled():
         "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"], "_rows": loops["rows"],
         "_int8": loops["int8"],
     })
+    from attnkit.kernels import _loops  # numba's njit functions: imported when compiling only
+
+    g["_exp32"] = _loops.exp32
+    g["_exp_shifted"] = nb.njit(**_EXACT)(_exp_shifted)
     options = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
     for name, fn in _SOURCES.items():
         g[name] = nb.njit(**options)(fn)

@@ -297,107 +297,56 @@ def matmul_int8_reference(x: np.ndarray, raw: np.ndarray, kind: str, columns: in
 # float32 table (65,536 entries), so a scale is one lookup of its two bytes.
 
 
-def _matvec_q4_1(raw, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
-    """Q4_1, two rows of W at a time (they share the loads of x).
+def _matvec_q4(raw, code, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
+    """Q4_1 (code 4) or Q4_0 (code 3) on float32 x, four rows of W at a time through the IR
+    loops `_rows4f_<kind>` (they share the loads of x; see `_rows4f_codegen`):
 
-    W[r, 32b + j] = d (qs[j] & 15) + m,  W[r, 32b + 16 + j] = d (qs[j] >> 4) + m
-    so  sum_k W[r, k] x[k] = sum_b d_b sum_j (lo_j xlo[16b + j] + hi_j xhi[16b + j]) + m_b xsum[b].
-    The 16 lanes j accumulate apart (a vector register per row) and are summed once per row.
+    Q4_1: W[r, 32b + j] = d (qs[j] & 15) + m,  W[r, 32b + 16 + j] = d (qs[j] >> 4) + m
+    so  sum_k W[r, k] x[k] = sum_b d_b sum_j (lo_j xlo[16b + j] + hi_j xhi[16b + j]) + m_b xsum[b];
+    Q4_0: W = d (q - 8), so the block's offset term is -8 d_b xsum[b].
     """
-    blocks, n = xsum.shape[1], xsum.shape[0]
-    a0 = np.empty(16, np.float32)
-    a1 = np.empty(16, np.float32)
+    n = xsum.shape[0]
     for i in range(n):
         xl, xh, xs = xlo[i], xhi[i], xsum[i]
-        for r0 in range(first, stop, 2):
-            r1 = min(r0 + 1, stop - 1)  # an odd last row is computed twice
-            ahead0 = raw[min(r0 + PREFETCH_ROWS, stop - 1)]
-            ahead1 = raw[min(r0 + PREFETCH_ROWS + 1, stop - 1)]
-            row0, row1 = raw[r0], raw[r1]
-            a0[:] = 0.0
-            a1[:] = 0.0
-            m0 = np.float32(0.0)
-            m1 = np.float32(0.0)
-            for b in range(blocks):
-                o = 20 * b
-                _prefetch(ahead0, o)  # noqa: F821 - bound when compiled
-                _prefetch(ahead1, o)  # noqa: F821
-                d0 = _half_at(row0, o)  # noqa: F821
-                d1 = _half_at(row1, o)  # noqa: F821
-                m0 += _half_at(row0, o + 2) * xs[b]  # noqa: F821
-                m1 += _half_at(row1, o + 2) * xs[b]  # noqa: F821
-                for j in range(16):
-                    xa = xl[16 * b + j]
-                    xb = xh[16 * b + j]
-                    q0 = np.int32(row0[o + 4 + j])
-                    q1 = np.int32(row1[o + 4 + j])
-                    a0[j] += d0 * (np.float32(q0 & 15) * xa + np.float32(q0 >> 4) * xb)
-                    a1[j] += d1 * (np.float32(q1 & 15) * xa + np.float32(q1 >> 4) * xb)
-            out[i, r0] = a0.sum() + m0
-            out[i, r1] = a1.sum() + m1
+        for r0 in range(first, stop, 4):
+            r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
+            r2 = min(r0 + 2, stop - 1)
+            r3 = min(r0 + 3, stop - 1)
+            if code == 4:
+                s0, s1, s2, s3 = _rows4f_q4_1(raw, r0, r1, r2, r3, xl, xh, xs)  # noqa: F821 - bound when compiled
+            else:
+                s0, s1, s2, s3 = _rows4f_q4_0(raw, r0, r1, r2, r3, xl, xh, xs)  # noqa: F821
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
+
+
+def _matvec_q4_1(raw, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
+    """Q4_1 on float32 x (`_matvec_q4`)."""
+    _matvec_q4(raw, 4, xlo, xhi, xsum, out, first, stop)
 
 
 def _matvec_q4_0(raw, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
-    """Q4_0 as `_matvec_q4_1`: W = d (q - 8), so the block's minimum term is -8 d_b xsum[b]."""
-    blocks, n = xsum.shape[1], xsum.shape[0]
-    a0 = np.empty(16, np.float32)
-    a1 = np.empty(16, np.float32)
-    for i in range(n):
-        xl, xh, xs = xlo[i], xhi[i], xsum[i]
-        for r0 in range(first, stop, 2):
-            r1 = min(r0 + 1, stop - 1)
-            ahead0 = raw[min(r0 + PREFETCH_ROWS, stop - 1)]
-            ahead1 = raw[min(r0 + PREFETCH_ROWS + 1, stop - 1)]
-            row0, row1 = raw[r0], raw[r1]
-            a0[:] = 0.0
-            a1[:] = 0.0
-            m0 = np.float32(0.0)
-            m1 = np.float32(0.0)
-            for b in range(blocks):
-                o = 18 * b
-                _prefetch(ahead0, o)  # noqa: F821 - bound when compiled
-                _prefetch(ahead1, o)  # noqa: F821
-                d0 = _half_at(row0, o)  # noqa: F821
-                d1 = _half_at(row1, o)  # noqa: F821
-                m0 -= np.float32(8.0) * d0 * xs[b]
-                m1 -= np.float32(8.0) * d1 * xs[b]
-                for j in range(16):
-                    xa = xl[16 * b + j]
-                    xb = xh[16 * b + j]
-                    q0 = np.int32(row0[o + 2 + j])
-                    q1 = np.int32(row1[o + 2 + j])
-                    a0[j] += d0 * (np.float32(q0 & 15) * xa + np.float32(q0 >> 4) * xb)
-                    a1[j] += d1 * (np.float32(q1 & 15) * xa + np.float32(q1 >> 4) * xb)
-            out[i, r0] = a0.sum() + m0
-            out[i, r1] = a1.sum() + m1
+    """Q4_0 on float32 x (`_matvec_q4`)."""
+    _matvec_q4(raw, 3, xlo, xhi, xsum, out, first, stop)
 
 
 def _matvec_q8_0(raw, values, x, out, first, stop):  # pragma: no cover - compiled
-    """Q8_0, two rows at a time: W[r, 32b + j] = d * qs[j] (int8; `values` is raw viewed as int8)."""
-    n, blocks = x.shape[0], x.shape[1] // 32
-    a0 = np.empty(32, np.float32)
-    a1 = np.empty(32, np.float32)
+    """Q8_0 on float32 x, four rows at a time through the IR loop `_rows4f_q8_0`:
+    W[r, 32b + j] = d * qs[j] (int8; `values`, raw viewed as int8, is not read here)."""
+    n = x.shape[0]
     for i in range(n):
         xi = x[i]
-        for r0 in range(first, stop, 2):
-            r1 = min(r0 + 1, stop - 1)
-            ahead0 = raw[min(r0 + PREFETCH_ROWS, stop - 1)]
-            ahead1 = raw[min(r0 + PREFETCH_ROWS + 1, stop - 1)]
-            row0, row1, v0, v1 = raw[r0], raw[r1], values[r0], values[r1]
-            a0[:] = 0.0
-            a1[:] = 0.0
-            for b in range(blocks):
-                o = 34 * b
-                _prefetch(ahead0, o)  # noqa: F821 - bound when compiled
-                _prefetch(ahead1, o)  # noqa: F821
-                d0 = _half_at(row0, o)  # noqa: F821
-                d1 = _half_at(row1, o)  # noqa: F821
-                for j in range(32):
-                    xa = xi[32 * b + j]
-                    a0[j] += d0 * (np.float32(v0[o + 2 + j]) * xa)
-                    a1[j] += d1 * (np.float32(v1[o + 2 + j]) * xa)
-            out[i, r0] = a0.sum()
-            out[i, r1] = a1.sum()
+        for r0 in range(first, stop, 4):
+            r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
+            r2 = min(r0 + 2, stop - 1)
+            r3 = min(r0 + 3, stop - 1)
+            s0, s1, s2, s3 = _rows4f_q8_0(raw, r0, r1, r2, r3, xi, xi, xi)  # noqa: F821 - bound when compiled
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
 
 
 def _quantize_x(x, bits, q, dx, xs, qsum):  # pragma: no cover - compiled
@@ -573,6 +522,104 @@ def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
                                                 "llvm.vector.reduce.fadd.v8f32")
         results = [builder.fadd(builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)]), builder.load(term))
                    for total, term in zip(sums, terms)]
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
+def _rows4f_codegen(kind):  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`: four rows of W
+    (Q4_0, Q4_1 or Q8_0 blocks) against one row of float32 x, returning their four sums.
+    Per block: x's 16 low-nibble and 16 high-nibble values (Q8_0: its 32 values, xlo = xhi
+    = the row of x, xsum unused) loaded once for the four rows; each row's nibbles (Q8_0:
+    signed bytes) widened to float32 (exact), lo * xlo + hi * xhi scaled by d_b and added
+    to 16 float32 lanes per row (allocas LLVM keeps in registers: the accumulators of a
+    loop in Python stayed in memory, a store and a reload every block); the minimum's
+    (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The rows 16 ahead are
+    prefetched (`_prefetch`'s reason)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = _BLOCK_BYTES[kind]
+    fast = ("contract", "reassoc", "nsz")
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, xlo, xhi, xsum = args
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        lanes = ir.VectorType(f32, 16)
+        bytes16 = ir.VectorType(i8, 16)
+        proxy = cgutils.create_struct_proxy
+        matrix = proxy(signature.args[0])(context, builder, value=raw)
+        stride = builder.extract_value(matrix.strides, 0)
+        xl_data = proxy(signature.args[5])(context, builder, value=xlo).data
+        xh_data = proxy(signature.args[6])(context, builder, value=xhi).data
+        xs_array = proxy(signature.args[7])(context, builder, value=xsum)
+        if kind == "q8_0":  # x's length / 32
+            x_array = proxy(signature.args[5])(context, builder, value=xlo)
+            blocks = builder.udiv(builder.extract_value(x_array.shape, 0), ir.Constant(stride.type, 32))
+        else:
+            blocks = builder.extract_value(xs_array.shape, 0)
+        rows = [builder.gep(matrix.data, [builder.mul(r, stride)]) for r in (r0, r1, r2, r3)]
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+        module = builder.module
+        prefetch = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+
+        def half_at(pointer):
+            return builder.fpext(builder.load(builder.bitcast(pointer, ir.HalfType().as_pointer()), align=1), f32)
+
+        def spread(value):
+            one = builder.insert_element(ir.Constant(lanes, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            ahead = builder.add(builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS)), offset)
+            for row in rows:  # never faults: a prefetch past the end is dropped
+                builder.call(prefetch, [builder.gep(row, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                        ir.Constant(i32, 1)])
+            if kind == "q8_0":
+                at_lo = builder.mul(b, ir.Constant(b.type, 32))
+                at_hi = builder.add(at_lo, ir.Constant(b.type, 16))
+            else:
+                at_lo = at_hi = builder.mul(b, ir.Constant(b.type, 16))
+            xl = builder.load(builder.bitcast(builder.gep(xl_data, [at_lo]), lanes.as_pointer()), align=4)
+            xh = builder.load(builder.bitcast(builder.gep(xh_data, [at_hi]), lanes.as_pointer()), align=4)
+            s = None if kind == "q8_0" else builder.load(builder.gep(xs_array.data, [b]))
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                d = half_at(block)
+                if kind == "q8_0":
+                    def signed(at):
+                        values = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
+                                                              bytes16.as_pointer()), align=1)
+                        return builder.sitofp(values, lanes)
+
+                    low, high = signed(2), signed(18)
+                else:
+                    at = 4 if kind == "q4_1" else 2
+                    packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
+                                                          bytes16.as_pointer()), align=1)
+                    low = builder.uitofp(builder.and_(packed, ir.Constant(bytes16, [15] * 16)), lanes)
+                    high = builder.uitofp(builder.lshr(packed, ir.Constant(bytes16, [4] * 16)), lanes)
+                mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast), flags=fast)
+                updated = builder.fadd(builder.load(total), builder.fmul(spread(d), mixed, flags=fast), flags=fast)
+                builder.store(updated, total)
+                if kind == "q4_1":  # m_b xsum_b
+                    part = builder.fmul(half_at(builder.gep(block, [ir.Constant(i32, 2)])), s, flags=fast)
+                elif kind == "q4_0":  # -8 d_b xsum_b
+                    part = builder.fmul(builder.fmul(d, ir.Constant(f32, -8.0), flags=fast), s, flags=fast)
+                else:
+                    continue
+                builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
+        reduce = cgutils.get_or_insert_function(module, ir.FunctionType(f32, [f32, lanes]),
+                                                "llvm.vector.reduce.fadd.v16f32")
+        results = []
+        for total, term in zip(sums, terms):
+            summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)  # a tree
+            results.append(builder.fadd(summed, builder.load(term), flags=fast))
         return context.make_tuple(builder, signature.return_type, results)
 
     return codegen
@@ -807,6 +854,17 @@ def _rows4_intrinsic(kind: str, dot: str | None = None):
     return intrinsic(_rows4_typing)
 
 
+def _rows4f_intrinsic(kind: str):
+    """The numba intrinsic `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)` -> four float32 sums."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    def _rows4f_typing(typingctx, raw, r0, r1, r2, r3, xlo, xhi, xsum):
+        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, xlo, xhi, xsum), _rows4f_codegen(kind)
+
+    return intrinsic(_rows4f_typing)
+
+
 @lru_cache(maxsize=1)
 def _compiled() -> dict:
     """The loops above compiled by numba (cached on disk), bound into this module's globals
@@ -834,6 +892,9 @@ def _compiled() -> dict:
 
     for kind in _BLOCK_BYTES:
         g[f"_rows4_{kind}"] = _rows4_intrinsic(kind)
+    for kind in ("q4_1", "q4_0", "q8_0"):
+        g[f"_rows4f_{kind}"] = _rows4f_intrinsic(kind)
+    g["_matvec_q4"] = nb.njit(**serial)(_matvec_q4)
     loops = {
         "q4_1": nb.njit(**serial)(_matvec_q4_1),
         "q4_0": nb.njit(**serial)(_matvec_q4_0),

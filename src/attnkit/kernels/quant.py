@@ -6,8 +6,10 @@ computes x @ W.T without ever building W in float32:
 
 - decode (a few rows of x): one compiled loop per output row reads the row's blocks once,
   expands each 4-, 5- or 8-bit value and its block scale in registers, and accumulates in
-  float32 (`_matvec_*`); with more than one thread allowed (the BLAS thread limit in force),
-  the output rows are split into contiguous ranges run side by side (`prange`);
+  float32 (`_matvec_*`; Q4_0, Q4_1 and Q8_0 four rows at a time in LLVM IR); with more
+  than one thread allowed (the BLAS thread limit in force), the output rows are split into
+  contiguous ranges run side by side, each by one call of the native entry (`_product_entry`,
+  `attnkit.kernels.native`);
 - prefill (many rows of x): a tile of W's rows is dequantized into a float32 scratch tile
   (`_dequantize_rows`), then one BLAS product per tile, as llama.cpp does for batches.
 

@@ -191,3 +191,29 @@ def test_the_reshape_helper_views_what_numpy_views():
             assert all(g == e for g, e, n in zip(got, expected, new) if n != 1), (a.shape, a.strides, new, got,
                                                                                 expected)
     assert viewed > 50 and checked - viewed > 50
+
+
+def test_two_threads_stepping_one_model(tiny_gguf):
+    """Two threads decoding with one model (each its own cache) get what each gets alone:
+    the model's one frame takes one step at a time."""
+    import threading
+
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    prompts = [IDS, IDS[::-1]]
+    alone = [_steps(model, ids, parts=2) for ids in prompts]
+    together = [None, None]
+
+    def run(i):
+        together[i] = [_steps(model, prompts[i], parts=2) for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive(), "the steps of two threads never finished (their barriers mixed)"
+    for i in range(2):
+        for got in together[i]:
+            np.testing.assert_array_equal(got, alone[i])

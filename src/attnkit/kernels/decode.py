@@ -38,6 +38,7 @@ parts write their shares into.
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -362,7 +363,8 @@ def _entries() -> native.Entries:
 
 class _Frame:
     """One model's frame for the step (addresses of its arrays, which it keeps alive), the
-    barrier and the shared scratch; the per-step fields are set by `decode_step`."""
+    barrier and the shared scratch; the per-step fields are set by `decode_step`, one step
+    at a time (`lock`)."""
 
     def __init__(self, arrays: tuple) -> None:
         table, orders, norms, floats, heads, kv_heads, E, vocab, keep = arrays
@@ -370,6 +372,7 @@ class _Frame:
         d, ff = int(table[MATRICES_PER_LAYER * layers, 4]), int(table[4, 1])
         self.keep = (table, orders, norms, floats, keep)
         self.barrier = np.zeros(2, np.int64)
+        self.lock = threading.Lock()
         self.shared = np.empty(shared_size(heads, kv_heads, E, d, ff), np.float32)
         self.vocab = vocab
         frame = self.frame = np.zeros(FRAME, np.int64)
@@ -416,21 +419,22 @@ def decode_step(token: int, slot: int, frame: _Frame, cos: np.ndarray, sin: np.n
                          f"and {values.shape} {values.dtype}")
     entry = _entries()["step"]
     logits = np.empty(frame.vocab, np.float32)
-    f = frame.frame
-    f[TOKEN], f[SLOT], f[PARTS], f[INT8] = token, slot, parts, int(bool(int8))
-    f[COS], f[SIN], f[KEYS], f[VALUES], f[MAX_LENGTH] = (cos.ctypes.data, sin.ctypes.data, keys.ctypes.data,
-                                                        values.ctypes.data, keys.shape[2])
-    f[LOGITS] = logits.ctypes.data
-    frame.barrier[0] = 0
-    address = f.ctypes.data
-    if parts == 1:
-        entry(address, 0)
-    else:
-        from attnkit.runtime import worker_pool
+    with frame.lock:  # one step at a time on a frame (two threads may generate with one model)
+        f = frame.frame
+        f[TOKEN], f[SLOT], f[PARTS], f[INT8] = token, slot, parts, int(bool(int8))
+        f[COS], f[SIN], f[KEYS], f[VALUES], f[MAX_LENGTH] = (cos.ctypes.data, sin.ctypes.data, keys.ctypes.data,
+                                                            values.ctypes.data, keys.shape[2])
+        f[LOGITS] = logits.ctypes.data
+        frame.barrier[0] = 0
+        address = f.ctypes.data
+        if parts == 1:
+            entry(address, 0)
+        else:
+            from attnkit.runtime import worker_pool
 
-        pool = worker_pool(parts - 1)
-        others = [pool.submit(entry, address, p) for p in range(1, parts)]
-        entry(address, 0)
-        for other in others:
-            other.result()
+            pool = worker_pool(parts - 1)
+            others = [pool.submit(entry, address, p) for p in range(1, parts)]
+            entry(address, 0)
+            for other in others:
+                other.result()
     return logits

@@ -21,9 +21,9 @@ dequantization) are therefore also built ahead of time as one shared library:
 
 `entries(name, sources)` gives a module's entries as ctypes functions (a library per module
 that has entries: `attnkit.kernels.quant`'s products, `attnkit.kernels.decode`'s step); they
-release the GIL while they run. When no C compiler is found (or ATTNKIT_KERNELS=numba), the
-same entries run as numba's in-process C callbacks (`cfunc.ctypes`): same route, same
-arguments, numba in the process.
+release the GIL while they run. Off Linux, when no C compiler is found, or with
+ATTNKIT_KERNELS=numba, the same entries run as numba's in-process C callbacks
+(`cfunc.ctypes`): same route, same arguments, numba in the process.
 The NumPy reference stays what the kernels are tested against (tests/test_native.py holds
 the library's results to the in-process callbacks' bit for bit).
 """
@@ -194,6 +194,10 @@ def _callbacks(sources: Sources, cache: bool) -> dict:
 
 
 def _compiler() -> str | None:
+    """The C compiler that links the library, or None: Linux only (the library leaves the
+    Python C API's symbols to the interpreter that loads it, as ELF allows)."""
+    if not sys.platform.startswith("linux"):
+        return None
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 

@@ -214,7 +214,7 @@ def _numpy_path(monkeypatch):
 
 def _counting(monkeypatch):
     """Counts calls of the compiled loops (to prove the whole-call tests ran them)."""
-    calls = {"exp": 0, "shifted": 0, "grad": 0, "band_exp": 0, "grad_scores": 0}
+    calls = {"exp": 0, "shifted": 0, "grad": 0, "band_exp": 0, "grad_scores": 0, "forward_band_exp": 0}
     for name, key in (("exp_tile", "exp"), ("shifted_exp_tile", "shifted"), ("weighted_grad_tile", "grad"),
                       ("band_exp_tile", "band_exp"), ("grad_scores_tile", "grad_scores")):
         real = getattr(compiled, name)
@@ -224,6 +224,19 @@ def _counting(monkeypatch):
             return _real(*args)
 
         monkeypatch.setattr(compiled, name, wrapped)
+    loop = compiled.band_exp_loop
+
+    def counted_loop():  # the forward's fused tiles call band_exp_tile's loop as it is
+        real = loop()
+
+        def wrapped(*args):
+            calls["band_exp"] += 1
+            calls["forward_band_exp"] += 1
+            return real(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(compiled, "band_exp_loop", counted_loop)
     return calls
 
 
@@ -333,6 +346,8 @@ def test_fused_tiles_at_the_default_tiles_within_budget(torch, monkeypatch, kw):
     grads = attnkit.flash_attention_backward(d_out, q, k, v, res.output, res)
     if kernels.enabled():
         assert res.plan.fused and calls["band_exp"] > 0 and calls["grad_scores"] > 0, calls
+        if "window" not in kw:  # (a narrow window leaves a block's rows no key in common: the running max)
+            assert calls["forward_band_exp"] > 0, calls
 
     window = kw.get("window", (None, 0))
     dense = masks.sliding_window_mask(L, L, left=window[0], right=window[1])
@@ -360,3 +375,36 @@ def test_kernels_give_the_same_results_on_one_thread_and_two():
     q, k, v = (rng.standard_normal((4, 1024, 32)).astype(np.float32) for _ in range(3))
     one, two = (attnkit.flash_attention(q, k, v, is_causal=True, num_threads=n) for n in (1, 2))
     assert np.array_equal(one, two)
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(is_causal=True, enable_gqa=True),
+                                dict(is_causal=True, causal_align="bottom_right"), dict(window=(600, 300))],
+                         ids=["causal", "causal GQA", "bottom-right chunk", "wide window"])
+def test_fused_pieces_with_heads_side_by_side_are_bitwise_head_by_head(monkeypatch, kw):
+    """The forward's fused tiles put several heads' pieces of a causal diagonal side by
+    side in each call (`_heads_per_task`, `_heads_per_call`): NumPy's batched product
+    multiplies head by head, so output, lse and shift are the bits of one head per
+    task, and the same on one thread and two."""
+    from attnkit.functional.flash import forward
+
+    rng = np.random.default_rng(11)
+    Hq, Hkv = (8, 2) if kw.get("enable_gqa") else (8, 8)
+    L, S, E = (300, 1100, 64) if kw.get("causal_align") else (1100, 1100, 64)
+    q = rng.standard_normal((Hq, L, E)).astype(np.float32)
+    k, v = (rng.standard_normal((Hkv, S, E)).astype(np.float32) for _ in range(2))
+    compiled.load()
+    if not kernels.enabled():
+        pytest.skip("the fused tiles need the compiled kernels")
+    calls = _counting(monkeypatch)
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda: 1 << 20)  # several heads a task on any machine
+    side = attnkit.flash_attention(q, k, v, return_lse=True, num_threads=1, **kw)
+    assert side.plan.fused and calls["forward_band_exp"] > 0, calls
+    wide = forward._heads_per_task(side.plan, 1, 1, 4, 1, True)
+    assert wide > 1, "the heads did not go side by side"
+    with monkeypatch.context() as m:
+        m.setattr(forward, "_heads_per_task", lambda *args, **kwargs: 1)
+        alone = attnkit.flash_attention(q, k, v, return_lse=True, num_threads=1, **kw)
+    for what in ("output", "lse", "shift", "shifted_lse"):
+        assert np.array_equal(getattr(side, what), getattr(alone, what)), f"{what} (tasks of {wide} heads vs 1)"
+    two = attnkit.flash_attention(q, k, v, num_threads=2, **kw)
+    assert np.array_equal(side.output, two), "one thread and two"

@@ -192,29 +192,50 @@ def _forward_rows(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows) -> None:
 
 def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, va, c) -> tuple[np.ndarray, ...]:
     """The fast path's tiles on the compiled fused kernel (FlashPlan.fused): per
-    tile the product q kᵀ at the head's width, one pass that shifts by c, takes
-    the exp, masks the band and sums the rows (`band_exp_tile`), and P V. qs
-    (heads, rows, E) is q * scale, ka and va the task's keys and values (heads,
-    S, E) and (heads, S, Ev), c (heads, rows) the shifts. Returns sum p v
-    (heads, rows, Ev) and sum p (heads, rows), in this thread's scratch (each
+    piece (`FlashPlan.row_pieces`) the product q kᵀ at the head's width, one pass
+    that shifts by c, takes the exp, masks the band and sums the rows (the loop of
+    `band_exp_tile`, called as it is), and P V. qs (heads, rows, E) is q * scale,
+    ka and va the task's keys and values (heads, S, E) and (heads, S, Ev), or
+    (1, S, ·) shared by the heads (GQA), c (heads, rows) the shifts. Only a band
+    excludes keys here (the fast path takes no mask: `_sample_keys`). Returns sum
+    p v (heads, rows, Ev) and sum p (heads, rows), in this thread's scratch (each
     contiguous: adding a tile into Ev of Ev + 1 columns cost several times a
-    contiguous add)."""
+    contiguous add).
+
+    The heads whose piece fits the L2 cache together go side by side in each
+    call (`_heads_per_call`): a causal diagonal is cut into pieces of piece_q
+    rows, and each piece's calls cost about 10 µs of Python and dispatch on
+    top of its work. NumPy's batched product multiplies head by head, so each
+    head's scores are the bits `_tile_scores` forms on one head."""
+    assert plan.mask is None and plan.mask_mod is None, "the fast path takes no mask"
     cd = ka.dtype
     nh, r, Ev = qs.shape[0], qs.shape[1], va.shape[-1]
-    zeros, ones = scratch_tile("zeros", nh, r, cd), scratch_tile("ones", nh, r, cd)
+    zeros, ones = scratch_buffer("zeros", nh * r, cd)[: nh * r], scratch_buffer("ones", nh * r, cd)[: nh * r]
     zeros[...], ones[...] = 0, 1  # the forward's extra shift and factor: (s - c) - 0 is s - c, x * 1 is x
     weighted = scratch_buffer("weighted", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)  # sum p v
     total = scratch_tile("total", nh, r, cd)  # sum p
     weighted[...], total[...] = 0, 0
     part = scratch_buffer("pv", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)
-    for tile, s, at in _score_tiles(plan, inputs, rows, qs, ka, band=False):
-        n_rows = at.stop - at.start
-        sums = scratch_tile("sums", nh, n_rows, cd)
-        compiled.band_exp_tile(s, c[:, at], zeros[:, at], ones[:, at], sums, *plan.local_band(tile.q0, tile.k0))
-        out = part[:, :n_rows]  # (heads, rows, Ev): contiguous per head
-        np.matmul(s, va[:, tile.k0:tile.k1], out=out)
-        weighted[:, at] += out
-        total[:, at] += sums
+    most = min(nh * r * plan.block_k, max(r * plan.block_k, l2_cache_bytes() // cd.itemsize))  # a call's scores
+    s_buf, sums_buf = scratch_buffer("s", most, cd), scratch_buffer("sums", nh * r, cd)
+    q0, loop = rows.q0, compiled.band_exp_loop()
+    shared = ka.shape[0] == 1  # GQA: one kv head for all the task's heads, (1, S, ·) broadcasts
+    for r0, r1, k0, k1, lo, hi in plan.row_pieces(q0, rows.q1, rows.k_start, rows.k_end):
+        at, n_rows, n = slice(r0 - q0, r1 - q0), r1 - r0, k1 - k0
+        step = _heads_per_call(nh, n_rows * n * cd.itemsize)
+        for h0 in range(0, nh, step):
+            h1 = min(h0 + step, nh)
+            m, heads = h1 - h0, slice(h0, h1)
+            kv = slice(None) if shared else heads
+            s = s_buf[: m * n_rows * n].reshape(m, n_rows, n)
+            np.matmul(qs[heads, at], ka[kv, k0:k1].swapaxes(-1, -2), out=s)  # (heads, rows, cols), as _tile_scores
+            sums = sums_buf[: m * n_rows]
+            shift = c[h0, at] if m == 1 else np.ascontiguousarray(c[heads, at]).reshape(-1)
+            loop(s.reshape(m * n_rows, n), shift, zeros[: m * n_rows], ones[: m * n_rows], sums, n_rows, lo, hi)
+            out = part[:m, :n_rows]  # (heads, rows, Ev): contiguous per head
+            np.matmul(s, va[kv, k0:k1], out=out)
+            weighted[heads, at] += out
+            total[heads, at] += sums.reshape(m, n_rows)
     return weighted, total
 
 
@@ -229,19 +250,19 @@ def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) ->
     return slice(start, end) if end > start else None
 
 
-def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka, band: bool = True):
+def _score_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qa, ka):
     """(tile, s, part) for each piece (plan.pieces) of each key tile of a
     forward task that has an allowed pair: s (heads, rows, cols) its scores
-    less the shift in qa, masked (-inf where not allowed; the band's edges
-    left to the fused kernel when `band` is False), in a scratch buffer
-    reused by the next piece; part the piece's rows as offsets in the task."""
+    less the shift in qa, masked (-inf where not allowed), in a scratch
+    buffer reused by the next piece; part the piece's rows as offsets in the
+    task. (The fused tiles take the pieces from `FlashPlan.row_pieces`.)"""
     b, h0, h1, q0 = rows.b, rows.h0, rows.h1, rows.q0
     cd = ka.dtype
     nh = h1 - h0
     for k_tile in range(rows.k_start, rows.k_end, plan.block_k):
         for r0, r1, k0, k1 in plan.pieces(q0, rows.q1, k_tile, min(k_tile + plan.block_k, rows.k_end)):
             tile = _Tile(b, h0, h1, r0, r1, k0, k1)
-            skip, blocked, adds = plan.tile_masks(tile, cd, band)
+            skip, blocked, adds = plan.tile_masks(tile, cd)
             if skip:
                 continue
             r, n = r1 - r0, k1 - k0
@@ -337,13 +358,18 @@ def flash_attention(
     return AttentionState(out, lse, plan, shift, shifted_lse, dtype) if return_lse else out
 
 
-def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threads: int) -> int:
+def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threads: int, fused: bool = False) -> int:
     """How many heads a forward task takes side by side: as many (block_q,
     block_k) score tiles as fit the L2 cache together (each call then works on
     all of them, so small tiles along a causal diagonal cost fewer calls), but
-    never so many that the threads run out of tasks."""
+    never so many that the threads run out of tasks. On the fused tiles a band's
+    pieces count instead (at most piece_q rows: a causal diagonal's), as their
+    loop puts side by side only the heads whose piece fits the L2 cache
+    (`_heads_per_call`): a whole tile below the diagonal still runs head by head."""
     Hq = plan.shapes.q_heads
-    tile = plan.block_q * plan.block_k * itemsize
+    pieces = fused and plan.band.bounded and plan.mask is None and plan.mask_mod is None  # _fused_tiles' loop
+    rows = min(plan.piece_q, plan.block_q) if pieces else plan.block_q
+    tile = rows * plan.block_k * itemsize
     heads = max(1, min(Hq, l2_cache_bytes() // max(tile, 1)))
     while threads > 1 and heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * threads:
         heads = -(-heads // 2)
@@ -353,6 +379,12 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threa
         while g % heads:
             heads -= 1
     return heads
+
+
+def _heads_per_call(heads: int, tile_bytes: int) -> int:
+    """How many of a task's heads one fused piece takes side by side: as many as
+    fit the L2 cache together (at least one)."""
+    return max(1, min(heads, l2_cache_bytes() // max(tile_bytes, 1)))
 
 
 def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, ...]:
@@ -391,7 +423,7 @@ def _flash_forward(plan: FlashPlan, q, k, v, cd: np.dtype) -> tuple[np.ndarray, 
         _forward_rows(plan, inputs, rows)
 
     if splits == 1:
-        nh = _heads_per_task(plan, len(blocks), B, cd.itemsize, threads)
+        nh = _heads_per_task(plan, len(blocks), B, cd.itemsize, threads, plan.fused_in(cd))
         tasks = [_Rows(b, h, min(h + nh, Hq), q0, q1, k_start, k_end,
                        out[b, h:h + nh, q0:q1], lse[b, h:h + nh, q0:q1], shift[b, h:h + nh, q0:q1],
                        shifted_lse[b, h:h + nh, q0:q1])

@@ -217,3 +217,26 @@ def test_two_threads_stepping_one_model(tiny_gguf):
     for i in range(2):
         for got in together[i]:
             np.testing.assert_array_equal(got, alone[i])
+
+
+def test_the_step_refuses_what_it_cannot_read(tiny_gguf):
+    """A token outside the embedding, a slot past the cache, caches or rotary tables of
+    another shape: a clear error before the compiled code reads anything."""
+    from attnkit.kernels import decode
+    from attnkit.models import fused_decode
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    frame = fused_decode._eligible_model(model)[1]
+    cache = model.new_cache(1, 4)
+    keys, values = (s[:, 0] for s in cache._stores())
+    cos, sin = (np.ascontiguousarray(t[0], np.float32) for t in model.rotary.cos_sin(np.array([0])))
+    vocab = model.config.vocab_size
+    for token, slot, match in ((vocab, 0, "token in"), (-1, 0, "token in"), (1, 4, "slot in")):
+        with pytest.raises(ValueError, match=match):
+            decode.decode_step(token, slot, frame, cos, sin, keys, values)
+    with pytest.raises(ValueError, match="caches of shape"):
+        decode.decode_step(1, 0, frame, cos, sin, keys[:, :, :, :-1].copy(), values[:, :, :, :-1].copy())
+    with pytest.raises(ValueError, match="cos and sin"):
+        decode.decode_step(1, 0, frame, cos[:-1].copy(), sin, keys, values)
+    assert np.isfinite(decode.decode_step(1, 0, frame, cos, sin, keys, values)).all()

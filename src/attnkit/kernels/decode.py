@@ -375,6 +375,7 @@ class _Frame:
         self.lock = threading.Lock()
         self.shared = np.empty(shared_size(heads, kv_heads, E, d, ff), np.float32)
         self.vocab = vocab
+        self.embed_rows = int(table[MATRICES_PER_LAYER * layers, 1])
         frame = self.frame = np.zeros(FRAME, np.int64)
         frame[[TABLE, MATRICES, ORDERS, NORMS, FLOATS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, HALF, BARRIER,
                SHARED]] = [table.ctypes.data, table.shape[0], orders.ctypes.data, norms.ctypes.data,
@@ -417,10 +418,18 @@ def decode_step(token: int, slot: int, frame: _Frame, cos: np.ndarray, sin: np.n
             and values.dtype == np.float32 and keys.shape == values.shape):
         raise ValueError(f"expected two C-contiguous float32 caches of one shape, got {keys.shape} {keys.dtype} "
                          f"and {values.shape} {values.dtype}")
+    f = frame.frame
+    E, rows = int(f[HEAD_DIM]), frame.embed_rows
+    if not (0 <= token < rows and 0 <= slot < keys.shape[2]):
+        raise ValueError(f"expected a token in [0, {rows}) at a slot in [0, {keys.shape[2]}), got {token} at {slot}")
+    if keys.shape[:2] != (f[LAYERS], f[KV_HEADS]) or keys.shape[3] != E:
+        raise ValueError(f"expected caches of shape ({f[LAYERS]}, {f[KV_HEADS]}, max, {E}), got {keys.shape}")
+    if any(t.shape != (E,) or t.dtype != np.float32 or not t.flags.c_contiguous for t in (cos, sin)):
+        raise ValueError(f"expected cos and sin of shape ({E},), float32 and C-contiguous, got {cos.shape} "
+                         f"{cos.dtype} and {sin.shape} {sin.dtype}")
     entry = _entries()["step"]
     logits = np.empty(frame.vocab, np.float32)
     with frame.lock:  # one step at a time on a frame (two threads may generate with one model)
-        f = frame.frame
         f[TOKEN], f[SLOT], f[PARTS], f[INT8] = token, slot, parts, int(bool(int8))
         f[COS], f[SIN], f[KEYS], f[VALUES], f[MAX_LENGTH] = (cos.ctypes.data, sin.ctypes.data, keys.ctypes.data,
                                                             values.ctypes.data, keys.shape[2])

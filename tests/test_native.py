@@ -240,3 +240,23 @@ def test_the_step_refuses_what_it_cannot_read(tiny_gguf):
     with pytest.raises(ValueError, match="cos and sin"):
         decode.decode_step(1, 0, frame, cos[:-1].copy(), sin, keys, values)
     assert np.isfinite(decode.decode_step(1, 0, frame, cos, sin, keys, values)).all()
+
+
+def test_a_build_removes_libraries_unused_for_a_week(tiny_gguf, tmp_path):
+    """Building this version's library removes the other folders under the cache's native/
+    that no process loaded for a week, and keeps the recent ones."""
+    from attnkit.kernels import native
+
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: nothing is built")
+    base = tmp_path / "attnkit" / "native"
+    old, recent = base / "old-version", base / "recent-version"
+    for folder in (old, recent):
+        folder.mkdir(parents=True)
+        (folder / "libattnkit_quant.so").write_bytes(b"")
+    week_ago = os.stat(old).st_mtime - 8 * 86400
+    os.utime(old, (week_ago, week_ago))
+    numba_cache = os.environ.get("NUMBA_CACHE_DIR") or kernels.numba().config.CACHE_DIR
+    report, err = _child(tiny_gguf, XDG_CACHE_HOME=str(tmp_path), NUMBA_CACHE_DIR=numba_cache)
+    assert report["route"] == "library" and "built the native kernels" in err
+    assert not old.exists() and recent.exists()

@@ -17,7 +17,8 @@ dequantization) are therefore also built ahead of time as one shared library:
 - the library is kept under the user's cache folder (`~/.cache/attnkit/native/`), named by
   a digest of the kernels' sources, numba's and llvmlite's versions and the CPU (its model
   and flags, read from /proc/cpuinfo), and later processes load it with ctypes: numba is
-  not imported and LLVM never starts.
+  not imported and LLVM never starts. A build removes the folders no process loaded for
+  a week (other versions, other CPUs).
 
 `entries(name, sources)` gives a module's entries as ctypes functions (a library per module
 that has entries: `attnkit.kernels.quant`'s products, `attnkit.kernels.decode`'s step); they
@@ -238,6 +239,10 @@ def _build(target: Path, sources: Sources, compiler: str) -> None:
 
 def _load(target: Path) -> Entries:
     names = json.loads(target.with_suffix(".json").read_text())
+    try:
+        os.utime(target.parent)  # in use: `_build_locked` removes the folders unused for a week
+    except OSError:
+        pass
     library = ctypes.CDLL(str(target))
     found = Entries()
     for name, symbol in names.items():
@@ -314,6 +319,7 @@ def _build_locked(target: Path, sources: Sources, compiler: str) -> None:
         try:
             if not (target.exists() and target.with_suffix(".json").exists()):
                 _build(target, sources, compiler)
+                kernels._remove_old_caches(target.parent)  # other versions' and CPUs', unused for a week
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

@@ -294,6 +294,13 @@ def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatc
     model.single_thread_rows = 100
     assert ran_with(ids[:65]) == 1
 
+    # decode steps right after a pass on BLAS threads (its threads still spin) run but are
+    # not timed: the first schedule stays untimed
+    monkeypatch.setattr(CausalLM, "BLAS_SPIN_SECONDS", 3600.0)
+    assert [ran_with(ids[:1]) for _ in range(3)] == [1, 1, 1]
+    assert model._decode_choices[(1, 4)].seconds == {}
+    monkeypatch.setattr(CausalLM, "BLAS_SPIN_SECONDS", 0.0)
+
     # decode steps: each schedule timed (the first step of all and the first after a switch
     # are warm-ups, run again), then the faster; the other re-timed after DECODE_RETIME_EVERY
     # steps, then (still slower) after twice as many

@@ -80,7 +80,10 @@ class CausalLM(Module):
     unless `single_thread_decode` is False: its products are too small to split (the
     50-token prefill of `attnkit bench decoder` took 0.6 s on one thread and 4-12 s on two
     under load, and two threads would save about 0.1 s of it on an idle machine). Longer
-    prompts keep every thread.
+    prompts keep every thread. After such a pass OpenBLAS's threads spin for about 0.1 s
+    before they sleep, taking a CPU from the decode steps that follow (a first two-thread
+    step after a threaded prefill took 85 ms against 3.5): steps that start within
+    `BLAS_SPIN_SECONDS` of it run on the current choice but are not timed.
     """
 
     config: Any
@@ -89,6 +92,7 @@ class CausalLM(Module):
     single_thread_rows: int = 64
     DECODE_SCHEDULES = ("one thread", "BLAS threads")
     DECODE_RETIME_EVERY = 32  # decode steps between re-timings of the schedule not in use
+    BLAS_SPIN_SECONDS = 0.15  # after a pass on BLAS threads, decode steps this soon are not timed
 
     # -- what subclasses implement ---------------------------------------------------------
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -186,12 +190,15 @@ class CausalLM(Module):
             start = time.perf_counter()
             with blas_threads(1 if schedule == "one thread" else threads):
                 logits = self._run(ids, positions, cache, last_only)
-            choice.timed(schedule, time.perf_counter() - start)
+            if start - self.__dict__.get("_threaded_until", 0.0) > self.BLAS_SPIN_SECONDS:
+                choice.timed(schedule, time.perf_counter() - start)
         elif self.single_thread_decode is not False and (T == 1 or B * T <= self.single_thread_rows):
             with one_blas_thread():  # too little work per product to split (see the class docstring)
                 logits = self._run(ids, positions, cache, last_only)
         else:
             logits = self._run(ids, positions, cache, last_only)
+            if threads > 1:  # BLAS's threads spin a while now, taking a CPU from the next steps
+                self.__dict__["_threaded_until"] = time.perf_counter()
         if was_1d:
             logits = logits[0]
         return logits

@@ -260,3 +260,34 @@ def test_a_build_removes_libraries_unused_for_a_week(tiny_gguf, tmp_path):
     report, err = _child(tiny_gguf, XDG_CACHE_HOME=str(tmp_path), NUMBA_CACHE_DIR=numba_cache)
     assert report["route"] == "library" and "built the native kernels" in err
     assert not old.exists() and recent.exists()
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "digest file lost", "digest file garbage"])
+def test_a_damaged_library_is_rebuilt(tiny_gguf, tmp_path, damage):
+    """A library whose bytes are not the ones built (a flipped byte, a truncated file), or
+    whose digest file is lost or unreadable, is rebuilt with one line saying why; the
+    process runs on the rebuilt library with the same tokens."""
+    from attnkit.kernels import native, quant
+
+    if native._compiler() is None or quant._entries().route != "library":
+        pytest.skip("no C compiler here: nothing is built")
+    numba_cache = os.environ.get("NUMBA_CACHE_DIR") or kernels.numba().config.CACHE_DIR
+    env = dict(XDG_CACHE_HOME=str(tmp_path), NUMBA_CACHE_DIR=numba_cache)
+    first, _ = _child(tiny_gguf, **env)  # builds into tmp_path
+    library = next((tmp_path / "attnkit" / "native").glob("*/libattnkit_quant.so"))
+    data = bytearray(library.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+        library.write_bytes(bytes(data))
+    elif damage == "truncated":
+        library.write_bytes(bytes(data[: len(data) // 3]))
+    elif damage == "digest file lost":
+        library.with_suffix(".json").unlink()
+    else:
+        library.with_suffix(".json").write_text("{not json")
+    report, err = _child(tiny_gguf, **env)
+    assert report["route"] == "library" and report["tokens"] == first["tokens"]
+    if damage != "digest file lost":
+        assert "damaged" in err and "rebuilt" in err, err
+    again, err = _child(tiny_gguf, **env)
+    assert again["route"] == "library" and "built" not in err  # the rebuilt library loads as it is

@@ -17,8 +17,9 @@ dequantization) are therefore also built ahead of time as one shared library:
 - the library is kept under the user's cache folder (`~/.cache/attnkit/native/`), named by
   a digest of the kernels' sources, numba's and llvmlite's versions and the CPU (its model
   and flags, read from /proc/cpuinfo), and later processes load it with ctypes: numba is
-  not imported and LLVM never starts. A build removes the folders no process loaded for
-  a week (other versions, other CPUs).
+  not imported and LLVM never starts. A SHA-256 of the library is kept beside it: a
+  library whose bytes changed, or that does not load, is rebuilt (one line says so). A
+  build removes the folders no process loaded for a week (other versions, other CPUs).
 
 `entries(name, sources)` gives a module's entries as ctypes functions (a library per module
 that has entries: `attnkit.kernels.quant`'s products, `attnkit.kernels.decode`'s step); they
@@ -232,24 +233,36 @@ def _build(target: Path, sources: Sources, compiler: str) -> None:
                                  str(folder / "runtime.c"), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"linking the native kernels with {compiler} failed: {result.stderr.strip()[-2000:]}")
-        (folder / "names.json").write_text(json.dumps(names))
-        os.replace(folder / "names.json", target.with_suffix(".json"))
+        digest = hashlib.sha256(built.read_bytes()).hexdigest()
+        (folder / "names.json").write_text(json.dumps({"entries": names, "sha256": digest}))
         os.replace(built, target)
+        os.replace(folder / "names.json", target.with_suffix(".json"))  # last: the pair is complete
+
+
+class _Damaged(Exception):
+    """A library on disk that cannot be loaded as built (its bytes changed, a file missing)."""
 
 
 def _load(target: Path) -> Entries:
-    names = json.loads(target.with_suffix(".json").read_text())
+    """The library's entries; `_Damaged` when its bytes are not the ones built (the digest
+    beside it) or it does not load."""
+    try:
+        meta = json.loads(target.with_suffix(".json").read_text())
+        if hashlib.sha256(target.read_bytes()).hexdigest() != meta["sha256"]:
+            raise ValueError("its bytes are not the ones built")
+        library = ctypes.CDLL(str(target))
+        found = Entries()
+        for name, symbol in meta["entries"].items():
+            function = library[symbol]
+            function.argtypes = (ctypes.c_int64, ctypes.c_int64)
+            function.restype = None
+            found[name] = function
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise _Damaged(f"{target}: {error}") from error
     try:
         os.utime(target.parent)  # in use: `_build_locked` removes the folders unused for a week
     except OSError:
         pass
-    library = ctypes.CDLL(str(target))
-    found = Entries()
-    for name, symbol in names.items():
-        function = library[symbol]
-        function.argtypes = (ctypes.c_int64, ctypes.c_int64)
-        function.restype = None
-        found[name] = function
     found.route = "library"
     found.library = library  # kept alive with the functions
     return found
@@ -288,38 +301,49 @@ def _entries(name: str, sources: Sources) -> Entries:
         raise RuntimeError(f"compiled kernels are off: {kernels.reason_disabled()}")
     target = library_path(name)
     if os.environ.get(kernels._FORCE_VARIABLE, "").strip().lower() != "numba":
-        if target.exists() and target.with_suffix(".json").exists():
+        damaged = ""
+        if target.exists() or target.with_suffix(".json").exists():
             try:
                 return _load(target)
-            except OSError:
-                pass
+            except _Damaged as error:
+                damaged = str(error)
         compiler = _compiler()
         if compiler is not None:
             started = time.perf_counter()
             try:
                 _build_locked(target, sources, compiler)
                 found = _load(target)
-            except (OSError, RuntimeError) as error:
+            except (OSError, RuntimeError, _Damaged) as error:
                 print(f"attnkit: the native kernels could not be built ({error}); numba runs them in-process",
                       file=sys.stderr)
             else:
-                print(f"attnkit: built the native kernels ({name}) once for this CPU in "
-                      f"{time.perf_counter() - started:.1f} s ({target.parent})", file=sys.stderr)
+                why = f"the library was damaged ({damaged}): rebuilt it" if damaged else "built the native kernels"
+                print(f"attnkit: {why} ({name}) once for this CPU in {time.perf_counter() - started:.1f} s "
+                      f"({target.parent})", file=sys.stderr)
                 return found
+        elif damaged:
+            print(f"attnkit: the native kernels' library is damaged ({damaged}) and no C compiler rebuilds it; "
+                  "numba runs them in-process", file=sys.stderr)
     return in_process(sources)
 
 
 def _build_locked(target: Path, sources: Sources, compiler: str) -> None:
-    """`_build`, one process at a time (another waiting for it then finds the library)."""
+    """`_build`, one process at a time (another waiting for it then finds the library); a
+    damaged library is removed first."""
     import fcntl
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if not (target.exists() and target.with_suffix(".json").exists()):
-                _build(target, sources, compiler)
-                kernels._remove_old_caches(target.parent)  # other versions' and CPUs', unused for a week
+            try:
+                _load(target)  # another process may have built it (or rebuilt a damaged one) meanwhile
+                return
+            except _Damaged:
+                for path in (target, target.with_suffix(".json")):
+                    path.unlink(missing_ok=True)
+            _build(target, sources, compiler)
+            kernels._remove_old_caches(target.parent)  # other versions' and CPUs', unused for a week
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

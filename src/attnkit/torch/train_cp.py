@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                 existed = os.path.exists(args.png)
                 plot_copy_head(find_copy_head(model), args.png, config.half_len)
                 say(f"wrote {args.png}" + (" (replaced the file that was there)" if existed else ""))
+        # Leave together: a rank that tore its gloo group down while rank 0 still drew the
+        # picture could abort at exit ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

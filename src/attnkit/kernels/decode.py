@@ -65,15 +65,7 @@ def _prepare(x, int8, half_split, xl, xh, xs, q, dx, xsq, qsum):  # pragma: no c
         _quantize_x(x.reshape(1, K), x.view(np.uint32).reshape(1, K), q[:K].reshape(1, K),  # noqa: F821
                     dx[:blocks].reshape(1, blocks), xsq[:blocks].reshape(1, blocks), qsum[:blocks].reshape(1, blocks))
     elif half_split:
-        for b in range(blocks):
-            total = 0.0
-            for j in range(16):
-                lo = x[32 * b + j]
-                hi = x[32 * b + 16 + j]
-                xl[16 * b + j] = lo
-                xh[16 * b + j] = hi
-                total += np.float64(lo) + np.float64(hi)
-            xs[b] = np.float32(total)
+        _split_x(x, xl, xh, xs)  # noqa: F821 - bound when compiled
 
 
 def _product(raw, values, code, x, first, stop, int8, half, xl, xh, xs, q, dx, xsq, qsum, out):  # pragma: no cover
@@ -173,6 +165,14 @@ def _exp_shifted(s, n, top):  # pragma: no cover - compiled
         s[t] = _exp32(s[t] - top)  # noqa: F821 - bound when compiled
 
 
+def _score(q, key, scale):  # pragma: no cover - compiled
+    """q . key * scale, float32 (summed in any order)."""
+    s = np.float32(0.0)
+    for e in range(q.shape[0]):
+        s += q[e] * key[e]
+    return s * scale
+
+
 def _attend(h, g, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, scores, mixed,
             attended):  # pragma: no cover - compiled
     """Head h's query (in `rotated`) over the cached keys of group g and its own new key
@@ -185,19 +185,10 @@ def _attend(h, g, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, s
     scale32 = np.float32(scale)
     top = np.float32(-np.inf)
     for t in range(slot):
-        key = keys[layer, g, t]
-        s = np.float32(0.0)
-        for e in range(E):
-            s += q[e] * key[e]
-        s *= scale32
-        scores[t] = s
-        top = max(top, s)
-    s = np.float32(0.0)
-    for e in range(E):
-        s += q[e] * new_key[e]
-    s *= scale32
-    scores[slot] = s
-    top = max(top, s)
+        scores[t] = _score(q, keys[layer, g, t], scale32)
+        top = max(top, scores[t])
+    scores[slot] = _score(q, new_key, scale32)
+    top = max(top, scores[slot])
     _exp_shifted(scores, slot + 1, top)
     total = np.float32(0.0)
     for t in range(slot + 1):
@@ -323,7 +314,8 @@ def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int) -> int:
     return (heads + 2 * kv_heads) * E + heads * E + d + 2 * ff
 
 
-_SOURCES = {f.__name__: f for f in (_prepare, _product, _group, _barrier, _rms_norm, _rotate, _attend, _step)}
+_SOURCES = {f.__name__: f for f in (_prepare, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend,
+                                     _step)}
 _EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 
@@ -337,7 +329,7 @@ def compiled():
     g.update(native.helpers())
     g.update({
         "carray": nb.carray,
-        "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row,
+        "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row, "_split_x": quant._split_x,
         "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"], "_rows": loops["rows"],
         "_int8": loops["int8"],
     })

@@ -354,7 +354,6 @@ def _build_locked(target: Path, sources: Sources, compiler: str) -> None:
 
 def _pointer_intrinsic(dtype_name: str):
     """`ptr(address)` -> a typed C pointer to the array at `address` (for `numba.carray`)."""
-    from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
 
@@ -366,7 +365,6 @@ def _pointer_intrinsic(dtype_name: str):
 
         return types.CPointer(element)(types.int64), codegen
 
-    del ir
     return intrinsic(typing)
 
 

@@ -294,9 +294,10 @@ def matmul_int8_reference(x: np.ndarray, raw: np.ndarray, kind: str, columns: in
 
 
 # ----------------------------------------------------------------------------- compiled loops
-# Plain Python, compiled by numba in `_compiled()`. The product loops read a block's float16
-# scale with `_half_at` (one `vcvtph2ps`); the dequantizing loops take `half`, the float16 ->
-# float32 table (65,536 entries), so a scale is one lookup of its two bytes.
+# Plain Python, compiled by numba in `_compiled()`, around the LLVM IR loops below. The IR
+# loops read a block's float16 scale with one `vcvtph2ps` (`_ir_half`); the dequantizing
+# loops take `half`, the float16 -> float32 table (65,536 entries), so a scale is one lookup
+# of its two bytes.
 
 
 def _matvec_q4(raw, code, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
@@ -420,6 +421,46 @@ def _dot_instructions() -> str:
     return "avx2" if features.get("avx2", False) else "generic"
 
 
+def _ir_prefetch(builder, pointer) -> None:  # pragma: no cover - compiled
+    """LLVM IR asking for the cache line at `pointer` (i8*): a read, kept in every cache
+    level. A decode product streams its weights from the file's pages, whose 4 KB boundaries
+    stop the hardware prefetcher: the row loops ask for the rows `PREFETCH_ROWS` ahead
+    themselves (the Q8_0 output head ran 5x faster so)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    i32 = ir.IntType(32)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+    builder.call(prefetch, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+def _ir_half(builder, pointer):  # pragma: no cover - compiled
+    """LLVM IR of the little-endian float16 at `pointer` (i8*) as float32 (`vcvtph2ps`)."""
+    from llvmlite import ir
+
+    return builder.fpext(builder.load(builder.bitcast(pointer, ir.HalfType().as_pointer()), align=1), ir.FloatType())
+
+
+def _ir_four_rows(context, builder, signature, raw, indices) -> tuple:  # pragma: no cover - compiled
+    """(pointers to the rows `indices` of the (rows, bytes) uint8 array `raw`, its row stride)."""
+    from numba.core import cgutils
+
+    matrix = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=raw)
+    stride = builder.extract_value(matrix.strides, 0)
+    return [builder.gep(matrix.data, [builder.mul(r, stride)]) for r in indices], stride
+
+
+def _ir_prefetch_ahead(builder, rows, stride, offset) -> None:  # pragma: no cover - compiled
+    """Prefetch byte `offset` of the rows PREFETCH_ROWS past each of `rows` (never faults: a
+    prefetch past the end is dropped)."""
+    from llvmlite import ir
+
+    ahead = builder.add(builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS)), offset)
+    for row in rows:
+        _ir_prefetch(builder, builder.gep(row, [ahead]))
+
+
 def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
     """The LLVM IR of `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)`: four rows of
     W (blocks of `kind`) against one row of 8-bit x, returning their four sums. Per block:
@@ -427,7 +468,7 @@ def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
     (Q8_0: times sign(w)), summed into eight int32 lanes, converted (exact), scaled by
     d_b dx_b and added to eight float32 lanes per row (allocas that LLVM keeps in
     registers); the minimum's (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The
-    rows 16 ahead are prefetched (`_prefetch`'s reason)."""
+    rows 16 ahead are prefetched (`_ir_prefetch`'s reason)."""
     from llvmlite import ir
     from numba.core import cgutils
 
@@ -440,19 +481,15 @@ def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
         lanes_f, lanes_i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
         bytes32, bytes16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
         proxy = cgutils.create_struct_proxy
-        matrix = proxy(signature.args[0])(context, builder, value=raw)
-        stride = builder.extract_value(matrix.strides, 0)
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
         q_data = proxy(signature.args[5])(context, builder, value=q).data
         dx_array = proxy(signature.args[6])(context, builder, value=dx)
         xs_data = proxy(signature.args[7])(context, builder, value=xs).data
         qsum_data = proxy(signature.args[8])(context, builder, value=qsum).data
         blocks = builder.extract_value(dx_array.shape, 0)
-        rows = [builder.gep(matrix.data, [builder.mul(r, stride)]) for r in (r0, r1, r2, r3)]
         sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes_f, [0.0] * 8)) for _ in range(4)]
         terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
         module = builder.module
-        prefetch = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
         if dot == "vnni":
             vpdpbusd = cgutils.get_or_insert_function(
                 module, ir.FunctionType(lanes_i, [lanes_i, lanes_i, lanes_i]), "llvm.x86.avx512.vpdpbusd.256")
@@ -476,22 +513,16 @@ def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
                      for k in range(4)]
             return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
-        def half_at(pointer):
-            return builder.fpext(builder.load(builder.bitcast(pointer, ir.HalfType().as_pointer()), align=1), f32)
-
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             offset = builder.mul(b, ir.Constant(b.type, size))
-            ahead = builder.add(builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS)), offset)
-            for row in rows:  # never faults: a prefetch past the end is dropped
-                builder.call(prefetch, [builder.gep(row, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                        ir.Constant(i32, 1)])
+            _ir_prefetch_ahead(builder, rows, stride, offset)
             e = builder.load(builder.gep(dx_array.data, [b]))
             x = builder.load(builder.bitcast(builder.gep(q_data, [builder.mul(b, ir.Constant(b.type, 32))]),
                                              bytes32.as_pointer()), align=1)
             for row, total, term in zip(rows, sums, terms):
                 block = builder.gep(row, [offset])
-                d = half_at(block)
+                d = _ir_half(builder, block)
                 if kind == "q8_0":
                     w = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, 2)]), bytes32.as_pointer()),
                                      align=1)
@@ -513,7 +544,7 @@ def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
                 spread = builder.shuffle_vector(spread, spread, ir.Constant(lanes_i, [0] * 8))
                 builder.store(builder.fadd(builder.load(total), builder.fmul(lanes, spread)), total)
                 if kind == "q4_1":  # m_b xs_b
-                    m = half_at(builder.gep(block, [ir.Constant(i32, 2)]))
+                    m = _ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)]))
                     part = builder.fmul(m, builder.load(builder.gep(xs_data, [b])))
                     builder.store(builder.fadd(builder.load(term), part), term)
                 elif kind == "q4_0":  # -8 d_b dx_b qsum_b
@@ -538,7 +569,7 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
     to 16 float32 lanes per row (allocas LLVM keeps in registers: the accumulators of a
     loop in Python stayed in memory, a store and a reload every block); the minimum's
     (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The rows 16 ahead are
-    prefetched (`_prefetch`'s reason)."""
+    prefetched (`_ir_prefetch`'s reason)."""
     from llvmlite import ir
     from numba.core import cgutils
 
@@ -551,8 +582,7 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
         lanes = ir.VectorType(f32, 16)
         bytes16 = ir.VectorType(i8, 16)
         proxy = cgutils.create_struct_proxy
-        matrix = proxy(signature.args[0])(context, builder, value=raw)
-        stride = builder.extract_value(matrix.strides, 0)
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
         xl_data = proxy(signature.args[5])(context, builder, value=xlo).data
         xh_data = proxy(signature.args[6])(context, builder, value=xhi).data
         xs_array = proxy(signature.args[7])(context, builder, value=xsum)
@@ -561,15 +591,9 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
             blocks = builder.udiv(builder.extract_value(x_array.shape, 0), ir.Constant(stride.type, 32))
         else:
             blocks = builder.extract_value(xs_array.shape, 0)
-        rows = [builder.gep(matrix.data, [builder.mul(r, stride)]) for r in (r0, r1, r2, r3)]
         sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
         terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
         module = builder.module
-        prefetch = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-
-        def half_at(pointer):
-            return builder.fpext(builder.load(builder.bitcast(pointer, ir.HalfType().as_pointer()), align=1), f32)
 
         def spread(value):
             one = builder.insert_element(ir.Constant(lanes, ir.Undefined), value, ir.Constant(i32, 0))
@@ -578,10 +602,7 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             offset = builder.mul(b, ir.Constant(b.type, size))
-            ahead = builder.add(builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS)), offset)
-            for row in rows:  # never faults: a prefetch past the end is dropped
-                builder.call(prefetch, [builder.gep(row, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                        ir.Constant(i32, 1)])
+            _ir_prefetch_ahead(builder, rows, stride, offset)
             if kind == "q8_0":
                 at_lo = builder.mul(b, ir.Constant(b.type, 32))
                 at_hi = builder.add(at_lo, ir.Constant(b.type, 16))
@@ -592,7 +613,7 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
             s = None if kind == "q8_0" else builder.load(builder.gep(xs_array.data, [b]))
             for row, total, term in zip(rows, sums, terms):
                 block = builder.gep(row, [offset])
-                d = half_at(block)
+                d = _ir_half(builder, block)
                 if kind == "q8_0":
                     def signed(at):
                         values = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
@@ -610,7 +631,7 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
                 updated = builder.fadd(builder.load(total), builder.fmul(spread(d), mixed, flags=fast), flags=fast)
                 builder.store(updated, total)
                 if kind == "q4_1":  # m_b xsum_b
-                    part = builder.fmul(half_at(builder.gep(block, [ir.Constant(i32, 2)])), s, flags=fast)
+                    part = builder.fmul(_ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)])), s, flags=fast)
                 elif kind == "q4_0":  # -8 d_b xsum_b
                     part = builder.fmul(builder.fmul(d, ir.Constant(f32, -8.0), flags=fast), s, flags=fast)
                 else:
@@ -625,36 +646,6 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
         return context.make_tuple(builder, signature.return_type, results)
 
     return codegen
-
-
-def _half_codegen(context, builder, signature, args):  # pragma: no cover - compiled
-    """LLVM IR of `_half_at(w, at)`: the little-endian float16 at byte `at` of w as float32 (one
-    `vcvtph2ps` with F16C, instead of a lookup in a 256 KB table that crowds the cache)."""
-    from llvmlite import ir
-    from numba.core import cgutils
-
-    w, at = args
-    data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
-    bits = builder.load(builder.bitcast(builder.gep(data, [at]), ir.IntType(16).as_pointer()), align=1)
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
-
-
-def _prefetch_codegen(context, builder, signature, args):  # pragma: no cover - compiled
-    """LLVM IR of `_prefetch(w, at)`: ask for the cache line of byte `at` of w (a read, kept
-    in every cache level). A decode product streams its weights from the file's pages,
-    whose 4 KB boundaries stop the hardware prefetcher: the row loops ask for the rows
-    `PREFETCH_ROWS` ahead themselves (the Q8_0 output head ran 5x faster so)."""
-    from llvmlite import ir
-    from numba.core import cgutils
-
-    w, at = args
-    data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w).data
-    i32 = ir.IntType(32)
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8"
-    )
-    builder.call(prefetch, [builder.gep(data, [at]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-    return context.get_dummy_value()
 
 
 def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - compiled
@@ -784,6 +775,19 @@ def _split(rows, parts):  # pragma: no cover - compiled
     return (step + 3) // 4 * 4
 
 
+def _split_x(x, xl, xh, xs):  # pragma: no cover - compiled
+    """One row of x (K,) as the Q4 loops read it: the values each block's low and high
+    nibbles meet (xl, xh: (K/2,)) and the block sums (xs: (K/32,)), summed in float64."""
+    for b in range(x.shape[0] // 32):
+        total = 0.0
+        for j in range(16):
+            lo, hi = x[32 * b + j], x[32 * b + 16 + j]
+            xl[16 * b + j] = lo
+            xh[16 * b + j] = hi
+            total += np.float64(lo) + np.float64(hi)
+        xs[b] = np.float32(total)
+
+
 def _product_entry(frame_address, part):  # pragma: no cover - compiled
     """Part `part` of x (N, K) @ W.T into out (N, R; rows OUT_STRIDE apart): x prepared for
     the block type (float32 halves and block sums, or 8-bit blocks), then the type's loop
@@ -808,14 +812,7 @@ def _product_entry(frame_address, part):  # pragma: no cover - compiled
         xl, xh = np.empty((n, K // 2), np.float32), np.empty((n, K // 2), np.float32)
         xs = np.empty((n, blocks), np.float32)
         for i in range(n):
-            for b in range(blocks):
-                total = 0.0
-                for j in range(16):
-                    lo, hi = x[i, 32 * b + j], x[i, 32 * b + 16 + j]
-                    xl[i, 16 * b + j] = lo
-                    xh[i, 16 * b + j] = hi
-                    total += np.float64(lo) + np.float64(hi)
-                xs[i, b] = np.float32(total)
+            _split_x(x[i], xl[i], xh[i], xs[i])
         if code == 4:
             _matvec_q4_1_serial(raw, xl, xh, xs, out, first, stop)  # noqa: F821
         else:
@@ -877,21 +874,8 @@ def _compiled() -> dict:
     g["carray"] = nb.carray
     serial = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
     g["_dequantize_row"] = nb.njit(**serial)(_dequantize_row)
+    g["_split_x"] = nb.njit(**serial)(_split_x)
     g["_split"] = nb.njit(cache=True)(_split)
-    types = nb.types
-
-    from numba.extending import intrinsic
-
-    def _half_typing(typingctx, w, at):
-        return types.float32(w, at), _half_codegen
-
-    g["_half_at"] = intrinsic(_half_typing)
-
-    def _prefetch_typing(typingctx, w, at):
-        return types.none(w, at), _prefetch_codegen
-
-    g["_prefetch"] = intrinsic(_prefetch_typing)
-
     for kind in _BLOCK_BYTES:
         g[f"_rows4_{kind}"] = _rows4_intrinsic(kind)
     for kind in ("q4_1", "q4_0", "q8_0"):

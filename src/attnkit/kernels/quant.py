@@ -42,6 +42,7 @@ import numpy as np
 
 from attnkit import kernels
 from attnkit.kernels import native
+from attnkit.runtime import scratch_buffer
 
 __all__ = [
     "INT8_TYPES", "QUANT_TYPES", "BlockType", "activations", "compiled_available", "current_activations", "dequantize", "dequantize_compiled",
@@ -69,7 +70,7 @@ DECODE_ROWS = 8
 through BLAS."""
 PREFETCH_ROWS = 16
 """How far ahead (in rows) the decode loops prefetch W's blocks."""
-_TILE_VALUES = 1 << 20  # a prefill tile: about 4 MB of float32 weights
+_TILE_VALUES = 1 << 18  # a prefill tile: 1 MB of float32 weights, kept per thread (runtime.scratch_buffer)
 
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 """The types whose decode products can run on 8-bit activations (`activations("int8")`):
@@ -978,7 +979,8 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
         code = QUANT_TYPES[kind].code
         if n > DECODE_ROWS:  # prefill: dequantized tiles, BLAS products
             step = max(2, _TILE_VALUES // columns)
-            tile = np.empty((min(step, rows), columns), np.float32)
+            tile = scratch_buffer("prefill tile", min(step, rows) * columns, np.float32)
+            tile = tile[: min(step, rows) * columns].reshape(-1, columns)
             for first in range(0, rows, step):
                 part = tile[: min(step, rows - first)]  # (rows of the tile, K)
                 _dequantize_into(run, raw, code, columns, first, part, threads)

@@ -275,7 +275,6 @@ def test_decode_steps_time_their_threads_and_short_prompts_run_on_one(monkeypatc
         used.append(n)
         yield
 
-    monkeypatch.setattr(causal_lm, "one_blas_thread", lambda: threads(1))
     monkeypatch.setattr(causal_lm, "blas_threads", threads)
     monkeypatch.setattr(causal_lm, "blas_thread_count", lambda: 4)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,

@@ -156,6 +156,56 @@ def test_a_replaced_weight_is_used(tiny_gguf, calls):
     modules = stepwise(model, IDS[:4], watched=True)
     assert not np.allclose(first, fused)
     np.testing.assert_allclose(fused, modules, rtol=0, atol=1e-4 * np.abs(modules).max())
+    # written into the mappings directly, not through an attribute
+    norm = model.layers[1].mlp_norm
+    norm._parameters["weight"] = np.full_like(norm.weight, 3.0)
+    fused = stepwise(model, IDS[:4])
+    np.testing.assert_allclose(fused, stepwise(model, IDS[:4], watched=True), rtol=0, atol=1e-4 * np.abs(fused).max())
+    swapped = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    swapped.layers._modules["1"] = model.layers[1]  # a block of the changed model
+    fused = stepwise(swapped, IDS[:4])
+    np.testing.assert_allclose(fused, stepwise(swapped, IDS[:4], watched=True), rtol=0, atol=1e-4 * np.abs(fused).max())
+    assert not np.allclose(fused, stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), IDS[:4]))
+
+
+def test_steps_do_not_walk_the_modules_again(tiny_gguf, monkeypatch):
+    """While no module changes (`structure_version()` stays put), a step takes the frame
+    without walking its links; after any change it walks them once; a model found not
+    eligible is asked again only after a change (a custom backend set back to "naive")."""
+    from attnkit.functional import ATTENTION_BACKENDS, get_attention, register_attention
+    from attnkit.models import fused_decode
+    from attnkit.models.llama import LlamaForCausalLM
+
+    walks = {"links": 0, "sources": 0}
+    unchanged, sources = fused_decode._unchanged, fused_decode._sources
+
+    def counted_unchanged(*args):
+        walks["links"] += 1
+        return unchanged(*args)
+
+    def counted_sources(*args):
+        walks["sources"] += 1
+        return sources(*args)
+
+    monkeypatch.setattr(fused_decode, "_unchanged", counted_unchanged)
+    monkeypatch.setattr(fused_decode, "_sources", counted_sources)
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    model.generate(np.array(IDS), 12, stop=())
+    assert walks == {"links": 0, "sources": 1}
+    model.layers[0].attn.note = "a change somewhere"
+    model.generate(np.array(IDS), 12, stop=())
+    assert walks == {"links": 1, "sources": 1}
+    naive = get_attention("naive")
+    register_attention("custom_for_walks", lambda q, k, v, **options: naive(q, k, v, **options))
+    try:
+        model.layers[1].attn.backend = "custom_for_walks"
+        model.generate(np.array(IDS), 12, stop=())
+        assert walks["sources"] == 2 and walks["links"] == 2  # walked once, found not eligible, kept
+        model.layers[1].attn.backend = "naive"
+        model.generate(np.array(IDS), 12, stop=())
+        assert walks["sources"] == 3
+    finally:
+        ATTENTION_BACKENDS.pop("custom_for_walks", None)
 
 
 def test_int8_steps_follow_the_int8_products(tiny_gguf, calls):

@@ -41,7 +41,7 @@ def _steps(model, ids, parts=1):
     cache = model.new_cache(1, len(ids) + 1)
     rows = []
     for slot, token in enumerate(ids):
-        frame = fused_decode._eligible_model(model)[1]
+        frame = fused_decode._eligible_model(model).frame
         cos, sin = model.rotary.cos_sin(np.array([slot]))
         keys, values = cache._stores()
         rows.append(decode.decode_step(token, slot, frame, np.ascontiguousarray(cos[0], np.float32),
@@ -227,7 +227,7 @@ def test_the_step_refuses_what_it_cannot_read(tiny_gguf):
     from attnkit.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
-    frame = fused_decode._eligible_model(model)[1]
+    frame = fused_decode._eligible_model(model).frame
     cache = model.new_cache(1, 4)
     keys, values = (s[:, 0] for s in cache._stores())
     cos, sin = (np.ascontiguousarray(t[0], np.float32) for t in model.rotary.cos_sin(np.array([0])))

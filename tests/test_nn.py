@@ -144,6 +144,47 @@ def test_copy_and_pickle_keep_read_only_parameters():
         assert not np.array_equal(clone(x), block(x))
 
 
+def test_structure_version_moves_with_every_change_through_the_module_api():
+    """`structure_version()` (what the compiled decode step's frame is checked against)
+    moves on every way the Module API changes a module, and stays put while modules only
+    run."""
+    import copy
+    import pickle
+
+    from attnkit.nn.module import structure_version
+
+    block = nn.TransformerBlock(8, 2, 16, seed=0)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+
+    def moves(change) -> bool:
+        before = structure_version()
+        change()
+        return structure_version() != before
+
+    assert not moves(lambda: block(x))
+    assert not moves(lambda: block.state_dict())
+    weight = block.attn.q_proj.weight
+    changes = {
+        "parameter assigned": lambda: setattr(block.attn.q_proj, "weight", weight * 2),
+        "parameter written in _parameters": lambda: block.attn.q_proj._parameters.__setitem__("weight", weight),
+        "_parameters updated": lambda: block.attn.q_proj._parameters.update(weight=weight),
+        "child module replaced": lambda: setattr(block, "ffn", copy.deepcopy(block.ffn)),
+        "child written in _modules": lambda: block._modules.__setitem__("ffn", copy.deepcopy(block.ffn)),
+        "child popped from _modules": lambda: block.attn._modules.pop("q_proj"),
+        "plain attribute set": lambda: setattr(block.attn, "note", 1),
+        "plain attribute deleted": lambda: delattr(block.attn, "note"),
+        "backend set": lambda: block.set_attention_backend("naive"),
+        "load_state_dict": lambda: block.load_state_dict(block.state_dict(), strict=False),
+        "astype": lambda: block.astype(np.float64),
+        "unpickled": lambda: pickle.loads(pickle.dumps(block)),
+        "register_parameter": lambda: block.register_parameter("extra", None),
+    }
+    for name, change in changes.items():
+        assert moves(change), name
+    clone = pickle.loads(pickle.dumps(nn.Linear(2, 2, seed=0)))
+    assert moves(lambda: clone._parameters.__setitem__("weight", np.ones((2, 2), np.float32)))
+
+
 def test_astype_dtype_and_modes():
     block = nn.TransformerBlock(8, 2, 16, dropout=0.1, seed=0)
     assert block.dtype == np.float32 and not block.training and not block.attn.training

@@ -38,7 +38,7 @@ from attnkit.models.sampling import _check_sampling, apply_repetition_penalty, p
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import record_attention
 from attnkit.nn.module import Module
-from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads, one_blas_thread
+from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads
 
 __all__ = ["AttentionMap", "CausalLM"]
 
@@ -182,26 +182,51 @@ class CausalLM(Module):
                 f"{cache.length} cached + {T} new tokens go beyond this model's context of "
                 f"{self.context_length} tokens"
             )
+        logits = self._forward(ids, mask, cache, last_only)
+        if was_1d:
+            logits = logits[0]
+        return logits
+
+    def _forward(self, ids: np.ndarray, mask: np.ndarray, cache: KVCache, last_only: bool) -> np.ndarray:
+        """`forward` on checked (B, T) ids and mask: positions, then `_run` on the threads
+        chosen for this much work (a decode step's choice timed, see the class docstring)."""
+        B, T = ids.shape
         positions = self._positions(cache, mask)
         threads = blas_thread_count()
         if threads > 1 and T == 1 and self.single_thread_decode is None:  # a decode step: time the choice
             choice = self._decode_choice(B, threads)
             schedule = choice.choose()
             start = time.perf_counter()
-            with blas_threads(1 if schedule == "one thread" else threads):
-                logits = self._run(ids, positions, cache, last_only)
+            logits = self._run_on(1 if schedule == "one thread" else threads, ids, positions, cache, last_only)
             if start - self.__dict__.get("_threaded_until", 0.0) > self.BLAS_SPIN_SECONDS:
                 choice.timed(schedule, time.perf_counter() - start)
         elif self.single_thread_decode is not False and (T == 1 or B * T <= self.single_thread_rows):
-            with one_blas_thread():  # too little work per product to split (see the class docstring)
-                logits = self._run(ids, positions, cache, last_only)
+            # too little work per product to split (see the class docstring)
+            logits = self._run_on(1, ids, positions, cache, last_only)
         else:
-            logits = self._run(ids, positions, cache, last_only)
-            if threads > 1:  # BLAS's threads spin a while now, taking a CPU from the next steps
-                self.__dict__["_threaded_until"] = time.perf_counter()
-        if was_1d:
-            logits = logits[0]
+            logits = self._compiled_step(ids, positions, cache, threads) if T == 1 else None
+            if logits is None:
+                logits = self._run(ids, positions, cache, last_only)
+                if threads > 1:  # BLAS's threads spin a while now, taking a CPU from the next steps
+                    self.__dict__["_threaded_until"] = time.perf_counter()
         return logits
+
+    def _run_on(self, threads: int, ids: np.ndarray, positions: np.ndarray, cache: KVCache,
+                last_only: bool) -> np.ndarray:
+        """`_run` on `threads` threads: a one-token step by the compiled step when the model has
+        one for it (its own threads: no BLAS limit to set), else the modules under that BLAS
+        thread limit."""
+        logits = self._compiled_step(ids, positions, cache, threads) if ids.shape[1] == 1 else None
+        if logits is None:
+            with blas_threads(threads):
+                logits = self._run(ids, positions, cache, last_only)
+        return logits
+
+    def _compiled_step(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, threads: int) -> np.ndarray | None:
+        """Logits (B, 1, V) of a one-token step run by compiled code on `threads` threads, or
+        None: the modules run it (`_run`). A model with such a step implements this (Llama:
+        `attnkit.models.fused_decode`)."""
+        return None
 
     def _run(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, last_only: bool) -> np.ndarray:
         hidden = self._hidden_states(ids, positions, cache)  # (B, T, d)
@@ -363,13 +388,16 @@ class CausalLM(Module):
         seen[:, penalty_context] = True
         for row in range(B):
             seen[row, ids[row][mask[row]]] = True
+        penalize = repetition_penalty != 1.0
         for step in range(max_new_tokens):
             scores = apply_repetition_penalty(logits[:, -1], seen, repetition_penalty)  # (B, V)
             next_ids = sample_next_token(scores, temperature, top_k, top_p, rng)  # (B,)
-            next_ids = np.where(finished, pad, next_ids)
-            seen[np.arange(B), next_ids] = True
+            if B > 1:  # (one row that finished has ended the loop)
+                next_ids = np.where(finished, pad, next_ids)
+            if penalize:
+                seen[np.arange(B), next_ids] = True
             yield next_ids
-            for row in np.flatnonzero(~finished):
+            for row in (0,) if B == 1 else np.flatnonzero(~finished):
                 token = int(next_ids[row])
                 if token in stop_ids:
                     finished[row] = True
@@ -378,7 +406,7 @@ class CausalLM(Module):
                     finished[row] = self._ends_with_stop(history[row], stop_texts)
             if finished.all() or step == max_new_tokens - 1:
                 return
-            logits = self.forward(next_ids[:, None], attention_mask=step_mask, cache=cache)  # (B, 1, V)
+            logits = self._forward(next_ids[:, None], step_mask, cache, False)  # (B, 1, V); ids < V
 
     def generate(
         self,

@@ -13,7 +13,10 @@ together):
 - the cache is float32, holds one sequence without padding, and its buffers are its own.
 
 The frame the compiled step reads (the addresses of the blocks and the norms, the row
-orders) is built once per model and rebuilt when a weight or a module is replaced.
+orders) is built once per model and rebuilt when a weight or a module is replaced: while
+`attnkit.nn.module.structure_version()` has not moved since the last step, nothing was
+(about 1 us); when it has moved (any module of the process changed), the frame's links are
+walked again (`_unchanged`, 40-200 us).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 from attnkit import kernels
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import watching
+from attnkit.nn.module import structure_version
 
 __all__ = ["fused_logits"]
 
@@ -141,37 +145,54 @@ def _build(model: Any) -> tuple:
     return frame, blocks
 
 
-def _eligible_model(model: Any) -> tuple | None:
-    """(links, frame, blocks) for `model`, rebuilt when a link changed; None when the model
-    is not one the compiled step runs."""
+class _Built:
+    """A model's compiled-step frame and what it was built from."""
+
+    __slots__ = ("links", "frame", "blocks", "layers", "version")
+
+    def __init__(self, links: tuple, frame: Any, blocks: list, layers: int, version: int) -> None:
+        self.links, self.frame, self.blocks, self.layers, self.version = links, frame, blocks, layers, version
+
+
+def _eligible_model(model: Any) -> _Built | None:
+    """The model's frame, rebuilt when a link changed; None when the model is not one the
+    compiled step runs."""
+    version = structure_version()  # read before the links: a change after it moves it again
     built = model.__dict__.get("_fused_decode")
-    if built is not None and _unchanged(built[0], built[3], model):
-        return built[:3]
+    if isinstance(built, int):  # the version it was found not eligible at
+        if built == version:
+            return None
+    elif built is not None:
+        if built.version == version:
+            return built
+        if _unchanged(built.links, built.layers, model):
+            built.version = version
+            return built
     links = _sources(model)
-    if links is None:
-        model.__dict__.pop("_fused_decode", None)
+    layers = list(model.layers)
+    if links is None or len({block.attn.scale for block in layers}) != 1 or model.embed.quantized.row_order is not None or (
+            not model.config.tie_word_embeddings and model.lm_head.quantized.row_order is not None):
+        model.__dict__["_fused_decode"] = version  # the version it was found not eligible at
         return None
     links = tuple(zip(*links))  # (containers, keys, values)
-    layers = list(model.layers)
-    if len({block.attn.scale for block in layers}) != 1:
-        return None
-    if model.embed.quantized.row_order is not None or (
-            not model.config.tie_word_embeddings and model.lm_head.quantized.row_order is not None):
-        return None
-    built = (links, *_build(model), len(layers))
+    built = _Built(links, *_build(model), len(layers), version)
     model.__dict__["_fused_decode"] = built
-    return built[:3]
+    return built
 
 
-def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray | None:
+def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCache, *,
+                 parts: int | None = None) -> np.ndarray | None:
     """Logits (1, 1, V) of the decode step `ids` (1, 1) at `positions` (1, 1) through the
-    compiled step, or None when the module path must run it (see the module docstring)."""
+    compiled step on `parts` threads (None: the BLAS thread limit in force; at most the CPUs
+    this process may use), or None when the module path must run it (see the module
+    docstring)."""
     if ids.shape != (1, 1) or not kernels.enabled() or watching():
         return None
     if cache.dtype != np.float32 or cache.batch_size != 1 or cache.has_padding:
         return None
     stores = cache._stores()
-    if stores is None or int(positions[0, 0]) != cache.length:
+    slot = cache.length
+    if stores is None or int(positions[0, 0]) != slot:
         return None
     built = _eligible_model(model)
     if built is None:
@@ -180,15 +201,12 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
     from attnkit.kernels.quant import current_activations
     from attnkit.runtime import blas_thread_count, cpu_count
 
-    _, frame, _ = built
-    slot = cache.length
     if slot + 1 > cache.max_length:
         raise ValueError(f"cache holds at most {cache.max_length} positions; {slot} are used and 1 more came")
-    cos, sin = model.rotary.cos_sin(positions[0])  # (1, E) each
+    cos, sin = model.rotary.at(slot)
     keys, values = stores
-    parts = max(1, min(blas_thread_count(), cpu_count()))
-    logits = decode_step(int(ids[0, 0]), slot, frame, np.ascontiguousarray(cos[0], np.float32),
-                         np.ascontiguousarray(sin[0], np.float32), keys[:, 0], values[:, 0],
+    parts = max(1, min(blas_thread_count() if parts is None else parts, cpu_count()))
+    logits = decode_step(int(ids[0, 0]), slot, built.frame, cos, sin, keys[:, 0], values[:, 0],
                          int8=current_activations() == "int8", parts=parts)
     cache._advance(1)
     return logits[None, None]

@@ -624,11 +624,10 @@ class LlamaForCausalLM(CausalLM):
     def final_norm(self, x):
         return self.norm(x).astype(self.norm.weight.dtype, copy=False)  # the parameters' dtype
 
-    def _run(self, ids, positions, cache, last_only):
+    def _compiled_step(self, ids, positions, cache, threads):
         # a quantized model's decode step runs in one compiled call when nothing watches the
         # layers (attnkit.models.fused_decode says when); else layer by layer
-        logits = fused_logits(self, ids, positions, cache) if ids.shape == (1, 1) else None
-        return super()._run(ids, positions, cache, last_only) if logits is None else logits
+        return fused_logits(self, ids, positions, cache, parts=threads)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         source = self.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -155,6 +155,17 @@ class RotaryEmbedding:
             cos, sin = self._grow(top)
         return cos[positions], sin[positions]
 
+    def at(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of one position (a decode step's): each (E,) float32, C-contiguous (the
+        rows `cos_sin` gives, without its array work)."""
+        if self.scaling.is_dynamic and position >= self.scaling.max_position_embeddings:
+            cos, sin = self.cos_sin(np.array([position]))
+            return cos[0], sin[0]
+        cos, sin = self._tables
+        if position >= len(cos):
+            cos, sin = self._grow(position + 1)
+        return cos[position], sin[position]
+
     @staticmethod
     def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """Rotate x (..., E) by angles whose cos and sin broadcast against it.

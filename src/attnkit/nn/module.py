@@ -11,10 +11,18 @@ Parameters are read-only arrays. Change a weight by assigning a new array
 cast to the module's dtype. Read-only arrays make it impossible for a cached
 derived array (the fused QKV weight of MultiHeadAttention) to go stale
 silently.
+
+Every change made through this API (assigning or deleting an attribute, a parameter or a
+child module, `register_parameter`, `load_state_dict`, `astype`, writing the `_parameters`
+or `_modules` mappings, unpickling) moves `structure_version()`, a process-wide number: a
+cache built from a model's modules (the compiled decode step's frame) is valid while that
+number has not moved, and checks its own links again only when it has. A change around the
+API (`object.__setattr__`, writing an instance's `__dict__`) is not counted.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -22,6 +30,71 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnkit.functional import get_attention
+
+_CHANGES = itertools.count(1)  # next() is atomic: two changes never store the same number
+_VERSION = [0]
+
+
+def structure_version() -> int:
+    """A number that moves whenever any module's parameters, child modules or attributes
+    change through the Module API (see the module docstring); equal numbers mean no such
+    change happened in between."""
+    return _VERSION[0]
+
+
+def _changed() -> None:
+    _VERSION[0] = next(_CHANGES)
+
+
+class _Tracked(OrderedDict):
+    """A module's `_parameters` / `_modules` mapping: every write moves `structure_version()`."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _changed()
+
+    def pop(self, *args):
+        try:
+            return super().pop(*args)
+        finally:
+            _changed()
+
+    def popitem(self, last=True):
+        try:
+            return super().popitem(last)
+        finally:
+            _changed()
+
+    def setdefault(self, key, default=None):
+        try:
+            return super().setdefault(key, default)
+        finally:
+            _changed()
+
+    def update(self, *args, **kwargs):
+        try:
+            super().update(*args, **kwargs)
+        finally:
+            _changed()
+
+    def clear(self):
+        super().clear()
+        _changed()
+
+    def move_to_end(self, key, last=True):
+        super().move_to_end(key, last)
+        _changed()
+
+    def __ior__(self, other):
+        try:
+            return super().__ior__(other)
+        finally:
+            _changed()
+
 
 # dtypes a module's parameters may have.
 PARAMETER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -93,8 +166,8 @@ class Module:
     """
 
     def __init__(self) -> None:
-        object.__setattr__(self, "_parameters", OrderedDict())
-        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_parameters", _Tracked())
+        object.__setattr__(self, "_modules", _Tracked())
         object.__setattr__(self, "_parameter_order", {})
         object.__setattr__(self, "training", False)
 
@@ -138,6 +211,11 @@ class Module:
             object.__setattr__(self, name, None)
         else:
             object.__setattr__(self, name, value)
+        _changed()
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        _changed()
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails: parameters and child modules.
@@ -168,6 +246,10 @@ class Module:
     def __setstate__(self, state: dict) -> None:
         # pickle and deepcopy restore arrays as writable; parameters stay read-only.
         self.__dict__.update(state)
+        for key in ("_parameters", "_modules"):  # a module pickled before the mappings were tracked
+            if type(self.__dict__.get(key)) is OrderedDict:
+                self.__dict__[key] = _Tracked(self.__dict__[key])
+        _changed()
         for array in self._parameters.values():
             if array is not None:
                 array.flags.writeable = False

@@ -178,6 +178,49 @@ def test_two_threads_give_the_same_bits(kind, gguf):
             check_product(two, x, oracle(raw, kind, K), f"{kind} prefill, 2 threads")
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+def test_prefill_tiles_claimed_by_worker_threads(kind, gguf, monkeypatch):
+    """A prefill product under `worker_threads(n)` with BLAS on one thread: the tiles (each
+    thread's own scratch, more of them than threads, evenly sized) are claimed by n threads,
+    every output column written once and within the float32 rule of the float64 product;
+    with BLAS on more threads the calling thread runs the tiles alone."""
+    import threading
+
+    from attnkit import runtime
+    from attnkit.runtime import worker_threads
+
+    compiled_or_skip()
+    rng = np.random.default_rng(5)
+    K = columns_of(kind) * 2
+    raw = random_blocks(kind, quant._TILE_VALUES // K * 3 + 5, K, rng)  # 4 tiles at one thread
+    x = rng.standard_normal((quant.DECODE_ROWS + 5, K)).astype(np.float32)
+    calls = []
+    claimed = runtime.run_claimed
+
+    def recorded(count, fn, threads):
+        calls.append((count, threads))
+        ran = []
+        claimed(count, lambda i: (ran.append(threading.get_ident()), fn(i)), threads)
+        calls.append(len(set(ran)))
+
+    monkeypatch.setattr(runtime, "run_claimed", recorded)
+    for n in (1, 2, 3):
+        calls.clear()
+        with blas_threads(1), worker_threads(n):
+            y = quant.matmul_stack(x, [(raw, kind), (raw[::-1], kind)], K)
+        (count, threads), used = calls
+        assert threads == n and count % n == 0 and count >= 4, (count, threads)
+        assert 1 <= used <= n
+        assert not np.isnan(y).any()
+        check_product(y[:, :raw.shape[0]], x, oracle(raw, kind, K), f"{kind} prefill on {n} worker threads")
+        check_product(y[:, raw.shape[0]:], x, oracle(raw[::-1], kind, K), f"{kind} prefill, second part")
+    calls.clear()
+    with blas_threads(2), worker_threads(2):
+        quant.matmul_stack(x, [(raw, kind)], K)
+        blas_split = runtime.blas_thread_count() > 1  # (a BLAS built single-threaded stays at one)
+    assert calls[0][1] == (1 if blas_split else 2)
+
+
 def test_bad_arguments_are_refused():
     raw = np.zeros((2, 20), np.uint8)
     with pytest.raises(ValueError, match="expected a GGML type of"):

@@ -101,3 +101,44 @@ def test_bench_suites_take_keywords_and_warn_on_positional_arguments():
     with pytest.warns(DeprecationWarning, match="best_time: pass warmup= by keyword"):
         seconds, times = best_time(lambda: None, 0.0, 1, False)
     assert len(times) == 1
+
+
+def test_run_claimed_runs_every_chunk_once_and_a_late_thread_takes_only_what_is_left():
+    """`run_claimed`: every index exactly once, whatever the threads; a pool thread that
+    starts late (its CPU busy) leaves the chunks to the calling thread instead of holding a
+    fixed share; an error in a chunk reaches the caller; from inside a pool thread it
+    cannot wait on itself."""
+    import threading
+    import time
+
+    from attnkit.runtime import run_claimed, worker_pool, worker_thread_count, worker_threads
+
+    for threads in (1, 2, 3):
+        seen = []
+        run_claimed(50, seen.append, threads)
+        assert sorted(seen) == list(range(50))
+
+    # the pool's thread is held busy: the calling thread runs every chunk and does not wait
+    # for the pool to come free
+    release = threading.Event()
+    blocker = worker_pool(1).submit(release.wait)
+    ran_on = []
+    start = time.perf_counter()
+    run_claimed(8, lambda i: ran_on.append(threading.get_ident()), 2)
+    assert time.perf_counter() - start < 1.0
+    assert set(ran_on) == {threading.get_ident()}
+    release.set()
+    blocker.result()
+
+    with pytest.raises(ZeroDivisionError):
+        run_claimed(6, lambda i: 1 / (i - 3), 2)
+
+    # a pool thread calling it with the pool's only thread busy (itself) finishes alone
+    assert worker_pool(1).submit(lambda: run_claimed(4, lambda i: None, 2) or "done").result(timeout=10) == "done"
+
+    assert worker_thread_count() == 1
+    with worker_threads(3):
+        assert worker_thread_count() == 3
+        with worker_threads(0):
+            assert worker_thread_count() == 1
+    assert worker_thread_count() == 1

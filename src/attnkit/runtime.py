@@ -15,7 +15,9 @@
   a shared pool of worker threads (`worker_pool(n)`) with BLAS held to one
   thread, or in the calling thread when there is too little work to split
   (`useful_threads(num_threads, work)`: one thread per `SERIAL_BELOW` score
-  elements); `scratch_buffer`, `scratch_tile` and `scratch_arrays` hand out
+  elements); `run_claimed(count, fn, threads)` runs chunks that threads claim as
+  they come free (a late thread takes only what is left), with as many threads as
+  `worker_threads(n)` allows around the call (`worker_thread_count()`); `scratch_buffer`, `scratch_tile` and `scratch_arrays` hand out
   per-thread scratch memory that is reused across tiles and calls (up to
   `ARENA_BYTES` a thread: fresh arrays are faulted in page by page, and glibc
   returns large freed blocks to the OS); `l2_cache_bytes()` is the per-core L2
@@ -34,13 +36,16 @@ package when `require` asks for it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
+import itertools
 import math
 import os
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -58,6 +63,9 @@ __all__ = [
     "keyword_only",
     "one_blas_thread",
     "renamed_keyword",
+    "run_claimed",
+    "worker_thread_count",
+    "worker_threads",
     "require",
     "run_tasks",
     "scratch_arrays",
@@ -302,6 +310,55 @@ def useful_threads(num_threads: int, work: int) -> int:
     and heads per task (cut for threads it would never use, a decode step over a
     4096-key cache ran 1.5x slower at num_threads=2 than at 1)."""
     return max(1, min(num_threads, work // SERIAL_BELOW))
+
+
+_WORKERS: contextvars.ContextVar[int] = contextvars.ContextVar("attnkit_worker_threads", default=1)
+
+
+@contextlib.contextmanager
+def worker_threads(n: int) -> Iterator[None]:
+    """A context in which work split into claimed chunks (`run_claimed`; a quantized
+    model's prefill products) may use `n` threads, the calling one and the pool's, while
+    BLAS stays on one thread per call (the caller holds it there: `one_blas_thread`)."""
+    token = _WORKERS.set(max(1, int(n)))
+    try:
+        yield
+    finally:
+        _WORKERS.reset(token)
+
+
+def worker_thread_count() -> int:
+    """The threads `worker_threads` allows in this context (1 outside one)."""
+    return _WORKERS.get()
+
+
+def run_claimed(count: int, fn: Callable[[int], Any], threads: int) -> None:
+    """fn(0) .. fn(count - 1), each index claimed by whichever thread is free first: the
+    calling thread and `threads - 1` of the pool's. A pool thread that starts late (its CPU
+    busy with other work) only takes what is left, so a busy machine costs at most the
+    chunk it holds, never a wait for a fixed share; one that has not started when the
+    calling thread runs out of chunks is cancelled (the call never waits on the pool's
+    queue, so it cannot deadlock from inside a pool thread)."""
+    if threads <= 1 or count <= 1:
+        for index in range(count):
+            fn(index)
+        return
+    claims = itertools.count()  # next() is atomic under the GIL: every index runs once
+
+    def claim_until_done() -> None:
+        index = next(claims)
+        while index < count:
+            fn(index)
+            index = next(claims)
+
+    pool = worker_pool(threads - 1)
+    others = [pool.submit(claim_until_done) for _ in range(threads - 1)]
+    try:
+        claim_until_done()
+    finally:
+        for other in others:
+            if not other.cancel():
+                other.result()
 
 
 def run_tasks(tasks: list, fn: Callable, threads: int) -> list:

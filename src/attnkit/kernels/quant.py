@@ -42,7 +42,7 @@ import numpy as np
 
 from attnkit import kernels
 from attnkit.kernels import native
-from attnkit.runtime import scratch_buffer
+from attnkit.runtime import scratch_tile
 
 __all__ = [
     "INT8_TYPES", "QUANT_TYPES", "BlockType", "activations", "compiled_available", "current_activations", "dequantize", "dequantize_compiled",
@@ -968,7 +968,10 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[0]
     out = np.empty((n, sum(raw.shape[0] for raw, _ in parts)), np.float32)
-    threads = _threads(out.size * columns) if n <= DECODE_ROWS else 1  # prefill: BLAS takes the threads
+    if n > DECODE_ROWS:  # prefill: dequantized tiles, BLAS products
+        _tiled_products(run, x, parts, columns, out)
+        return out
+    threads = _threads(out.size * columns)
     int8 = _ACTIVATIONS[0] == "int8"
     start = 0
     for raw, kind in parts:
@@ -976,21 +979,44 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
         raw = np.ascontiguousarray(raw)
         target = out[:, start:start + rows]  # (N, R_i)
         start += rows
-        code = QUANT_TYPES[kind].code
-        if n > DECODE_ROWS:  # prefill: dequantized tiles, BLAS products
-            step = max(2, _TILE_VALUES // columns)
-            tile = scratch_buffer("prefill tile", min(step, rows) * columns, np.float32)
-            tile = tile[: min(step, rows) * columns].reshape(-1, columns)
-            for first in range(0, rows, step):
-                part = tile[: min(step, rows - first)]  # (rows of the tile, K)
-                _dequantize_into(run, raw, code, columns, first, part, threads)
-                np.matmul(x, part.T, out=target[:, first:first + part.shape[0]])  # (N, rows of the tile)
-            continue
         frame = np.zeros(PRODUCT_FRAME, np.int64)
-        frame[:] = (raw.ctypes.data, rows, raw.shape[1], code, columns, x.ctypes.data, n, target.ctypes.data,
-                    out.shape[1], threads, int(int8 and kind in INT8_TYPES), _half_table().ctypes.data)
+        frame[:] = (raw.ctypes.data, rows, raw.shape[1], QUANT_TYPES[kind].code, columns, x.ctypes.data, n,
+                    target.ctypes.data, out.shape[1], threads, int(int8 and kind in INT8_TYPES),
+                    _half_table().ctypes.data)
         _parts(run["product"], frame, threads)
     return out
+
+
+def _tiled_products(run, x: np.ndarray, parts, columns: int, out: np.ndarray) -> None:
+    """out = x @ concatenate(W_i).T a tile of W's rows at a time: each tile dequantized into
+    the thread's scratch, then one BLAS product. With BLAS on one thread and
+    `runtime.worker_threads(n)` around the call, n threads claim the tiles as they come free
+    (`runtime.run_claimed`), each its own BLAS call; otherwise the calling thread runs them in
+    turn on the BLAS threads in force."""
+    from attnkit.runtime import blas_thread_count, run_claimed, worker_thread_count
+
+    workers = worker_thread_count()
+    if workers > 1 and blas_thread_count() > 1:  # BLAS splits each product itself
+        workers = 1
+    tiles = []  # (blocks, type code, first row, rows, output columns)
+    start = 0
+    for raw, kind in parts:
+        raw, rows = np.ascontiguousarray(raw), raw.shape[0]
+        count = -(-rows // max(2, _TILE_VALUES // columns))  # tiles of at most _TILE_VALUES weights
+        count = -(-count // workers) * workers  # as many for each thread: 576 rows as 455 + 121 kept one waiting
+        step = max(2, -(-rows // count))
+        for first in range(0, rows, step):
+            size = min(step, rows - first)
+            tiles.append((raw, QUANT_TYPES[kind].code, first, size, out[:, start + first:start + first + size]))
+        start += rows
+
+    def product(index: int) -> None:
+        raw, code, first, size, target = tiles[index]
+        tile = scratch_tile("prefill tile", size, columns, np.float32)  # (rows of the tile, K)
+        _dequantize_into(run, raw, code, columns, first, tile, 1)
+        np.matmul(x, tile.T, out=target)  # (N, rows of the tile)
+
+    run_claimed(len(tiles), product, min(workers, len(tiles)))
 
 
 def _parts(entry, frame: np.ndarray, threads: int) -> None:

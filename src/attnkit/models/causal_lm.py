@@ -38,7 +38,7 @@ from attnkit.models.sampling import _check_sampling, apply_repetition_penalty, p
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import record_attention
 from attnkit.nn.module import Module
-from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads
+from attnkit.runtime import FastestSchedule, blas_thread_count, blas_threads, worker_threads
 
 __all__ = ["AttentionMap", "CausalLM"]
 
@@ -79,8 +79,12 @@ class CausalLM(Module):
     most `single_thread_rows` (default 64) token rows in all (B * T), runs on one thread
     unless `single_thread_decode` is False: its products are too small to split (the
     50-token prefill of `attnkit bench decoder` took 0.6 s on one thread and 4-12 s on two
-    under load, and two threads would save about 0.1 s of it on an idle machine). Longer
-    prompts keep every thread. After such a pass OpenBLAS's threads spin for about 0.1 s
+    under load, and two threads would save about 0.1 s of it on an idle machine); a model on
+    quantized blocks still spreads such a pass's products over the threads allowed, each
+    thread claiming dequantized tiles as it comes free with its own one-thread BLAS call
+    (`attnkit.runtime.run_claimed`: a thread held up elsewhere leaves its tiles to the others,
+    so a busy CPU costs at most one tile; SmolLM2's 50-token prefill 0.22 -> 0.15 s at two
+    threads). Longer prompts keep every BLAS thread. After such a pass OpenBLAS's threads spin for about 0.1 s
     before they sleep, taking a CPU from the decode steps that follow (a first two-thread
     step after a threaded prefill took 85 ms against 3.5): steps that start within
     `BLAS_SPIN_SECONDS` of it run on the current choice but are not timed.
@@ -201,8 +205,10 @@ class CausalLM(Module):
             if start - self.__dict__.get("_threaded_until", 0.0) > self.BLAS_SPIN_SECONDS:
                 choice.timed(schedule, time.perf_counter() - start)
         elif self.single_thread_decode is not False and (T == 1 or B * T <= self.single_thread_rows):
-            # too little work per product to split (see the class docstring)
-            logits = self._run_on(1, ids, positions, cache, last_only)
+            # too little work per product for BLAS to split (see the class docstring); a
+            # quantized model's tiles are claimed by up to `threads` threads instead
+            with worker_threads(threads):
+                logits = self._run_on(1, ids, positions, cache, last_only)
         else:
             logits = self._compiled_step(ids, positions, cache, threads) if T == 1 else None
             if logits is None:

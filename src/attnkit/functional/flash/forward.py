@@ -215,6 +215,7 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
     weighted = scratch_buffer("weighted", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)  # sum p v
     total = scratch_tile("total", nh, r, cd)  # sum p
     weighted[...], total[...] = 0, 0
+    written = bytearray(r)  # 1: rows a piece has written; a piece over none of them writes its sums, no add
     part = scratch_buffer("pv", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)
     most = min(nh * r * plan.block_k, max(r * plan.block_k, l2_cache_bytes() // cd.itemsize))  # a call's scores
     s_buf, sums_buf = scratch_buffer("s", most, cd), scratch_buffer("sums", nh * r, cd)
@@ -222,6 +223,8 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
     shared = ka.shape[0] == 1  # GQA: one kv head for all the task's heads, (1, S, ·) broadcasts
     for r0, r1, k0, k1, lo, hi in plan.row_pieces(q0, rows.q1, rows.k_start, rows.k_end):
         at, n_rows, n = slice(r0 - q0, r1 - q0), r1 - r0, k1 - k0
+        first = written.count(1, at.start, at.stop) == 0  # (else added, onto zeros where not yet written)
+        written[at] = b"\x01" * n_rows
         step = _heads_per_call(nh, n_rows * n * cd.itemsize)
         for h0 in range(0, nh, step):
             h1 = min(h0 + step, nh)
@@ -232,6 +235,10 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
             sums = sums_buf[: m * n_rows]
             shift = c[h0, at] if m == 1 else np.ascontiguousarray(c[heads, at]).reshape(-1)
             loop(s.reshape(m * n_rows, n), shift, zeros[: m * n_rows], ones[: m * n_rows], sums, n_rows, lo, hi)
+            if first:  # the rows' first piece: its products are the sums so far (no add of a copy)
+                np.matmul(s, va[kv, k0:k1], out=weighted[heads, at])
+                total[heads, at] = sums.reshape(m, n_rows)
+                continue
             out = part[:m, :n_rows]  # (heads, rows, Ev): contiguous per head
             np.matmul(s, va[kv, k0:k1], out=out)
             weighted[heads, at] += out

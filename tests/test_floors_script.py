@@ -51,6 +51,14 @@ def test_each_path_gets_its_distance_to_its_floor(floors, part, ours, verdict):
     assert row["floor_verdict"] == verdict
 
 
+def test_an_info_floor_gets_no_verdict(floors):
+    """The encoder's linear products alone are shown beside its floor as info: no verdict,
+    whatever the distance (no implementation runs the encoder in that time)."""
+    row = floors.assess(dict(part="encoder", info=True, floor_s=1.0, attnkit_s=1.4, peer_s=2.0, goal_ratio=1.0))
+    assert row["x_floor"] == pytest.approx(1.4) and row["floor_verdict"] == "info"
+    assert floors._cells(dict(row, goal="g", floor_note="n"))[-1] == "info"
+
+
 def _rows(floors):
     return [floors.assess(dict(part="encoder", goal="attnkit >= 1.3x sentence-transformers (256 varied, batch 32)",
                                floor_s=1.0, floor_note="130.2 GFLOP/s, 6000 tokens", attnkit_s=1.3, peer_s=1.5,

@@ -24,7 +24,7 @@ should run within 1.2x its floor (the encoder within 1.15x).
   GELU, the two LayerNorms and the softmax passes, by the compiled kernels). A
   second row per peer, marked info, puts the linear products alone beside it: no
   implementation runs the encoder in that time (on the AMD EPYC VM the floor with
-  the unfusable passes is 1.13x it at one thread, 1.22x at two).
+  the unfusable passes is 1.13x it at one thread, 1.20-1.22x at two).
 - flash: `flash_attention`'s forward floor (per tile of its grid: q kᵀ, the exp, P V)
   and backward floor (per tile: q kᵀ, the exp, dO Vᵀ, Pᵀ dO, dS = P (dP - D), dS K,
   dSᵀ q: the five products and the two element-wise passes any tiled backward makes),

@@ -788,10 +788,13 @@ def test_tile_sizes_follow_the_l2_cache_and_the_band(monkeypatch):
 
     assert flash.l2_cache_bytes() >= 1 << 14
     monkeypatch.setattr(flash.plan, "l2_cache_bytes", lambda: 1 << 20)  # what choose_blocks reads
-    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (512, 512)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (1024, 512)  # 2 MiB of scores
     assert flash.choose_blocks(4096, 4096, 8, banded=False) == (512, 512)
-    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (512, 512)  # causal self-attention: whole tiles
-    assert flash.choose_blocks(4096, 4096, 4, banded=True) == (512, 512)
+    assert flash.choose_blocks(1024, 1024, 4, banded=True) == (1024, 512)  # causal self-attention: whole tiles
+    assert flash.choose_blocks(4096, 4096, 4, banded=True) == (1024, 512)
+    monkeypatch.setattr(flash.plan, "l2_cache_bytes", lambda: 4 << 20)
+    assert flash.choose_blocks(4096, 4096, 4, banded=False) == (flash.MAX_BLOCK_Q, 512)  # at most MAX_BLOCK_Q rows
+    monkeypatch.setattr(flash.plan, "l2_cache_bytes", lambda: 1 << 20)
     assert flash.choose_blocks(64, 1024, 4, banded=True) == (64, 512)  # a chunk of rows over a long cache
     assert flash.choose_blocks(1024, 4096, 4, banded=True) == (128, 512)
     assert flash.choose_blocks(100, 30, 4, banded=False) == (100, 30)

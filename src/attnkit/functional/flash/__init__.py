@@ -75,6 +75,7 @@ from attnkit.functional.flash.forward import flash_attention
 from attnkit.functional.flash.plan import (  # the constants and _make_plan for the tests
     FEW_ROWS_KEYS,
     MAX_BLOCK,
+    MAX_BLOCK_Q,
     ONES_MIN_ROWS,
     PIECE_ROWS,
     FlashPlan,

@@ -17,10 +17,11 @@
   (`useful_threads(num_threads, work)`: one thread per `SERIAL_BELOW` score
   elements); `run_claimed(count, fn, threads)` runs chunks that threads claim as
   they come free (a late thread takes only what is left), with as many threads as
-  `worker_threads(n)` allows around the call (`worker_thread_count()`); `scratch_buffer`, `scratch_tile` and `scratch_arrays` hand out
-  per-thread scratch memory that is reused across tiles and calls (up to
-  `ARENA_BYTES` a thread: fresh arrays are faulted in page by page, and glibc
-  returns large freed blocks to the OS); `l2_cache_bytes()` is the per-core L2
+  `worker_threads(n)` allows around the call (`worker_thread_count()`);
+  `scratch_buffer`, `scratch_tile` and `scratch_arrays` hand out per-thread
+  scratch memory that is reused across tiles and calls (up to `ARENA_BYTES` a
+  thread: fresh arrays are faulted in page by page, and glibc returns large
+  freed blocks to the OS); `l2_cache_bytes()` is the per-core L2
   cache the OS reports, which sizes the tiles.
 - `require(module, extra, purpose)`: import an optional package, or raise
   `MissingExtraError` naming the pip extra that installs it

@@ -84,10 +84,10 @@ class CausalLM(Module):
     thread claiming dequantized tiles as it comes free with its own one-thread BLAS call
     (`attnkit.runtime.run_claimed`: a thread held up elsewhere leaves its tiles to the others,
     so a busy CPU costs at most one tile; SmolLM2's 50-token prefill 0.22 -> 0.15 s at two
-    threads). Longer prompts keep every BLAS thread. After such a pass OpenBLAS's threads spin for about 0.1 s
-    before they sleep, taking a CPU from the decode steps that follow (a first two-thread
-    step after a threaded prefill took 85 ms against 3.5): steps that start within
-    `BLAS_SPIN_SECONDS` of it run on the current choice but are not timed.
+    threads). Longer prompts keep every BLAS thread. After such a pass OpenBLAS's threads
+    spin for about 0.1 s before they sleep, taking a CPU from the decode steps that follow
+    (a first two-thread step after a threaded prefill took 85 ms against 3.5): steps that
+    start within `BLAS_SPIN_SECONDS` of it run on the current choice but are not timed.
     """
 
     config: Any

@@ -170,8 +170,9 @@ def _eligible_model(model: Any) -> _Built | None:
             return built
     links = _sources(model)
     layers = list(model.layers)
-    if links is None or len({block.attn.scale for block in layers}) != 1 or model.embed.quantized.row_order is not None or (
-            not model.config.tie_word_embeddings and model.lm_head.quantized.row_order is not None):
+    if (links is None or len({block.attn.scale for block in layers}) != 1
+            or model.embed.quantized.row_order is not None
+            or (not model.config.tie_word_embeddings and model.lm_head.quantized.row_order is not None)):
         model.__dict__["_fused_decode"] = version  # the version it was found not eligible at
         return None
     links = tuple(zip(*links))  # (containers, keys, values)

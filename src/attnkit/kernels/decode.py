@@ -102,9 +102,7 @@ def _group(table, start, count, x, part, parts, int8, half, xl, xh, xs, q, dx, x
     _prepare(x, int8_here, x.shape[0] % 32 == 0, xl, xh, xs, q, dx, xsq, qsum)
     for m in range(start, start + count):
         rows = table[m, 1]
-        step = ((rows + parts - 1) // parts + 3) // 4 * 4
-        first = part * step
-        stop = min(rows, first + step)
+        first, stop = _part_rows(rows, parts, part)  # noqa: F821 - bound when compiled
         if first < stop:
             raw = carray(_u8(table[m, 0]), (rows, table[m, 2]))  # noqa: F821 - bound when compiled
             values = carray(_i8(table[m, 0]), (rows, table[m, 2]))  # noqa: F821
@@ -330,6 +328,7 @@ def compiled():
     g.update({
         "carray": nb.carray,
         "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row, "_split_x": quant._split_x,
+        "_part_rows": quant._part_rows,
         "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"], "_rows": loops["rows"],
         "_int8": loops["int8"],
     })

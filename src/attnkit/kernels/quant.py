@@ -771,9 +771,11 @@ PRODUCT_FRAME = 12
 DEQUANTIZE_FRAME = 10
 
 
-def _split(rows, parts):  # pragma: no cover - compiled
-    step = (rows + parts - 1) // parts
-    return (step + 3) // 4 * 4
+def _part_rows(count, parts, part):  # pragma: no cover - compiled
+    """Rows [first, stop) of `count` that part `part` of `parts` takes (ranges in
+    multiples of four; a part past the end gets an empty range)."""
+    step = ((count + parts - 1) // parts + 3) // 4 * 4
+    return part * step, min(count, (part + 1) * step)
 
 
 def _split_x(x, xl, xh, xs):  # pragma: no cover - compiled
@@ -795,8 +797,7 @@ def _product_entry(frame_address, part):  # pragma: no cover - compiled
     on this part's rows."""
     f = carray(_i64(frame_address), (PRODUCT_FRAME,))  # noqa: F821 - bound when compiled
     rows, width, code, K, n = f[P_ROWS], f[P_ROW_BYTES], f[P_CODE], f[P_K], f[P_N]
-    step = _split(rows, f[P_PARTS])
-    first, stop = part * step, min(rows, (part + 1) * step)
+    first, stop = _part_rows(rows, f[P_PARTS], part)
     if first >= stop:
         return
     raw = carray(_u8(f[P_RAW]), (rows, width))  # noqa: F821
@@ -829,8 +830,7 @@ def _dequantize_entry(frame_address, part):  # pragma: no cover - compiled
     """Part `part` of rows START .. START + COUNT of W into out (COUNT, K) float32."""
     f = carray(_i64(frame_address), (DEQUANTIZE_FRAME,))  # noqa: F821 - bound when compiled
     rows, width, count = f[D_ROWS], f[D_ROW_BYTES], f[D_COUNT]
-    step = _split(count, f[D_PARTS])
-    first, stop = part * step, min(count, (part + 1) * step)
+    first, stop = _part_rows(count, f[D_PARTS], part)
     if first >= stop:
         return
     raw = carray(_u8(f[D_RAW]), (rows, width))  # noqa: F821
@@ -838,8 +838,6 @@ def _dequantize_entry(frame_address, part):  # pragma: no cover - compiled
     out = carray(_f32(f[D_OUT]), (count, f[D_K]))  # noqa: F821
     half = carray(_f32(f[D_HALF]), (1 << 16,))  # noqa: F821
     _dequantize_rows_serial(raw, values, f[D_START] + first, f[D_CODE], half, out[first:stop])  # noqa: F821
-
-
 
 
 def _rows4_intrinsic(kind: str, dot: str | None = None):
@@ -876,7 +874,7 @@ def _compiled() -> dict:
     serial = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
     g["_dequantize_row"] = nb.njit(**serial)(_dequantize_row)
     g["_split_x"] = nb.njit(**serial)(_split_x)
-    g["_split"] = nb.njit(cache=True)(_split)
+    g["_part_rows"] = nb.njit(cache=True)(_part_rows)
     for kind in _BLOCK_BYTES:
         g[f"_rows4_{kind}"] = _rows4_intrinsic(kind)
     for kind in ("q4_1", "q4_0", "q8_0"):

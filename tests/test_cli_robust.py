@@ -485,3 +485,33 @@ def test_the_installed_command_with_bytes_and_pipes(tmp_path):
     code, line = run(["show", "hi", "--model", "random", "--png", long])
     assert code == 1 and line == f"error: cannot write --png {long}: folder {long.rsplit('/', 1)[0]!r} does not exist\n"
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_error_after_ctrl_c_exits_130_whatever_wrapped_it(monkeypatch, capsys):
+    """Ctrl+C that a library turned into an error of its own, keeping only the text
+    (pydantic-core's SchemaError when it lands while a validator is built: seen under
+    `attnkit serve`), exits 130 without an "internal error" line once the command line has
+    recorded the Ctrl+C; the same error without a Ctrl+C stays an internal error."""
+    import typer
+
+    from attnkit.cli import _app, _interrupt
+
+    cli = typer.Typer(cls=_app._Group)
+
+    @cli.command()
+    def fail() -> None:
+        raise ValueError('Error building "model" validator:\n  KeyboardInterrupt: ')
+
+    @cli.command()
+    def other() -> None:
+        pass
+
+    monkeypatch.setattr(_interrupt, "_received", [])
+    for recorded, code in ((False, 1), (True, 130)):
+        if recorded:
+            _interrupt.note()
+        with pytest.raises(SystemExit) as exit_info:
+            typer.main.get_command(cli).main(["fail"], prog_name="attnkit")
+        assert exit_info.value.code == code
+        err = capsys.readouterr().err
+        assert ("internal error" in err) is (code == 1), err

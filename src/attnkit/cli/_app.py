@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
+from attnkit.cli import _interrupt
 from attnkit.runtime import MissingExtraError
 from attnkit.viz.text import printable, utf8_problem
 
@@ -162,8 +163,14 @@ class _TidyHelp:
 
 
 def _interrupted(error: BaseException) -> bool:
-    """Whether `error` was caused by Ctrl+C: Python wraps a KeyboardInterrupt raised while a
-    class is built (`__set_name__`) in a RuntimeError, with the interrupt as its cause."""
+    """Whether `error` was caused by Ctrl+C: a KeyboardInterrupt among its causes (Python
+    wraps one raised while a class is built, `__set_name__`, in a RuntimeError with the
+    interrupt as its cause), or any error once the command line's record holds a Ctrl+C
+    (`_interrupt.received()`): a library may turn the interrupt into an error of its own
+    that keeps only its text (pydantic-core's SchemaError, when Ctrl+C lands while a
+    model's validator is built as the server's commands load)."""
+    if _interrupt.received():
+        return True
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, KeyboardInterrupt):

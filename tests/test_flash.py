@@ -391,6 +391,41 @@ def test_pieces_cover_exactly_the_pairs_the_band_allows(band, piece):
         assert covered.sum() == whole
 
 
+@pytest.mark.parametrize("band", [(None, 0), (None, 40), (-40, 0), (-9, 30), (-3, -1)], ids=str)
+@pytest.mark.parametrize("piece", [1, 5, 128])
+def test_value_runs_hold_every_pair_their_piece_computes_and_leave_out_only_zero_weights(band, piece):
+    """The forward's P V product of a piece runs as `value_runs`: over the piece's rows
+    once, each run's columns within the piece's and holding every allowed pair of its
+    rows (the weights left out are the band's zeros); where the band's edge crosses a
+    piece of more rows than a run, fewer pairs than the piece's whole rectangle."""
+    from attnkit.functional import flash
+    from attnkit.functional.flash.plan import VALUE_ROWS
+
+    L, S, bq, bk = 300, 330, 160, 96
+    q = np.zeros((1, L, 4), np.float32)
+    k = np.zeros((1, S, 4), np.float32)
+    plan = flash._make_plan(q, k, k, block_q=bq, block_k=bk)[-1]
+    plan = dataclasses.replace(plan, band=Band(*band), piece_q=piece, _band_cache={})
+    rel = np.arange(S)[None, :] - np.arange(L)[:, None]
+    allowed = (rel <= band[1]) & (rel >= (band[0] if band[0] is not None else -S))
+    trimmed = 0
+    for q0 in range(0, L, bq):
+        for r0, r1, c0, c1, _, _ in plan.row_pieces(q0, min(q0 + bq, L), 0, S):
+            rows = np.zeros(r1 - r0, int)
+            kept = np.zeros((r1 - r0, c1 - c0), bool)
+            for a, b, v0, v1 in plan.value_runs(r0, r1, c0, c1):
+                assert 0 <= a < b <= r1 - r0
+                rows[a:b] += 1
+                if v1 > v0:
+                    assert 0 <= v0 < v1 <= c1 - c0, "a run's columns lie in its piece"
+                    kept[a:b, v0:v1] = True
+            assert (rows == 1).all(), "the runs cover the piece's rows once"
+            assert not (allowed[r0:r1, c0:c1] & ~kept).any(), "every allowed pair is in a run"
+            trimmed += kept.sum() < kept.size
+    if piece > VALUE_ROWS:
+        assert trimmed, "runs leave out the weights the band zeroes"
+
+
 # ---------------------------------------------------------------- merging
 
 

@@ -368,6 +368,30 @@ def test_fused_tiles_at_the_default_tiles_within_budget(torch, monkeypatch, kw):
         assert_within_budget(ours, theirs, want, f"grad_{what} vs NumPy path", factor=3.0, ulps=4, scale=float(size))
 
 
+def test_fused_forward_with_value_runs_that_see_no_key_within_budget(monkeypatch):
+    """A narrow window on small key tiles: the forward's P V runs (`FlashPlan.value_runs`)
+    include runs of rows that see no key of their piece (their part of the product is 0);
+    output and lse against the NumPy path and the float64 truth."""
+    rng = np.random.default_rng(3)
+    L, E = 512, 64
+    q, k, v = (rng.standard_normal((2, L, E)).astype(np.float32) for _ in range(3))
+    kw = dict(window=(100, 40), block_q=128, block_k=32)
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        ref = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    compiled.load()
+    res = attnkit.flash_attention(q, k, v, return_lse=True, **kw)
+    if kernels.enabled():
+        runs = [r for key, r in res.plan._band_cache.items() if key[0] == "values"]
+        assert res.plan.fused and any(c1 <= c0 for r in runs for _, _, c0, c1 in r), "no run without a key"
+    dense = masks.sliding_window_mask(L, L, left=100, right=40)
+    truth, _, truth_lse = reference_attention(q, k, v, dense)
+    cond = score_conditioning(q, k)
+    assert_within_budget(res.output, ref.output, truth, "output vs NumPy path", ulps=4,
+                         scale=float(np.abs(v).max()) * cond)
+    assert_within_budget(res.lse, ref.lse, truth_lse, "lse vs NumPy path", ulps=4, scale=cond)
+
+
 def test_kernels_give_the_same_results_on_one_thread_and_two():
     """Each row's tiles run in the same order whatever thread takes them (the loops
     release the GIL and run side by side on the runtime's workers): bitwise equal."""
@@ -408,3 +432,25 @@ def test_fused_pieces_with_heads_side_by_side_are_bitwise_head_by_head(monkeypat
         assert np.array_equal(getattr(side, what), getattr(alone, what)), f"{what} (tasks of {wide} heads vs 1)"
     two = attnkit.flash_attention(q, k, v, num_threads=2, **kw)
     assert np.array_equal(side.output, two), "one thread and two"
+
+
+@pytest.mark.parametrize("Hq", [5, 6, 7, 8, 12])
+@pytest.mark.parametrize("L", [1024, 2048])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_forward_tasks_take_heads_evenly_and_keep_every_thread_busy(monkeypatch, Hq, L, threads):
+    """`_heads_per_task`: the fewest tasks (so each piece's calls take many heads) that
+    give every thread one when the tasks are alike (one query block) and two when they
+    differ (a causal diagonal's blocks), each with as many heads as the count allows."""
+    from attnkit.functional.flash import forward
+
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda: 1 << 20)
+    q = np.zeros((Hq, L, 64), np.float32)
+    plan = _make_plan(q, q, q, is_causal=True, block_q=1024, num_threads=threads)[3]
+    n_blocks = -(-L // plan.block_q)
+    heads = forward._heads_per_task(plan, n_blocks, 1, 4, threads, True)
+    tasks = n_blocks * -(-Hq // heads)
+    assert heads == -(-Hq // -(-Hq // heads)), f"{Hq} heads as tasks of {heads}: uneven"
+    least = threads if n_blocks == 1 else 2 * threads
+    assert tasks >= min(least, n_blocks * Hq), f"{tasks} tasks for {threads} threads"
+    if heads < Hq:  # one more head a task would leave a thread without work
+        assert n_blocks * -(-Hq // (2 * heads)) < least or 2 * heads * 128 * plan.block_k * 4 > (1 << 20)

@@ -224,6 +224,7 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
     for r0, r1, k0, k1, lo, hi in plan.row_pieces(q0, rows.q1, rows.k_start, rows.k_end):
         at, n_rows, n = slice(r0 - q0, r1 - q0), r1 - r0, k1 - k0
         first = written.count(1, at.start, at.stop) == 0  # (else added, onto zeros where not yet written)
+        values = plan.value_runs(r0, r1, k0, k1)
         written[at] = b"\x01" * n_rows
         step = _heads_per_call(nh, n_rows * n * cd.itemsize)
         for h0 in range(0, nh, step):
@@ -236,14 +237,28 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
             shift = c[h0, at] if m == 1 else np.ascontiguousarray(c[heads, at]).reshape(-1)
             loop(s.reshape(m * n_rows, n), shift, zeros[: m * n_rows], ones[: m * n_rows], sums, n_rows, lo, hi)
             if first:  # the rows' first piece: its products are the sums so far (no add of a copy)
-                np.matmul(s, va[kv, k0:k1], out=weighted[heads, at])
+                _banded_values(s, va[kv, k0:k1], weighted[heads, at], values)
                 total[heads, at] = sums.reshape(m, n_rows)
                 continue
             out = part[:m, :n_rows]  # (heads, rows, Ev): contiguous per head
-            np.matmul(s, va[kv, k0:k1], out=out)
+            _banded_values(s, va[kv, k0:k1], out, values)
             weighted[heads, at] += out
             total[heads, at] += sums.reshape(m, n_rows)
     return weighted, total
+
+
+def _banded_values(p: np.ndarray, v: np.ndarray, out: np.ndarray, runs) -> None:
+    """out <- p v, p (heads, rows, cols) a piece's weights, v (heads or 1, cols, Ev),
+    out (heads, rows, Ev), one product per run of `FlashPlan.value_runs` (rows
+    [a, b) over the columns [c0, c1) they see: the weights outside are 0)."""
+    if len(runs) == 1 and runs[0][2] == 0 and runs[0][3] == p.shape[-1]:
+        np.matmul(p, v, out=out)
+        return
+    for a, b, c0, c1 in runs:
+        if c1 > c0:
+            np.matmul(p[:, a:b, c0:c1], v[:, c0:c1], out=out[:, a:b])
+        else:  # no key for these rows (their sums are 0)
+            out[:, a:b] = 0
 
 
 def _sample_keys(plan: FlashPlan, q0: int, q1: int, k_start: int, k_end: int) -> slice | None:
@@ -369,7 +384,11 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threa
     """How many heads a forward task takes side by side: as many (block_q,
     block_k) score tiles as fit the L2 cache together (each call then works on
     all of them, so small tiles along a causal diagonal cost fewer calls), but
-    never so many that the threads run out of tasks. On the fused tiles a band's
+    never so many that the threads run out of tasks: two tasks a thread where
+    query blocks differ, one where there is a single query block (its tasks are
+    alike: two of 4 heads on two threads ran a causal L = 1024 forward 6% faster
+    than four of 2), and as many heads in every task as the count allows (6 as
+    3 and 3, not 4 and 2). On the fused tiles a band's
     pieces count instead (at most piece_q rows: a causal diagonal's), as their
     loop puts side by side only the heads whose piece fits the L2 cache
     (`_heads_per_call`): a whole tile below the diagonal still runs head by head."""
@@ -378,8 +397,10 @@ def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threa
     rows = min(plan.piece_q, plan.block_q) if pieces else plan.block_q
     tile = rows * plan.block_k * itemsize
     heads = max(1, min(Hq, l2_cache_bytes() // max(tile, 1)))
-    while threads > 1 and heads > 1 and B * n_blocks * -(-Hq // heads) < 2 * threads:
+    least = threads if n_blocks == 1 else 2 * threads  # tasks of one query block are all alike
+    while threads > 1 and heads > 1 and B * n_blocks * -(-Hq // heads) < least:
         heads = -(-heads // 2)
+    heads = -(-Hq // -(-Hq // heads))  # the same number of heads in every task (8 by 4 and 4, not 6 and 2)
     g = plan.shapes.group
     if g > 1:  # GQA: a task's heads share one kv head (no copy of K and V per query head)
         heads = min(heads, g)

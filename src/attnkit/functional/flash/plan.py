@@ -24,6 +24,7 @@ from attnkit.runtime import cpu_count, l2_cache_bytes, useful_threads
 MAX_BLOCK = 512  # the key tiles' width (see choose_blocks)
 MAX_BLOCK_Q = 2 * MAX_BLOCK  # the most query rows a tile takes (see choose_blocks)
 PIECE_ROWS = 128  # rows per piece where a band's edge crosses a tile: smaller products run slower than they save
+VALUE_ROWS = 32  # rows per P V product within such a piece (see FlashPlan.value_runs)
 ONES_MIN_ROWS = 64  # query rows per kv head from which keys and values are copied with a ones column (see FlashPlan)
 FEW_ROWS_KEYS = 8192  # key tile width below ONES_MIN_ROWS rows: amortizes each tile's calls (see _make_plan)
 
@@ -246,6 +247,33 @@ class FlashPlan:
                     runs[-1] = (runs[-1][0], r1, c0, c1)
                 else:
                     runs.append((r0, r1, c0, c1))
+            found = self._band_cache[key] = tuple(runs)
+        return found
+
+    def value_runs(self, r0: int, r1: int, k0: int, k1: int) -> tuple[tuple[int, int, int, int], ...]:
+        """How the forward's P V product of piece (r0:r1, k0:k1) runs: as (a, b,
+        c0, c1) runs of VALUE_ROWS rows [a, b) with the columns [c0, c1) they see,
+        both as offsets in the piece; one run, the whole piece, when the band's
+        edge does not cross it. Its weights outside the band are 0, so a run
+        leaves out only zero terms. A causal diagonal piece of 128 rows then
+        multiplies about (1 + 32 / 128) / 2 of its weights by V instead of all:
+        on the AVX-512 EPYC (one thread, 4 heads side by side) a 512 x 512
+        diagonal tile with its P V in runs of 32 rows took 0.59 of a full
+        tile's two products, against 0.66 as 128-row products (the score
+        product stays at 128 rows: with 32 its q kᵀ ran at half the speed, an
+        inner side of 64 over so few rows). Cached per piece."""
+        key = ("values", r0, r1, k0, k1)
+        found = self._band_cache.get(key)
+        if found is None:
+            runs = []
+            step = VALUE_ROWS if self.band.bounded else r1 - r0
+            for a in range(r0, r1, step):
+                b = min(a + step, r1)
+                c0, c1 = self.tile_cols(a, b, k0, k1)
+                if runs and runs[-1][2:] == (c0 - k0, c1 - k0):  # the rows below see the same keys: joined
+                    runs[-1] = (runs[-1][0], b - r0, c0 - k0, c1 - k0)
+                else:
+                    runs.append((a - r0, b - r0, c0 - k0, c1 - k0))
             found = self._band_cache[key] = tuple(runs)
         return found
 

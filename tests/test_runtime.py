@@ -38,9 +38,26 @@ def test_fastest_schedule_times_each_then_runs_the_fastest_and_retimes_the_other
     # and a timed run), taking turns; each that still loses doubles the wait: 4, 8, 16 runs
     assert "".join(runs) == "bbbb" "aa" + "b" * 8 + "cc" + "b" * 16 + "aa" + "b" * 14
     assert choice._interval == 32
-    choice.timed("b", 5.0)  # running average: (1 + 5) / 2 = 3, now slower than c (2)
-    assert choice.seconds["b"] == pytest.approx(3.0)
+    choice.timed("b", 5.0)  # one slow run of the last three (1, 1, 5): the median stays 1
+    assert choice.seconds["b"] == 1.0
+    choice.timed("b", 5.0)  # two of three (1, 5, 5): b is now slower than c (2)
+    assert choice.seconds["b"] == 5.0
     assert choice.choose() == "c"
+
+
+def test_fastest_schedule_estimates_from_the_median_of_the_last_three_runs():
+    """One stalled run moves no estimate (a running average moved 1.6x for one 3x stall
+    and switched the encoder to its slower schedule); two of three do; of two runs the
+    smaller counts."""
+    choice = FastestSchedule(("a", "b"), retime_every=1000)
+    choice.timed("a", 9.0)  # warm-up
+    for seconds, estimate in ((2.0, 2.0), (6.0, 2.0), (1.0, 2.0), (7.0, 6.0), (8.0, 7.0), (1.0, 7.0), (1.0, 1.0)):
+        choice.timed("a", seconds)
+        assert choice.seconds["a"] == estimate, (seconds, choice.seconds)
+    choice.timed("b", 9.0)  # warm-up after the switch
+    choice.timed("b", 0.5)
+    choice.timed("b", 30.0)  # stalled once: b stays the faster
+    assert choice.seconds == {"a": 1.0, "b": 0.5} and choice.choose() == "b"
 
 
 def test_fastest_schedule_keeps_no_time_from_the_first_run_after_a_switch():

@@ -46,6 +46,7 @@ import math
 import os
 import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -180,8 +181,12 @@ class FastestSchedule:
     the slower waits twice as long for its next turn (up to 64 x `retime_every`), so a
     schedule far slower on a busy machine (two threads spinning against other work: 20x
     a decode step here) costs a few percent, not half the time; one that wins again brings
-    the interval back to `retime_every`. `timed(schedule, seconds)` folds
-    one run's time (per unit of work) into that schedule's running average.
+    the interval back to `retime_every`. `timed(schedule, seconds)` records one run's
+    time (per unit of work); a schedule's estimate (`seconds`) is the median of its last
+    three kept runs (the smaller of two), so one stalled run (a page fault storm, the
+    VM's neighbour: a 645 ms batch among 125-150 ms ones moved a running average 1.6x and
+    sent the encoder to its slower schedule for the next 32 batches) moves nothing,
+    while two slow runs of three (the machine got busy) do.
 
     The first run of all, and the first run of a schedule after another one ran, is a
     warm-up: its time is not kept and `choose()` names the same schedule again (a first run
@@ -196,6 +201,8 @@ class FastestSchedule:
         choice.timed(schedule, time.perf_counter() - start)
     """
 
+    ESTIMATE_RUNS = 3  # kept runs per schedule behind its estimate (their median)
+
     def __init__(self, schedules: Sequence[str], retime_every: int) -> None:
         if len(schedules) < 2 or len(set(schedules)) != len(schedules):
             raise ValueError(f"expected two or more distinct schedules, got {schedules!r}")
@@ -203,7 +210,8 @@ class FastestSchedule:
             raise ValueError(f"expected retime_every >= 2, got {retime_every!r}")
         self.schedules = tuple(schedules)
         self.retime_every = int(retime_every)
-        self.seconds: dict[str, float] = {}  # each schedule's measured time per unit of work
+        self.seconds: dict[str, float] = {}  # each schedule's estimated time per unit of work
+        self._samples: dict[str, deque] = {}  # each schedule's last kept times (ESTIMATE_RUNS)
         self._calls = 0
         self._turn = 0
         self._interval = self.retime_every  # calls between re-timings (doubles while they lose)
@@ -233,8 +241,9 @@ class FastestSchedule:
             self._last, self._again = schedule, schedule
             return
         self._last, self._again = schedule, None
-        old = self.seconds.get(schedule)
-        self.seconds[schedule] = seconds if old is None else (old + seconds) / 2
+        samples = self._samples.setdefault(schedule, deque(maxlen=self.ESTIMATE_RUNS))
+        samples.append(seconds)
+        self.seconds[schedule] = sorted(samples)[(len(samples) - 1) // 2]  # median; of two, the smaller
         if schedule == self._retiming:
             self._retiming = None
             lost = self.seconds[schedule] > min(self.seconds.values())

@@ -404,7 +404,7 @@ def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, roun
         "llama_cpp": "installed" if lcpp is not None else "not installed",
         "prefill_s": prefill,
         "footprint": footprint,
-        # what a decode step took on each schedule (running averages; CausalLM times them with > 1 thread)
+        # what a decode step took on each schedule (medians of the last runs; CausalLM times them with > 1 thread)
         "decode_schedule_ms": {} if choice is None else {name: 1e3 * t for name, t in choice.seconds.items()},
     }
 
@@ -485,7 +485,7 @@ def report_from_raw(raw: dict[str, Any]):
             chosen = min(r["decode_schedule_ms"], key=r["decode_schedule_ms"].get)
             notes.append(f"{t} thread(s): decode steps ran on {chosen} ("
                          + ", ".join(f"{name} {ms:.1f} ms" for name, ms in r["decode_schedule_ms"].items())
-                         + " a step, running averages)")
+                         + " a step, medians of the last three runs)")
         notes.append(f"{t} thread(s): same greedy tokens as transformers: {'yes' if r['same_tokens'] else 'NO'}; "
                      + ("llama.cpp (native Q4_1, not float32): "
                         + (f"attnkit {r['llama_cpp_ratio']:.2f}x" if r["llama_cpp_ratio"] else "not installed "

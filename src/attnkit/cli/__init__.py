@@ -42,6 +42,10 @@ def main() -> None:
         _load_app()()
     except KeyboardInterrupt:  # Ctrl+C while the commands load or Typer builds them: 130 too
         sys.exit(130)
+    except Exception as error:
+        if _interrupt.caused(error):  # Ctrl+C wrapped as it landed (a class of rich's being built)
+            sys.exit(130)
+        raise
     finally:
         # CPython 3.11 remembers a KeyboardInterrupt that left any exec() or eval() of a
         # string (a dataclass being built as Ctrl+C landed), even once it was caught, and

@@ -163,21 +163,8 @@ class _TidyHelp:
 
 
 def _interrupted(error: BaseException) -> bool:
-    """Whether `error` was caused by Ctrl+C: a KeyboardInterrupt among its causes (Python
-    wraps one raised while a class is built, `__set_name__`, in a RuntimeError with the
-    interrupt as its cause), or any error once the command line's record holds a Ctrl+C
-    (`_interrupt.received()`): a library may turn the interrupt into an error of its own
-    that keeps only its text (pydantic-core's SchemaError, when Ctrl+C lands while a
-    model's validator is built as the server's commands load)."""
-    if _interrupt.received():
-        return True
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, KeyboardInterrupt):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
+    """Whether `error` was caused by Ctrl+C (`_interrupt.caused`)."""
+    return _interrupt.caused(error)
 
 
 class _Group(_TidyHelp, TyperGroup):

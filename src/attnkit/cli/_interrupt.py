@@ -48,3 +48,21 @@ def note(signum: int = signal.SIGINT) -> None:
 def received() -> bool:
     """Whether Ctrl+C reached this process since the command line started."""
     return bool(_received)
+
+
+def caused(error: BaseException) -> bool:
+    """Whether `error` came of Ctrl+C: a KeyboardInterrupt among its causes (Python wraps
+    one raised while a class is built, in `__set_name__`, in a RuntimeError with the
+    interrupt as its cause: rich's dataclasses as the commands load), or any error once
+    this record holds a Ctrl+C (a library may turn the interrupt into an error of its own
+    that keeps only its text: pydantic-core's SchemaError, when Ctrl+C lands while a
+    model's validator is built as the server's commands load)."""
+    if received():
+        return True
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False

@@ -257,7 +257,7 @@ class FlashPlan:
         edge does not cross it. Its weights outside the band are 0, so a run
         leaves out only zero terms. A causal diagonal piece of 128 rows then
         multiplies about (1 + 32 / 128) / 2 of its weights by V instead of all:
-        on the AVX-512 EPYC (one thread, 4 heads side by side) a 512 x 512
+        on the Zen 4 EPYC (one thread, 4 heads side by side) a 512 x 512
         diagonal tile with its P V in runs of 32 rows took 0.59 of a full
         tile's two products, against 0.66 as 128-row products (the score
         product stays at 128 rows: with 32 its q kᵀ ran at half the speed, an

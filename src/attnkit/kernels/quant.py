@@ -665,7 +665,32 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
     elif code == 1:  # F16
         for k in range(columns):
             out[k] = half[raw[r, 2 * k] | (np.int32(raw[r, 2 * k + 1]) << 8)]
-    elif code <= 6:  # Q4_0, Q4_1, Q5_0, Q5_1
+    elif code == 3 or code == 4:  # Q4_0, Q4_1: a block's 16 bytes of nibbles, two straight loops
+        blocks = columns // 32
+        size = raw.shape[1] // blocks if blocks else 18  # 18 or 20 bytes a block
+        has_min = code == 4
+        # n is 16, computed from the array: with a literal 16 LLVM unrolled the loops into
+        # scalar code (0.54 ns a weight); a count it cannot fold keeps them loops, which it
+        # vectorizes (0.29 ns, Zen 4; a 50-token prefill spends a fifth of its time here)
+        n = size - (4 if has_min else 2)
+        row = raw[r]
+        for b in range(blocks):
+            o = size * b
+            d = half[row[o] | (np.int32(row[o + 1]) << 8)]
+            q = row[o + size - n:o + size]
+            low, high = out[32 * b:32 * b + n], out[32 * b + n:32 * b + 2 * n]
+            if has_min:
+                m = half[row[o + 2] | (np.int32(row[o + 3]) << 8)]
+                for j in range(n):
+                    low[j] = d * np.float32(q[j] & 15) + m
+                for j in range(n):
+                    high[j] = d * np.float32(q[j] >> 4) + m
+            else:
+                for j in range(n):
+                    low[j] = d * np.float32(np.int32(q[j] & 15) - 8)
+                for j in range(n):
+                    high[j] = d * np.float32(np.int32(q[j] >> 4) - 8)
+    elif code <= 6:  # Q5_0, Q5_1
         size = (18, 20, 22, 24)[code - 3]
         has_min = code == 4 or code == 6
         five = code >= 5

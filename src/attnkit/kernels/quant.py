@@ -685,11 +685,11 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
                     low[j] = d * np.float32(q[j] & 15) + m
                 for j in range(n):
                     high[j] = d * np.float32(q[j] >> 4) + m
-            else:
+            else:  # d (q - 8), q - 8 exact in float32 (an infinite d gives the reference's inf and NaN)
                 for j in range(n):
-                    low[j] = d * np.float32(np.int32(q[j] & 15) - 8)
+                    low[j] = d * (np.float32(q[j] & 15) - np.float32(8.0))
                 for j in range(n):
-                    high[j] = d * np.float32(np.int32(q[j] >> 4) - 8)
+                    high[j] = d * (np.float32(q[j] >> 4) - np.float32(8.0))
     elif code <= 6:  # Q5_0, Q5_1
         size = (18, 20, 22, 24)[code - 3]
         has_min = code == 4 or code == 6
@@ -721,12 +721,17 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
                 else:
                     out[32 * b + j] = d * np.float32(lo - shift)
                     out[32 * b + 16 + j] = d * np.float32(hi - shift)
-    elif code == 7:  # Q8_0
-        for b in range(columns // 32):
-            o = 34 * b
+    elif code == 7:  # Q8_0 (a computed count of 32: a loop LLVM vectorizes, as for Q4 above)
+        blocks = columns // 32
+        size = raw.shape[1] // blocks if blocks else 34
+        n = size - 2
+        signed = values[r]
+        for b in range(blocks):
+            o = size * b
             d = half[raw[r, o] | (np.int32(raw[r, o + 1]) << 8)]
-            for j in range(32):
-                out[32 * b + j] = d * np.float32(values[r, o + 2 + j])
+            q, dest = signed[o + 2:o + 2 + n], out[32 * b:32 * b + n]
+            for j in range(n):
+                dest[j] = d * np.float32(q[j])
     elif code == 8 or code == 9:  # Q4_K, Q5_K: 8 sub-blocks of 32, six-bit scales and minimums
         size = 144 if code == 8 else 176
         for b in range(columns // 256):
@@ -744,27 +749,47 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
                 scale = d * np.float32(sc)
                 low = dmin * np.float32(mn)
                 group = qs + 32 * (sub // 2)
+                if code == 8:  # Q4_K: a straight loop over a computed count of 32 (vectorized)
+                    n = (size - 16) // 4
+                    q, dest = raw[r, group:group + n], out[256 * b + 32 * sub:256 * b + 32 * sub + n]
+                    if sub % 2 == 0:
+                        for j in range(n):
+                            dest[j] = scale * np.float32(q[j] & 15) - low
+                    else:
+                        for j in range(n):
+                            dest[j] = scale * np.float32(q[j] >> 4) - low
+                    continue
                 for j in range(32):
                     q = raw[r, group + j]
                     v = np.int32(q & 15) if sub % 2 == 0 else np.int32(q >> 4)
-                    if code == 9:
-                        v |= np.int32((raw[r, o + 16 + j] >> sub) & 1) << 4
+                    v |= np.int32((raw[r, o + 16 + j] >> sub) & 1) << 4
                     out[256 * b + 32 * sub + j] = scale * np.float32(v) - low
     else:  # Q6_K: ql[128], qh[64], scales int8[16], d
-        for b in range(columns // 256):
-            o = 210 * b
+        blocks = columns // 256
+        size = raw.shape[1] // blocks if blocks else 210
+        n = size - 194  # 16 values a scale, computed (a loop LLVM vectorizes, as for Q4 above)
+        for b in range(blocks):
+            o = size * b
             d = half[raw[r, o + 208] | (np.int32(raw[r, o + 209]) << 8)]
             for half_block in range(2):
                 ql = o + 64 * half_block
                 qh = o + 128 + 32 * half_block
                 for part in range(4):  # values 32*part .. of this half: ql low/high nibble, qh bits 2*part
-                    for j in range(32):
-                        low_byte = raw[r, ql + j + 32 * (part % 2)]
-                        lo = np.int32(low_byte & 15) if part < 2 else np.int32(low_byte >> 4)
-                        hi = np.int32((raw[r, qh + j] >> (2 * part)) & 3)
-                        k = 128 * half_block + 32 * part + j
-                        scale = np.float32(values[r, o + 192 + k // 16])
-                        out[256 * b + k] = d * scale * np.float32((lo | (hi << 4)) - 32)
+                    shift = 2 * part
+                    for sixteen in range(2):  # each run of 16 values shares its scale
+                        k = 128 * half_block + 32 * part + 16 * sixteen
+                        sd = d * np.float32(values[r, o + 192 + k // 16])
+                        at = ql + 32 * (part % 2) + 16 * sixteen
+                        lows, highs = raw[r, at:at + n], raw[r, qh + 16 * sixteen:qh + 16 * sixteen + n]
+                        dest = out[256 * b + k:256 * b + k + n]
+                        if part < 2:
+                            for j in range(n):
+                                v = np.int32(lows[j] & 15) | (np.int32((highs[j] >> shift) & 3) << 4)
+                                dest[j] = sd * np.float32(v - 32)
+                        else:
+                            for j in range(n):
+                                v = np.int32(lows[j] >> 4) | (np.int32((highs[j] >> shift) & 3) << 4)
+                                dest[j] = sd * np.float32(v - 32)
 
 
 def _dequantize_rows(raw, values, start, code, half, out):  # pragma: no cover - compiled

@@ -749,8 +749,8 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
                 scale = d * np.float32(sc)
                 low = dmin * np.float32(mn)
                 group = qs + 32 * (sub // 2)
-                if code == 8:  # Q4_K: a straight loop over a computed count of 32 (vectorized)
-                    n = (size - 16) // 4
+                if code == 8:  # Q4_K: a straight loop over a count of 32 from the array (vectorized)
+                    n = (raw.shape[1] // (columns // 256) - 16) // 4
                     q, dest = raw[r, group:group + n], out[256 * b + 32 * sub:256 * b + 32 * sub + n]
                     if sub % 2 == 0:
                         for j in range(n):

@@ -355,23 +355,29 @@ def test_band_tiles_cut_into_pieces_keep_every_row_within_the_plain_error(torch,
     _check_every_row(q, k, v, d_out, mask, dict(band, block_q=128, block_k=96))
 
 
-@pytest.mark.parametrize("band", [(None, 0), (None, 40), (-40, 0), (-9, 30), (-3, -1)], ids=str)
-@pytest.mark.parametrize("piece", [1, 5, 128])
-def test_pieces_cover_exactly_the_pairs_the_band_allows(band, piece):
-    """Over the whole grid, the pieces hold every allowed (query, key) pair once
-    and each piece's columns are the union of what its rows may see."""
+def _plan_with_band(L: int, S: int, bq: int, bk: int, band, piece: int):
+    """A plan on an (L, S) grid of (bq, bk) tiles with its band replaced by Band(*band) and
+    pieces of `piece` rows, and the (L, S) booleans of the pairs the band allows."""
     from attnkit.functional import flash
 
-    L, S, bq, bk = 70, 90, 16, 24
     q = np.zeros((1, L, 4), np.float32)
     k = np.zeros((1, S, 4), np.float32)
     plan = flash._make_plan(q, k, k, block_q=bq, block_k=bk)[-1]
     plan = dataclasses.replace(plan, band=Band(*band), piece_q=piece, _band_cache={})
     rel = np.arange(S)[None, :] - np.arange(L)[:, None]
-    allowed = np.ones((L, S), bool)
+    allowed = rel <= band[1]
     if band[0] is not None:
         allowed &= rel >= band[0]
-    allowed &= rel <= band[1]
+    return plan, allowed
+
+
+@pytest.mark.parametrize("band", [(None, 0), (None, 40), (-40, 0), (-9, 30), (-3, -1)], ids=str)
+@pytest.mark.parametrize("piece", [1, 5, 128])
+def test_pieces_cover_exactly_the_pairs_the_band_allows(band, piece):
+    """Over the whole grid, the pieces hold every allowed (query, key) pair once
+    and each piece's columns are the union of what its rows may see."""
+    L, S, bq, bk = 70, 90, 16, 24
+    plan, allowed = _plan_with_band(L, S, bq, bk, band, piece)
     covered = np.zeros((L, S), int)
     whole = 0  # pairs computed if each tile were one piece
     for q0 in range(0, L, bq):
@@ -398,16 +404,10 @@ def test_value_runs_hold_every_pair_their_piece_computes_and_leave_out_only_zero
     once, each run's columns within the piece's and holding every allowed pair of its
     rows (the weights left out are the band's zeros); where the band's edge crosses a
     piece of more rows than a run, fewer pairs than the piece's whole rectangle."""
-    from attnkit.functional import flash
     from attnkit.functional.flash.plan import VALUE_ROWS
 
     L, S, bq, bk = 300, 330, 160, 96
-    q = np.zeros((1, L, 4), np.float32)
-    k = np.zeros((1, S, 4), np.float32)
-    plan = flash._make_plan(q, k, k, block_q=bq, block_k=bk)[-1]
-    plan = dataclasses.replace(plan, band=Band(*band), piece_q=piece, _band_cache={})
-    rel = np.arange(S)[None, :] - np.arange(L)[:, None]
-    allowed = (rel <= band[1]) & (rel >= (band[0] if band[0] is not None else -S))
+    plan, allowed = _plan_with_band(L, S, bq, bk, band, piece)
     trimmed = 0
     for q0 in range(0, L, bq):
         for r0, r1, c0, c1, _, _ in plan.row_pieces(q0, min(q0 + bq, L), 0, S):

@@ -162,11 +162,6 @@ class _TidyHelp:
         return option
 
 
-def _interrupted(error: BaseException) -> bool:
-    """Whether `error` was caused by Ctrl+C (`_interrupt.caused`)."""
-    return _interrupt.caused(error)
-
-
 class _Group(_TidyHelp, TyperGroup):
     """attnkit's command group: every failure ends as one `error:` line and an exit code."""
 
@@ -203,7 +198,7 @@ class _Group(_TidyHelp, TyperGroup):
             print_error(str(error))
             code = USER
         except Exception as error:
-            if _interrupted(error):  # Ctrl+C, wrapped by Python (a class being built as it landed)
+            if _interrupt.caused(error):  # Ctrl+C, wrapped by Python or by a library (see there)
                 code = 130
             else:  # a bug in attnkit: still one line, never a traceback
                 print_error(f"internal error: {type(error).__name__}: {error} (please report it)")

@@ -752,12 +752,9 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
                 if code == 8:  # Q4_K: a straight loop over a count of 32 from the array (vectorized)
                     n = (raw.shape[1] // (columns // 256) - 16) // 4
                     q, dest = raw[r, group:group + n], out[256 * b + 32 * sub:256 * b + 32 * sub + n]
-                    if sub % 2 == 0:
-                        for j in range(n):
-                            dest[j] = scale * np.float32(q[j] & 15) - low
-                    else:
-                        for j in range(n):
-                            dest[j] = scale * np.float32(q[j] >> 4) - low
+                    nibble = 4 * (sub % 2)  # even sub-blocks: the low nibbles, odd: the high
+                    for j in range(n):
+                        dest[j] = scale * np.float32((q[j] >> nibble) & 15) - low
                     continue
                 for j in range(32):
                     q = raw[r, group + j]
@@ -782,14 +779,10 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
                         at = ql + 32 * (part % 2) + 16 * sixteen
                         lows, highs = raw[r, at:at + n], raw[r, qh + 16 * sixteen:qh + 16 * sixteen + n]
                         dest = out[256 * b + k:256 * b + k + n]
-                        if part < 2:
-                            for j in range(n):
-                                v = np.int32(lows[j] & 15) | (np.int32((highs[j] >> shift) & 3) << 4)
-                                dest[j] = sd * np.float32(v - 32)
-                        else:
-                            for j in range(n):
-                                v = np.int32(lows[j] >> 4) | (np.int32((highs[j] >> shift) & 3) << 4)
-                                dest[j] = sd * np.float32(v - 32)
+                        nibble = 0 if part < 2 else 4  # ql's low nibbles, then its high ones
+                        for j in range(n):
+                            v = np.int32((lows[j] >> nibble) & 15) | (np.int32((highs[j] >> shift) & 3) << 4)
+                            dest[j] = sd * np.float32(v - 32)
 
 
 def _dequantize_rows(raw, values, start, code, half, out):  # pragma: no cover - compiled

@@ -251,9 +251,6 @@ def _banded_values(p: np.ndarray, v: np.ndarray, out: np.ndarray, runs) -> None:
     """out <- p v, p (heads, rows, cols) a piece's weights, v (heads or 1, cols, Ev),
     out (heads, rows, Ev), one product per run of `FlashPlan.value_runs` (rows
     [a, b) over the columns [c0, c1) they see: the weights outside are 0)."""
-    if len(runs) == 1 and runs[0][2] == 0 and runs[0][3] == p.shape[-1]:
-        np.matmul(p, v, out=out)
-        return
     for a, b, c0, c1 in runs:
         if c1 > c0:
             np.matmul(p[:, a:b, c0:c1], v[:, c0:c1], out=out[:, a:b])

@@ -283,9 +283,9 @@ def test_attention_softmax_kernel_within_twice_numpy(mask_kind, scale):
 
     q, k, v, mask = _attention_inputs(mask_kind)
     calls = []
-    real = compiled.softmax
+    real = compiled._softmax  # (the unchecked path scaled_dot_product_attention takes)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(compiled, "softmax", lambda s, lse: (calls.append(s.shape), real(s, lse)))
+        m.setattr(compiled, "_softmax", lambda s, lse: (calls.append(s.shape), real(s, lse)))
         ours = sdpa(q, k, v, attn_mask=mask, scale=scale, return_weights=True, return_lse=True)
     assert calls, "the compiled softmax did not run"
     with pytest.MonkeyPatch.context() as m:
@@ -330,9 +330,9 @@ def test_attention_softmax_kernel_dtype_rules():
 
     q, k, v, mask = _attention_inputs("bool")
     calls = []
-    real = compiled.softmax
+    real = compiled._softmax  # (the unchecked path scaled_dot_product_attention takes)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(compiled, "softmax", lambda s, lse: (calls.append(s.dtype), real(s, lse)))
+        m.setattr(compiled, "_softmax", lambda s, lse: (calls.append(s.dtype), real(s, lse)))
         half = sdpa(*(x.astype(np.float16) for x in (q, k, v)), attn_mask=mask)
         assert calls == [np.float32] and half.dtype == np.float16
         calls.clear()
@@ -420,9 +420,9 @@ def test_packed_encoder_attention_with_kernels_within_twice_the_numpy_path(lengt
     cu = np.concatenate([[0], np.cumsum(lengths)])
     model32 = model.astype(np.float32)
     calls = []
-    real = compiled.attention_softmax
+    real = compiled._attention_softmax  # (the packed encoder's unchecked path)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(compiled, "attention_softmax", lambda s, scale: (calls.append(s.shape), real(s, scale)))
+        m.setattr(compiled, "_attention_softmax", lambda s, scale: (calls.append(s.shape), real(s, scale)))
         ours = model32(ids, cu_seqlens=cu).last_hidden_state
     assert len(calls) == 2 * (1 + int(np.count_nonzero(np.diff(lengths)))), calls  # a call per run of one length
     with pytest.MonkeyPatch.context() as m:

@@ -213,10 +213,11 @@ def _numpy_path(monkeypatch):
 
 
 def _counting(monkeypatch):
-    """Counts calls of the compiled loops (to prove the whole-call tests ran them)."""
+    """Counts calls of the compiled loops (to prove the whole-call tests ran them): the
+    unchecked paths the library's tiles take (each public entry checks, then runs one)."""
     calls = {"exp": 0, "shifted": 0, "grad": 0, "band_exp": 0, "grad_scores": 0, "forward_band_exp": 0}
-    for name, key in (("exp_tile", "exp"), ("shifted_exp_tile", "shifted"), ("weighted_grad_tile", "grad"),
-                      ("band_exp_tile", "band_exp"), ("grad_scores_tile", "grad_scores")):
+    for name, key in (("_exp_tile", "exp"), ("_shifted_exp_tile", "shifted"), ("_weighted_grad_tile", "grad"),
+                      ("_band_exp_tile", "band_exp"), ("_grad_scores_tile", "grad_scores")):
         real = getattr(compiled, name)
 
         def wrapped(*args, _real=real, _key=key):
@@ -224,7 +225,7 @@ def _counting(monkeypatch):
             return _real(*args)
 
         monkeypatch.setattr(compiled, name, wrapped)
-    loop = compiled.band_exp_loop
+    loop = compiled._band_exp_loop
 
     def counted_loop():  # the forward's fused tiles call band_exp_tile's loop as it is
         real = loop()
@@ -236,7 +237,7 @@ def _counting(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(compiled, "band_exp_loop", counted_loop)
+    monkeypatch.setattr(compiled, "_band_exp_loop", counted_loop)
     return calls
 
 

@@ -155,7 +155,7 @@ def _softmax_inplace(scores: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, n
     the reference. Callers ignore over/invalid/divide floating-point warnings."""
     if compiled.usable(scores):  # float32: the compiled row softmax, one visit of each row
         lse = np.empty(scores.shape[:-1], np.float32)  # (..., Hq, L)
-        compiled.softmax(scores, lse)
+        compiled._softmax(scores, lse)
         return scores, lse
 
     # The reference. Stable softmax in place: shift by the row max, exponentiate, normalize. An
@@ -369,7 +369,7 @@ def _unmasked(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal
         scores = np.matmul(q, np.swapaxes(key, -1, -2))  # (..., Hkv, g*L, S)
         if compiled.usable(scores):  # float32: the compiled row softmax (the general path takes it too)
             lse = np.empty(scores.shape[:-1], np.float32)
-            compiled.softmax(scores, lse)
+            compiled._softmax(scores, lse)
             if not math.isfinite(np.add.reduce(lse, axis=None)):  # a row max not finite: the general path decides
                 return None
             return np.matmul(scores, value).reshape(*batch, Hq, L, value.shape[-1])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnkit.kernels import enabled
+from attnkit.kernels._checks import apart, array, real
 from attnkit.kernels._start import load, started, worth_it
 
 __all__ = ["SAVED_NS", "add_bias_to_leading_columns", "add_layer_norm", "attention_softmax", "gelu", "gelu_bias",
@@ -49,6 +50,7 @@ def _loops():
 
 def gelu(x: np.ndarray) -> None:
     """x <- GELU(x) = x Phi(x) (exact, erf form) in place, x any C-contiguous float32 array."""
+    x = array("x", x, written=True)
     _loops().gelu_rows(x.reshape(-1))
 
 
@@ -57,8 +59,11 @@ def gelu_bias(x: np.ndarray, bias: np.ndarray) -> None:
 
     Arguments:
         x: (N, F) C-contiguous float32 (a linear layer's products).
-        bias: (F,) float32, the layer's bias.
+        bias: (F,) C-contiguous float32, the layer's bias.
     """
+    x = array("x", x, ndim=2, written=True)
+    bias = array("bias", bias, (x.shape[1],))
+    apart(("x", x), ("bias", bias))
     _loops().gelu_bias_rows(x, bias)
 
 
@@ -68,10 +73,15 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
 
     Arguments:
         x: (..., D) C-contiguous float32.
-        weight, bias: (D,) float32.
-        eps: added to the variance.
+        weight, bias: (D,) C-contiguous float32.
+        eps: a finite number added to the variance.
     """
-    _loops().layer_norm_rows(x.reshape(-1, x.shape[-1]), weight, bias, float(eps))
+    x = array("x", x, min_ndim=1, written=True)
+    D = x.shape[-1]
+    weight, bias = array("weight", weight, (D,)), array("bias", bias, (D,))
+    eps = real("eps", eps)
+    apart(("x", x), ("weight", weight), ("bias", bias))
+    _loops().layer_norm_rows(x.reshape(_rows(x), D), weight, bias, eps)
 
 
 def add_layer_norm(y: np.ndarray, add_bias: np.ndarray, residual: np.ndarray, weight: np.ndarray,
@@ -81,23 +91,43 @@ def add_layer_norm(y: np.ndarray, add_bias: np.ndarray, residual: np.ndarray, we
 
     Arguments:
         y: (N, D) C-contiguous float32, a linear layer's products.
-        add_bias: (D,) float32, that layer's bias.
-        residual: (N, D) float32, the block's input.
-        weight, bias, eps: the LayerNorm's.
+        add_bias: (D,) C-contiguous float32, that layer's bias.
+        residual: (N, D) C-contiguous float32, the block's input (not sharing y's memory).
+        weight, bias, eps: the LayerNorm's ((D,) C-contiguous float32; a finite number).
     """
-    _loops().add_layer_norm_rows(y, add_bias, residual, weight, bias, float(eps))
+    y = array("y", y, ndim=2, written=True)
+    N, D = y.shape
+    add_bias, residual = array("add_bias", add_bias, (D,)), array("residual", residual, (N, D))
+    weight, bias = array("weight", weight, (D,)), array("bias", bias, (D,))
+    eps = real("eps", eps)
+    apart(("y", y), ("add_bias", add_bias), ("residual", residual), ("weight", weight), ("bias", bias))
+    _loops().add_layer_norm_rows(y, add_bias, residual, weight, bias, eps)
 
 
 def softmax(scores: np.ndarray, lse: np.ndarray) -> None:
     """scores <- softmax(scores) over the last axis in place, and lse <- each row's
-    logsumexp. A row of -inf (nothing allowed) gives weights 0 and lse -inf; NaN
-    propagates.
+    logsumexp. A row of -inf (nothing allowed) gives weights 0 and lse -inf, and so
+    does a row of no scores (S = 0); NaN propagates.
 
     Arguments:
         scores: (..., S) C-contiguous float32.
-        lse: (...) C-contiguous float32, written.
+        lse: (...) C-contiguous float32, written (not sharing scores' memory).
     """
-    _loops().softmax_rows(scores.reshape(-1, scores.shape[-1]), lse.reshape(-1))
+    scores = array("scores", scores, min_ndim=1, written=True)
+    lse = array("lse", lse, scores.shape[:-1], written=True)
+    apart(("scores", scores), ("lse", lse))
+    _softmax(scores, lse)
+
+
+def _softmax(scores: np.ndarray, lse: np.ndarray) -> None:
+    """`softmax` unchecked, for the library's attention, which makes both arrays itself
+    (C-contiguous float32, lse of scores.shape[:-1], apart)."""
+    _loops().softmax_rows(scores.reshape(lse.size, scores.shape[-1]), lse.reshape(-1))
+
+
+def _rows(x: np.ndarray) -> int:
+    """The rows of x (..., D) viewed as (rows, D), also when D = 0."""
+    return int(np.prod(x.shape[:-1], dtype=np.int64))
 
 
 def _encoder_loops():
@@ -114,8 +144,17 @@ def attention_softmax(scores: np.ndarray, scale: float) -> None:
 
     Arguments:
         scores: (..., S) C-contiguous float32, q k^T before scaling.
-        scale: > 0, the attention's scale (1 / sqrt(E) by default).
+        scale: finite and > 0, the attention's scale (1 / sqrt(E) by default).
     """
+    scores = array("scores", scores, min_ndim=1, written=True)
+    scale = real("scale", scale, positive=True)
+    if scores.size:  # (the loop reads each row's first score)
+        _attention_softmax(scores, scale)
+
+
+def _attention_softmax(scores: np.ndarray, scale: float) -> None:
+    """`attention_softmax` unchecked, for the packed encoder's score blocks (C-contiguous
+    float32 products it made, at least one score; scale > 0)."""
     _encoder_loops().softmax_short_rows(scores.reshape(-1, scores.shape[-1]), np.float32(scale))
 
 
@@ -125,6 +164,11 @@ def add_bias_to_leading_columns(x: np.ndarray, bias: np.ndarray) -> None:
 
     Arguments:
         x: (N, C) C-contiguous float32.
-        bias: (F,) float32, F <= C.
+        bias: (F,) C-contiguous float32, F <= C, not sharing x's memory.
     """
+    x = array("x", x, ndim=2, written=True)
+    bias = array("bias", bias, ndim=1)
+    if bias.shape[0] > x.shape[1]:
+        raise ValueError(f"expected bias of at most x's {x.shape[1]} columns, got {bias.shape[0]}")
+    apart(("x", x), ("bias", bias))
     _encoder_loops().add_to_leading_columns(x, bias)

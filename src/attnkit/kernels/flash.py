@@ -22,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from attnkit.kernels import enabled
+from attnkit.kernels._checks import INT64, apart, array, converted, integer, real
 from attnkit.kernels._start import load, started, worth_it
 
-__all__ = ["NO_BAND", "SAVED_NS", "SMALL_TILE", "band_exp_loop", "band_exp_tile", "exp_tile", "grad_scores_tile",
+__all__ = ["NO_BAND", "SAVED_NS", "SMALL_TILE", "band_exp_tile", "exp_tile", "grad_scores_tile",
            "load", "shifted_exp_tile", "started", "usable", "wants", "weighted_grad_tile"]
 
 NO_BAND = 1 << 62
@@ -70,6 +71,12 @@ def exp_tile(s: np.ndarray) -> None:
     Arguments:
         s: a C-contiguous float32 array of any shape (a tile of scores less their shift).
     """
+    s = array("s", s, written=True)
+    _exp_tile(s)
+
+
+def _exp_tile(s: np.ndarray) -> None:
+    """`exp_tile` unchecked (the library's tiles, C-contiguous float32 by construction)."""
     _loops().exp_rows(s.reshape(-1))
 
 
@@ -79,13 +86,23 @@ def shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
 
     Arguments:
         s: (..., rows, cols) C-contiguous float32 scores.
-        shift: (..., rows) per-row shifts (any layout; converted to float32).
+        shift: (..., rows), s's shape less its last axis: per-row shifts in any layout and
+            real dtype (converted to float32), not sharing s's memory.
     """
-    rows = s.shape[-1]
-    flat = s.reshape(-1, rows)
-    c = np.ascontiguousarray(shift, dtype=np.float32).reshape(-1)
-    assert c.shape[0] == flat.shape[0], (s.shape, np.shape(shift))
-    _loops().shifted_exp_rows(flat, c)
+    s = array("s", s, min_ndim=1, written=True)
+    shift = converted("shift", shift, s.shape[:-1])
+    apart(("s", s), ("shift", shift))
+    _shifted_exp_tile(s, shift)
+
+
+def _shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
+    """`shifted_exp_tile` unchecked (the library's tiles: s C-contiguous float32, shift
+    s.shape[:-1] in any layout)."""
+    cols = s.shape[-1]
+    rows = s.size // cols if cols else 0
+    if shift.dtype != np.float32 or not shift.flags.c_contiguous:
+        shift = np.ascontiguousarray(shift, dtype=np.float32)
+    _loops().shifted_exp_rows(s.reshape(rows, cols), shift.reshape(rows))
 
 
 def weighted_grad_tile(ds: np.ndarray, p: np.ndarray, sums: np.ndarray) -> None:
@@ -95,8 +112,19 @@ def weighted_grad_tile(ds: np.ndarray, p: np.ndarray, sums: np.ndarray) -> None:
     Arguments:
         ds: (rows, cols) C-contiguous float32, dP - D on entry, dS on return.
         p: (rows, cols) C-contiguous float32 weights.
-        sums: (rows,) float32, written.
+        sums: (rows,) C-contiguous float32, written.
+        (ds and sums share no memory with each other or with p.)
     """
+    ds = array("ds", ds, ndim=2, written=True)
+    p = array("p", p, ds.shape)
+    sums = array("sums", sums, ds.shape[:1], written=True)
+    apart(("ds", ds), ("p", p), ("sums", sums))
+    apart(("sums", sums), ("p", p))
+    _weighted_grad_tile(ds, p, sums)
+
+
+def _weighted_grad_tile(ds: np.ndarray, p: np.ndarray, sums: np.ndarray) -> None:
+    """`weighted_grad_tile` unchecked (the library's tiles and scratch rows)."""
     _loops().weighted_grad_rows(ds, p, sums)
 
 
@@ -116,7 +144,6 @@ def _rows(x: np.ndarray, n: int) -> np.ndarray:
     strided view or another dtype)."""
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
-    assert x.size == n, (x.shape, n)
     return x.reshape(n)
 
 
@@ -129,29 +156,69 @@ def band_exp_tile(s: np.ndarray, shift: np.ndarray, extra: np.ndarray, scale: np
 
     Arguments:
         s: (..., rows, cols) C-contiguous float32 scores (heads side by side).
-        shift, extra, scale: (..., rows) per-row values (any layout; converted to
-            float32). (s - shift) - extra is formed in that order: the forward passes
-            extra = 0 and scale = 1, the backward extra = lse - shift and its factor
-            f, on the same s - shift.
+        shift, extra, scale: (..., rows), s's shape less its last axis: per-row values in
+            any layout and real dtype (converted to float32). (s - shift) - extra is
+            formed in that order: the forward passes extra = 0 and scale = 1, the
+            backward extra = lse - shift and its factor f, on the same s - shift.
         sums: (..., rows) C-contiguous float32, written.
-        lo, hi: the band on the tile's own positions: pair (i, j) is allowed when
-            lo <= j - i <= hi (-NO_BAND, NO_BAND: no band).
+        lo, hi: integers, the band on the tile's own positions: pair (i, j) is allowed
+            when lo <= j - i <= hi (-NO_BAND, NO_BAND: no band).
+        (s and sums share no memory with each other or with the per-row values.)
     """
+    s = array("s", s, min_ndim=2, written=True)
+    rows = s.shape[:-1]
+    shift, extra, scale = converted("shift", shift, rows), converted("extra", extra, rows), converted("scale", scale, rows)
+    sums = array("sums", sums, rows, written=True)
+    lo, hi = integer("lo", lo), integer("hi", hi)
+    apart(("s", s), ("shift", shift), ("extra", extra), ("scale", scale), ("sums", sums))
+    apart(("sums", sums), ("shift", shift), ("extra", extra), ("scale", scale))
+    _band_exp_tile(s, shift, extra, scale, sums, lo, hi)
+
+
+def _band_exp_tile(s: np.ndarray, shift: np.ndarray, extra: np.ndarray, scale: np.ndarray, sums: np.ndarray,
+                   lo: int, hi: int) -> None:
+    """`band_exp_tile` unchecked (the library's tiles: s and sums C-contiguous float32, the
+    per-row values s.shape[:-1] in any layout)."""
     rows, cols = s.shape[-2], s.shape[-1]
-    n = s.size // cols if cols else 0
-    assert sums.flags.c_contiguous and sums.size == n, (sums.shape, s.shape)
+    n = s.size // cols if cols else int(np.prod(s.shape[:-1]))
     _fused().band_exp_rows(s.reshape(n, cols), _rows(shift, n), _rows(extra, n), _rows(scale, n), sums.reshape(n),
                            max(rows, 1), int(max(lo, -NO_BAND)), int(min(hi, NO_BAND)))
 
 
-def band_exp_loop():
-    """The compiled loop behind `band_exp_tile`, for a caller that calls it for many
-    small tiles and already holds its arguments in the loop's layout (a dispatch
-    costs ~1.2 µs, `band_exp_tile`'s checks and conversions as much again):
+def _band_exp_loop():
+    """The compiled loop behind `band_exp_tile`, unchecked, for the flash forward's many
+    small pieces, which hold their arguments in the loop's layout already (a dispatch
+    costs ~1.2 us, `band_exp_tile`'s checks and conversions as much again):
     `loop(s, shift, extra, scale, sums, period, lo, hi)` with s (n, cols) and the
-    per-row vectors (n,) C-contiguous float32, `period` the rows of one head and
-    lo, hi within ±NO_BAND, as `band_exp_tile` passes them."""
+    per-row vectors (n,) C-contiguous float32, `period` the rows of one head (>= 1) and
+    lo, hi within +-NO_BAND, as `band_exp_tile` passes them. Memory is only safe with
+    exactly those."""
     return _fused().band_exp_rows
+
+
+def band_exp_loop():
+    """Deprecated: the raw loop it returned took any arguments unchecked. Returns a
+    callable with the loop's arguments, `(s, shift, extra, scale, sums, period, lo, hi)`,
+    that checks them (s (n, cols) and the per-row vectors (n,) C-contiguous float32, sums
+    written, period >= 1); `band_exp_tile` is the entry to use."""
+    import warnings
+
+    warnings.warn("attnkit.kernels.flash.band_exp_loop() is deprecated (its loop took arguments unchecked); "
+                  "use band_exp_tile", DeprecationWarning, stacklevel=2)
+    return _checked_band_exp_loop
+
+
+def _checked_band_exp_loop(s, shift, extra, scale, sums, period, lo, hi) -> None:
+    s = array("s", s, ndim=2, written=True)
+    n = s.shape[0]
+    shift, extra, scale = array("shift", shift, (n,)), array("extra", extra, (n,)), array("scale", scale, (n,))
+    sums = array("sums", sums, (n,), written=True)
+    period, lo, hi = integer("period", period), integer("lo", lo), integer("hi", hi)
+    if period < 1:
+        raise ValueError(f"expected period >= 1, got {period}")
+    apart(("s", s), ("shift", shift), ("extra", extra), ("scale", scale), ("sums", sums))
+    apart(("sums", sums), ("shift", shift), ("extra", extra), ("scale", scale))
+    _fused().band_exp_rows(s, shift, extra, scale, sums, period, max(lo, -NO_BAND), min(hi, NO_BAND))
 
 
 def grad_scores_tile(ds: np.ndarray, p: np.ndarray, d: np.ndarray, weight: np.ndarray, peak: float,
@@ -165,11 +232,33 @@ def grad_scores_tile(ds: np.ndarray, p: np.ndarray, d: np.ndarray, weight: np.nd
 
     Arguments:
         ds, p: (rows, cols) C-contiguous float32.
-        d, weight: (rows,) float32 (any layout): D and the rows' weight sums.
-        top: (rows,) int64, written. ds_sums: (rows,) float32, written.
+        d, weight: (rows,) real numbers in any layout (converted to float32): D and the
+            rows' weight sums.
+        peak: a finite number.
+        top: (rows,) C-contiguous int64, written. ds_sums: (rows,) C-contiguous float32, written.
+        (ds, top and ds_sums share no memory with each other or with the other arguments.)
 
     Returns:
-        How many rows have a dominant key (top >= 0).
+        How many rows have a dominant key (top >= 0); none when cols = 0.
     """
+    ds = array("ds", ds, ndim=2, written=True)
+    rows = ds.shape[:1]
+    p = array("p", p, ds.shape)
+    d, weight = converted("d", d, rows), converted("weight", weight, rows)
+    peak = real("peak", peak)
+    top = array("top", top, rows, written=True, dtype=INT64)
+    ds_sums = array("ds_sums", ds_sums, rows, written=True)
+    apart(("ds", ds), ("p", p), ("d", d), ("weight", weight), ("top", top), ("ds_sums", ds_sums))
+    apart(("top", top), ("p", p), ("d", d), ("weight", weight), ("ds_sums", ds_sums))
+    apart(("ds_sums", ds_sums), ("p", p), ("d", d), ("weight", weight))
+    if ds.shape[1] == 0:  # (the loop reads a row's first weight)
+        top[...], ds_sums[...] = -1, 0
+        return 0
+    return _grad_scores_tile(ds, p, d, weight, peak, top, ds_sums)
+
+
+def _grad_scores_tile(ds: np.ndarray, p: np.ndarray, d: np.ndarray, weight: np.ndarray, peak: float,
+                      top: np.ndarray, ds_sums: np.ndarray) -> int:
+    """`grad_scores_tile` unchecked (the library's tiles, at least one column)."""
     rows = ds.shape[0]
     return _fused().grad_scores_rows(ds, p, _rows(d, rows), _rows(weight, rows), np.float32(peak), top, ds_sums)

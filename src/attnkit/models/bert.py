@@ -182,7 +182,7 @@ def gelu_inplace(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     by chunk (the bias is added while the chunk is in cache); returns x. With the
     compiled kernels (`attnkit.kernels.elementwise.gelu_bias`) one pass; these NumPy
     lines are their reference."""
-    if compiled.usable(x) and (bias is None or bias.dtype == np.float32):
+    if compiled.usable(x) and (bias is None or (bias.dtype == np.float32 and bias.flags.c_contiguous)):
         if bias is None:
             compiled.gelu(x)
         else:
@@ -481,7 +481,7 @@ def _packed_attention_compiled(qkv: np.ndarray, cu: np.ndarray, H: int, E: int) 
         rows = slice(int(cu[first]), int(cu[last]))
         x = qkv[rows].reshape(n, L, 3, H, E)
         scores = np.matmul(x[:, :, 0].transpose(0, 2, 1, 3), x[:, :, 1].transpose(0, 2, 3, 1))  # (n, H, L, L)
-        compiled.attention_softmax(scores, scale)
+        compiled._attention_softmax(scores, scale)
         out = context[rows].reshape(n, L, H, E).transpose(0, 2, 1, 3)  # (n, H, L, E), a view
         np.matmul(scores, x[:, :, 2].transpose(0, 2, 1, 3), out=out)  # P V
     return context

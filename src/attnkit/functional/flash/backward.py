@@ -130,7 +130,7 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
             # a product with ones costs a third of a max-reduction over the tile.)
             if compiled.usable(ds, p):
                 weight = scratch_buffer("weight", r, cd)[:r]
-                compiled.weighted_grad_tile(ds, p, weight)  # dS and the rows' weights in one pass
+                compiled._weighted_grad_tile(ds, p, weight)  # dS and the rows' weights in one pass
             else:
                 np.multiply(ds, p, out=ds)
                 weight = np.matmul(p, _ones(n, cd.str))
@@ -202,7 +202,7 @@ def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _K
             p = p3[0]
             # forward: P = exp(s - lse) = exp((s - shift) - hi) * f, f = exp(-lo) per row
             weight = weight_buf[:r]
-            compiled.band_exp_tile(p, inputs.shift[b, h, rows], inputs.lse_hi[b, h, rows], inputs.row_f[b, h, rows],
+            compiled._band_exp_tile(p, inputs.shift[b, h, rows], inputs.lse_hi[b, h, rows], inputs.row_f[b, h, rows],
                                    weight, *plan.local_band(q0, c0))
             # forward: out = P @ V   ->  dV += P^T dO,  dP = dO V^T
             dv_part = dv_buf[: n * Ev].reshape(n, Ev)
@@ -213,7 +213,7 @@ def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _K
             # forward: P = softmax(s)  ->  dS = P * (dP - D); a dominant key's dS left
             # out (see _backward_key_block) and recorded
             top, ds_sums = top_buf[:r], sums_buf[:r]
-            if compiled.grad_scores_tile(ds, p, inputs.d[b, h, rows], weight, PEAK, top, ds_sums):
+            if compiled._grad_scores_tile(ds, p, inputs.d[b, h, rows], weight, PEAK, top, ds_sums):
                 found = np.flatnonzero(top >= 0)
                 inputs.top[b, h, q0 + found] = c0 + top[found]
             # forward: s = (q * scale) k^T  ->  dQ += dS (K * scale), dK += dS^T (q * scale)

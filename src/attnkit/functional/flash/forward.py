@@ -21,7 +21,7 @@ from attnkit.runtime import l2_cache_bytes, run_tasks, scratch_arrays, scratch_b
 def _exp_tile(s: np.ndarray) -> None:
     """s <- exp(s) in place: the compiled loop when it takes s (float32), else NumPy."""
     if compiled.usable(s):
-        compiled.exp_tile(s)
+        compiled._exp_tile(s)
     else:
         np.exp(s, out=s)
 
@@ -30,7 +30,7 @@ def _shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
     """s <- exp(s - shift[..., None]) in place, s (heads, rows, cols), shift (heads, rows):
     one compiled pass when it takes s (float32), else NumPy's two."""
     if compiled.usable(s):
-        compiled.shifted_exp_tile(s, shift)
+        compiled._shifted_exp_tile(s, shift)
     else:
         s -= shift[..., None]
         np.exp(s, out=s)
@@ -219,7 +219,7 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
     part = scratch_buffer("pv", nh * r * Ev, cd)[: nh * r * Ev].reshape(nh, r, Ev)
     most = min(nh * r * plan.block_k, max(r * plan.block_k, l2_cache_bytes() // cd.itemsize))  # a call's scores
     s_buf, sums_buf = scratch_buffer("s", most, cd), scratch_buffer("sums", nh * r, cd)
-    q0, loop = rows.q0, compiled.band_exp_loop()
+    q0, loop = rows.q0, compiled._band_exp_loop()
     shared = ka.shape[0] == 1  # GQA: one kv head for all the task's heads, (1, S, ·) broadcasts
     for r0, r1, k0, k1, lo, hi in plan.row_pieces(q0, rows.q1, rows.k_start, rows.k_end):
         at, n_rows, n = slice(r0 - q0, r1 - q0), r1 - r0, k1 - k0

@@ -99,7 +99,7 @@ def _shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
     """`shifted_exp_tile` unchecked (the library's tiles: s C-contiguous float32, shift
     s.shape[:-1] in any layout)."""
     cols = s.shape[-1]
-    rows = s.size // cols if cols else 0
+    rows = s.size // cols if cols else int(np.prod(s.shape[:-1]))
     if shift.dtype != np.float32 or not shift.flags.c_contiguous:
         shift = np.ascontiguousarray(shift, dtype=np.float32)
     _loops().shifted_exp_rows(s.reshape(rows, cols), shift.reshape(rows))

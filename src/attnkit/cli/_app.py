@@ -295,6 +295,19 @@ def _main(
     # process (tests and notebooks call the app many times), so each call measures anew
     for each in (console, err_console):
         each.width = None
+    _check_environment()
+
+
+def _check_environment() -> None:
+    """The environment's settings, checked before any command starts its work: a wrong
+    value is the user's to fix, a usage error (exit 2), never an internal error found
+    halfway through (the library reads ATTNKIT_KERNELS only when the kernels start)."""
+    from attnkit import kernels  # (light: numba is not imported here)
+
+    try:
+        kernels.setting()
+    except ValueError as error:
+        usage(str(error))
 
 
 @app.command()

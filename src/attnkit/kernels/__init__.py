@@ -9,7 +9,14 @@ computation written as plain Python loops and compiled by numba (`pip install
 Which path runs:
 
 - `enabled()` is True when numba imports and `ATTNKIT_KERNELS` is not "numpy".
-  `ATTNKIT_KERNELS=numpy` forces the NumPy reference everywhere (read once per process).
+  `ATTNKIT_KERNELS=numpy` forces the NumPy reference everywhere (read once per process);
+  "numba" and "auto" (or unset) let the kernels run; any other value is a ValueError
+  naming the allowed values and what arrived (`setting()`, which the command line checks
+  before any command runs).
+- numba installed but broken (its import fails): the first use of the loops tries the
+  import, gets the NumPy reference instead, and from then on `enabled()` is False and
+  `reason_disabled()` says why. `enabled()` itself does not import numba (0.6 s that a
+  short command never pays), so before that first use it answers from the installation.
 - The decoder's kernels (quantized products, the decode step) also run from a native
   library built once per version and CPU (`attnkit.kernels.native`): a process that
   finds it never imports numba. `ATTNKIT_KERNELS=numba` runs them in-process instead.
@@ -35,9 +42,11 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["enabled", "numba", "notice", "reason_disabled"]
+__all__ = ["SETTINGS", "enabled", "loadable", "numba", "notice", "reason_disabled", "setting"]
 
 _FORCE_VARIABLE = "ATTNKIT_KERNELS"
+SETTINGS = ("auto", "numba", "numpy")
+"""The values ATTNKIT_KERNELS takes (case and surrounding spaces ignored; unset or empty is "auto")."""
 
 
 def _cache_folder() -> Path:
@@ -84,15 +93,26 @@ def _remove_old_caches(keep: Path, days: float = 7.0) -> None:
             pass
 
 
+def setting() -> str:
+    """The ATTNKIT_KERNELS setting, checked: one of SETTINGS ("auto" when unset or empty).
+
+    Raises:
+        ValueError: any other value, naming the allowed ones and what arrived.
+    """
+    raw = os.environ.get(_FORCE_VARIABLE, "")
+    choice = raw.strip().lower() or "auto"
+    if choice not in SETTINGS:
+        raise ValueError(f"expected {_FORCE_VARIABLE} to be one of {', '.join(SETTINGS)} or unset, got {raw!r}")
+    return choice
+
+
 @lru_cache(maxsize=None)
 def _choice() -> str:
     """Why the NumPy reference runs, or '' when the kernels may: answered without importing
-    numba (its import costs about 0.6 s; a short command never pays it)."""
-    choice = os.environ.get(_FORCE_VARIABLE, "").strip().lower()
-    if choice == "numpy":
+    numba (its import costs about 0.6 s; a short command never pays it). A ValueError for
+    an ATTNKIT_KERNELS outside SETTINGS (not cached: asked again, it is read again)."""
+    if setting() == "numpy":
         return f"{_FORCE_VARIABLE}=numpy"
-    if choice not in ("", "numba", "auto"):
-        raise ValueError(f"{_FORCE_VARIABLE} must be 'numpy', 'numba' or unset, got {choice!r}")
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
     return ""
@@ -107,8 +127,8 @@ def _import() -> tuple[ModuleType | None, str]:
     _prepare_cache()
     try:
         import numba
-    except ImportError as error:  # installed but broken (e.g. a NumPy it does not support)
-        return None, f"numba does not import ({error})"
+    except Exception as error:  # installed but broken (e.g. a NumPy it does not support; any error its import raises)
+        return None, f"numba does not import ({type(error).__name__}: {error})"
     return numba, ""
 
 
@@ -120,8 +140,19 @@ def reason_disabled() -> str:
 
 def enabled() -> bool:
     """Whether the compiled kernels run (numba is installed and ATTNKIT_KERNELS is not
-    "numpy"). Does not import numba; a numba that then fails to import turns this False."""
+    "numpy"). Does not import numba; a numba that then fails to import (`loadable()`, the
+    loops' first use) turns this False. Never raises, but for an ATTNKIT_KERNELS outside
+    SETTINGS (ValueError)."""
     return not reason_disabled()
+
+
+def loadable() -> bool:
+    """Whether the compiled kernels run, numba imported to know (once per process; a
+    failed import makes `enabled()` False from then on, with the reason, and never
+    raises). What a caller asks just before it would load the loops."""
+    if _choice():
+        return False
+    return _import()[0] is not None
 
 
 def numba() -> ModuleType:

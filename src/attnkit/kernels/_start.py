@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from attnkit.kernels import enabled
+from attnkit.kernels import loadable
 
 LOAD_SECONDS = 1.0
 """What starting the compiled loops costs a process, about (see the module docstring)."""
@@ -40,8 +40,9 @@ def worth_it(elements: int, saved_ns: float) -> bool:
 
 
 def load() -> bool:
-    """Start the compiled loops now (when the kernels are on); returns whether they run."""
-    if not enabled():
+    """Start the compiled loops now (when the kernels are on and numba imports); returns
+    whether they run."""
+    if not loadable():
         return False
     from attnkit.kernels import _loops  # noqa: F401  (numba loads here)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.kernels import enabled
+from attnkit.kernels import loadable
 from attnkit.kernels._checks import apart, array, real
 from attnkit.kernels._start import load, started, worth_it
 
@@ -39,7 +39,7 @@ def usable(*arrays: np.ndarray) -> bool:
     runs the NumPy reference."""
     if not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
         return False
-    return worth_it(arrays[0].size, SAVED_NS) and enabled()  # (enabled() imports numba: asked last)
+    return worth_it(arrays[0].size, SAVED_NS) and loadable()  # (imports numba: asked last)
 
 
 def _loops():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkit.kernels import enabled
+from attnkit.kernels import loadable
 from attnkit.kernels._checks import INT64, apart, array, converted, integer, real
 from attnkit.kernels._start import load, started, worth_it
 
@@ -49,14 +49,14 @@ def usable(*arrays: np.ndarray) -> bool:
     `load()` starts them at once). Anything else runs the NumPy reference."""
     if arrays[0].size < SMALL_TILE or not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
         return False
-    return worth_it(arrays[0].size, SAVED_NS) and enabled()  # (enabled() imports numba: asked last)
+    return worth_it(arrays[0].size, SAVED_NS) and loadable()  # (imports numba: asked last)
 
 
 def wants(elements: int) -> bool:
     """Whether a whole flash call over `elements` score elements takes the fused tiles:
     the kernels are on and this process's work has earned their start (`usable`'s rule,
     asked once for the call instead of once per tile)."""
-    return worth_it(elements, SAVED_NS) and enabled()
+    return worth_it(elements, SAVED_NS) and loadable()
 
 
 def _loops():

@@ -54,7 +54,7 @@ def array(name: str, a, shape: tuple | None = None, *, ndim: int | None = None, 
         if not isinstance(a, np.ndarray):
             raise TypeError(f"expected {name} as a NumPy array of {dtype}, got {type(a).__name__}")
         a = a.view(np.ndarray)
-    if a.dtype != dtype:
+    if a.dtype is not dtype and a.dtype != dtype:  # (the builtin dtypes are singletons: the first test settles it)
         raise TypeError(f"expected {name} of dtype {dtype}, got {a.dtype}")
     if shape is not None:
         if a.shape != shape:
@@ -75,7 +75,8 @@ def array(name: str, a, shape: tuple | None = None, *, ndim: int | None = None, 
 def converted(name: str, a, shape: tuple) -> np.ndarray:
     """A per-row vector `a` of exactly `shape`, in any layout and real dtype, as contiguous
     float32 (copied only when it is not already): the arguments documented as converted."""
-    if isinstance(a, np.ndarray) and a.dtype == FLOAT32 and a.flags.c_contiguous and a.flags.aligned:
+    flags = a.flags if isinstance(a, np.ndarray) and (a.dtype is FLOAT32 or a.dtype == FLOAT32) else None
+    if flags is not None and flags.c_contiguous and flags.aligned:
         out = a.view(np.ndarray) if type(a) is not np.ndarray else a
     else:
         try:

@@ -17,6 +17,8 @@ addition per element, NumPy's bits.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from attnkit.kernels import loadable
@@ -127,7 +129,7 @@ def _softmax(scores: np.ndarray, lse: np.ndarray) -> None:
 
 def _rows(x: np.ndarray) -> int:
     """The rows of x (..., D) viewed as (rows, D), also when D = 0."""
-    return int(np.prod(x.shape[:-1], dtype=np.int64))
+    return math.prod(x.shape[:-1])
 
 
 def _encoder_loops():

@@ -19,6 +19,8 @@ them are within the NumPy path's float32 error.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from attnkit.kernels import loadable
@@ -99,7 +101,7 @@ def _shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
     """`shifted_exp_tile` unchecked (the library's tiles: s C-contiguous float32, shift
     s.shape[:-1] in any layout)."""
     cols = s.shape[-1]
-    rows = s.size // cols if cols else int(np.prod(s.shape[:-1]))
+    rows = s.size // cols if cols else math.prod(s.shape[:-1])
     if shift.dtype != np.float32 or not shift.flags.c_contiguous:
         shift = np.ascontiguousarray(shift, dtype=np.float32)
     _loops().shifted_exp_rows(s.reshape(rows, cols), shift.reshape(rows))
@@ -180,7 +182,7 @@ def _band_exp_tile(s: np.ndarray, shift: np.ndarray, extra: np.ndarray, scale: n
     """`band_exp_tile` unchecked (the library's tiles: s and sums C-contiguous float32, the
     per-row values s.shape[:-1] in any layout)."""
     rows, cols = s.shape[-2], s.shape[-1]
-    n = s.size // cols if cols else int(np.prod(s.shape[:-1]))
+    n = s.size // cols if cols else math.prod(s.shape[:-1])
     _fused().band_exp_rows(s.reshape(n, cols), _rows(shift, n), _rows(extra, n), _rows(scale, n), sums.reshape(n),
                            max(rows, 1), int(max(lo, -NO_BAND)), int(min(hi, NO_BAND)))
 

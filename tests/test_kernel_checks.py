@@ -101,6 +101,8 @@ def test_written_arrays_may_not_share_memory_with_other_arguments():
 def test_scalars_are_checked():
     with pytest.raises(ValueError, match="expected scale as a finite positive number, got -1.0"):
         elementwise.attention_softmax(_f32(2, 3), -1.0)
+    with pytest.raises(ValueError, match=r"expected scale within float32's range, got 1e\+300"):
+        elementwise.attention_softmax(_f32(2, 3), 1e300)
     with pytest.raises(TypeError, match="expected eps as a real number, got str"):
         elementwise.layer_norm(_f32(2, 3), _f32(3), _f32(3), "1e-5")
     with pytest.raises(TypeError, match="expected lo as an integer, got float"):
@@ -135,3 +137,12 @@ def test_only_checked_entries_are_exported():
     for module in (elementwise, flash):
         assert not [name for name in module.__all__ if name.startswith("_")]
         assert "band_exp_loop" not in module.__all__
+
+
+def test_usable_answers_false_for_what_no_loop_takes():
+    """`usable` is asked before every call: anything but float32 C-contiguous arrays (nothing
+    at all, a list) means the NumPy reference, never an AttributeError."""
+    for module in (elementwise, flash):
+        assert module.usable() is False
+        assert module.usable([1.0, 2.0]) is False
+        assert module.usable(np.zeros((64, 64))) is False

@@ -164,7 +164,7 @@ def _elementwise_specs():
         "elementwise.attention_softmax": Spec(
             e.attention_softmax, lambda rng: {"scores": _scores(rng, rows(rng)), "scale": float(rng.uniform(0.05, 2))},
             lambda a: {"scores": _softmax64(_f32(a["scores"]).astype(np.float64) * a["scale"])[0]},
-            written=["scores"], scalars={"scale": [0.0, -1.0, float("nan"), "0.5", None, True]}),
+            written=["scores"], scalars={"scale": [0.0, -1.0, float("nan"), "0.5", None, True, 1e300]}),
         "elementwise.add_bias_to_leading_columns": Spec(
             e.add_bias_to_leading_columns,
             lambda rng: (lambda n, c: {"x": _filled(rng, (n, c)), "bias": _filled(rng, (int(rng.integers(0, c + 1)),))})(

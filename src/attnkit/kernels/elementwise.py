@@ -39,7 +39,8 @@ def usable(*arrays: np.ndarray) -> bool:
     and C-contiguous, and the loops have started or this process's work has earned
     their start (`attnkit.kernels._start`; `load()` starts them at once). Anything else
     runs the NumPy reference."""
-    if not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
+    if not arrays or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+                             for a in arrays):
         return False
     return worth_it(arrays[0].size, SAVED_NS) and loadable()  # (imports numba: asked last)
 
@@ -127,6 +128,9 @@ def _softmax(scores: np.ndarray, lse: np.ndarray) -> None:
     _loops().softmax_rows(scores.reshape(lse.size, scores.shape[-1]), lse.reshape(-1))
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _rows(x: np.ndarray) -> int:
     """The rows of x (..., D) viewed as (rows, D), also when D = 0."""
     return math.prod(x.shape[:-1])
@@ -146,10 +150,12 @@ def attention_softmax(scores: np.ndarray, scale: float) -> None:
 
     Arguments:
         scores: (..., S) C-contiguous float32, q k^T before scaling.
-        scale: finite and > 0, the attention's scale (1 / sqrt(E) by default).
+        scale: > 0 and within float32's range, the attention's scale (1 / sqrt(E) by default).
     """
     scores = array("scores", scores, min_ndim=1, written=True)
     scale = real("scale", scale, positive=True)
+    if not scale <= _FLOAT32_MAX:  # (the loop multiplies in float32)
+        raise ValueError(f"expected scale within float32's range, got {scale}")
     if scores.size:  # (the loop reads each row's first score)
         _attention_softmax(scores, scale)
 

@@ -49,7 +49,9 @@ def usable(*arrays: np.ndarray) -> bool:
     and C-contiguous, the first holds at least SMALL_TILE elements, and the loops have
     started or this process's work has earned their start (`attnkit.kernels._start`;
     `load()` starts them at once). Anything else runs the NumPy reference."""
-    if arrays[0].size < SMALL_TILE or not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
+    if not all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
+        return False  # (anything else, nothing at all included, runs the NumPy reference)
+    if not arrays or arrays[0].size < SMALL_TILE:
         return False
     return worth_it(arrays[0].size, SAVED_NS) and loadable()  # (imports numba: asked last)
 

@@ -302,11 +302,9 @@ def _run_server(application, sock: socket.socket) -> None:
     landed while the commands loaded and that a library swallowed: then the server never
     starts. A second Ctrl+C stops at once, without waiting for open requests.
     """
-    import uvicorn
+    from attnkit.serve.server import web_server
 
-    # lifespan="off": the app has no startup or shutdown work, and a lifespan task cut short
-    # by a second Ctrl+C would log its CancelledError as a traceback.
-    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="off"))
+    server = web_server(application)
 
     def on_interrupt(signum: int, frame: object) -> None:
         _interrupt.note(signum)
@@ -347,6 +345,10 @@ def serve(
     preload: bool = typer.Option(
         False, "--preload", help="Load the API's models before serving instead of on their first request."
     ),
+    access_log: bool = typer.Option(
+        True, "--access-log/--no-access-log",
+        help="Log each request on stderr (client, method, path, status, time), as uvicorn's access log does.",
+    ),
 ) -> None:
     """A local web page: type a sentence, pick a model, explore its attention. Beside it, an
     OpenAI-compatible API under /v1 (embeddings from encoders, completions and chat from decoders)."""
@@ -369,13 +371,12 @@ def serve(
             check_model_name(name)
         except ModelNotAvailableError as error:
             fail(str(error))
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        fail(f"`attnkit serve` needs FastAPI and uvicorn ({error.name} is missing); "
+    from attnkit.serve.server import create_app, missing_web_package
+
+    missing = missing_web_package()
+    if missing:
+        fail(f"`attnkit serve` needs FastAPI and uvicorn ({missing} is missing); "
              "install them with: pip install 'attnkit[serve]'")
-    from attnkit.viz.server import create_app
 
     sock, address = _listen(host, port)
     name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -399,13 +400,30 @@ def serve(
             say(f"attnkit: from other machines: {url}")
     else:
         say(f"attnkit: open http://{_url_host(name)}:{port}/ (Ctrl+C to stop)")
+    if access_log:
+        _log_requests()
     _run_server(application, sock)
+
+
+def _log_requests() -> None:
+    """Show the server's request lines (`attnkit.serve.access_log`) on stderr, one a line."""
+    import logging
+    import sys
+
+    from attnkit.serve.access_log import ACCESS_LOGGER
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(ACCESS_LOGGER)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _preload(pool) -> None:
     """Load the API's models now (`serve --preload`), saying which."""
     from attnkit.cli._app import err_console
-    from attnkit.viz.openai_models import ModelLoadError
+    from attnkit.serve.openai_models import ModelLoadError
 
     for name in pool.kinds:
         with err_console.status(f"loading {name}..."):

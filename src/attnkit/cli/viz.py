@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import signal
 import socket
+import sys
+from collections.abc import Iterator
 from typing import Optional
 
 import typer
@@ -400,24 +403,33 @@ def serve(
             say(f"attnkit: from other machines: {url}")
     else:
         say(f"attnkit: open http://{_url_host(name)}:{port}/ (Ctrl+C to stop)")
-    if access_log:
-        _log_requests()
-    _run_server(application, sock)
+    with _requests_logged(access_log):
+        _run_server(application, sock)
 
 
-def _log_requests() -> None:
-    """Show the server's request lines (`attnkit.serve.access_log`) on stderr, one a line."""
+@contextlib.contextmanager
+def _requests_logged(on: bool) -> Iterator[None]:
+    """While serving, show the server's request lines (`attnkit.serve.access_log`) on
+    stderr, one a line; the logger is as it was afterwards."""
     import logging
-    import sys
 
     from attnkit.serve.access_log import ACCESS_LOGGER
 
+    if not on:
+        yield
+        return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger(ACCESS_LOGGER)
+    saved = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def _preload(pool) -> None:

@@ -2,6 +2,9 @@
 
 - `HostCheck`: only requests addressed to this machine's own names are answered (a page
   of another site that rebinds its DNS name to 127.0.0.1 gets 400).
+- `check_origin`: a request that a browser sends from a page of another origin (scheme,
+  host and port, as browsers define an origin) gets 403; requests without an `Origin`
+  header (the openai client, curl) and the page's own requests pass.
 - `check_json_content_type`: only `application/json` bodies are read (415 otherwise): a page
   of another site can make a browser post a form or `text/plain` without asking, not JSON.
 - `read_body`: at most `max_body` bytes (413 beyond, counted as they arrive).
@@ -16,7 +19,10 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-__all__ = ["HostCheck", "RequestRejected", "check_json_content_type", "host_name", "parse_json", "read_body"]
+__all__ = ["HostCheck", "RequestRejected", "check_json_content_type", "check_origin", "host_name", "origin_of",
+           "parse_json", "read_body"]
+
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
 def host_name(header: str) -> str:
@@ -28,6 +34,39 @@ def host_name(header: str) -> str:
     if header.count(":") == 1:  # name:port
         header = header.split(":")[0]
     return header.rstrip(".")
+
+
+def origin_of(scheme: str, authority: str) -> tuple[str, str, int | None]:
+    """An origin as browsers compare it: (scheme, host, port), lower case, the scheme's default
+    port filled in: ('http', '127.0.0.1:80') and ('http', '127.0.0.1') are the same origin."""
+    scheme, authority = scheme.strip().lower(), authority.strip().lower()
+    port: int | None = None
+    rest = authority[authority.find("]") + 1:] if authority.startswith("[") else authority
+    if rest.count(":") == 1:
+        digits = rest.split(":")[1]
+        port = int(digits) if digits.isdigit() else -1  # -1: a port no server has
+    return scheme, host_name(authority), DEFAULT_PORTS.get(scheme) if port is None else port
+
+
+def check_origin(origin: str | None, scheme: str, host: str) -> None:
+    """Refuse a request from a browser page of another origin than this server's.
+
+    Arguments:
+        origin: the request's `Origin` header, or None (no browser page sent it).
+        scheme: the scheme the request came in on ("http").
+        host: the request's `Host` header ("127.0.0.1:8000").
+
+    Raises:
+        RequestRejected: 403 when the Origin's scheme, host or port differ from this
+            server's, or the Origin is "null" (a sandboxed page, a file).
+    """
+    if origin is None:
+        return
+    scheme_part, separator, authority = origin.partition("://")
+    theirs = origin_of(scheme_part, authority.split("/", 1)[0]) if separator else None
+    if theirs is None or theirs != origin_of(scheme, host):
+        raise RequestRejected(403, f"requests from the page of another site ({origin}) are refused; "
+                                   f"this server is {scheme}://{host}")
 
 
 class HostCheck:

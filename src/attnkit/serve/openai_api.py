@@ -11,8 +11,9 @@ too large, 415 for one that is not JSON, 500 for a model that cannot load), so a
 raises the exception it would raise against OpenAI (`openai.BadRequestError`, ...).
 
 Requests pass the same checks as the page's API (`attnkit.serve.http_checks`): the Host
-header, JSON only, a bounded body, strict JSON. A request from a browser page of
-another origin (an `Origin` header that is not this server's) is refused.
+header, the Origin, JSON only, a bounded body, strict JSON. A request from a browser page
+of another origin is refused with 403: an `Origin` header whose scheme, host or port is
+not this server's (another port of the same host is another origin, as browsers say).
 """
 
 import asyncio
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.serve.http_checks import RequestRejected, check_json_content_type, host_name, parse_json, read_body
+from attnkit.serve.http_checks import RequestRejected, check_json_content_type, check_origin, parse_json, read_body
 from attnkit.serve.openai_models import EMBEDDINGS, GENERATION, Completion, ModelLoadError, ModelPool, complete, token_count
 from attnkit.serve.openai_requests import (
     MAX_INPUTS,
@@ -157,13 +158,10 @@ def add_openai_api(
             if not hmac.compare_digest(given, f"Bearer {api_key}".encode("utf-8", "surrogateescape")):
                 raise APIError(401, "Incorrect API key provided; this server's key is the one given to "
                                     "attnkit serve --api-key", code="invalid_api_key")
-        origin = request.headers.get("origin")
-        if origin is not None:
-            own = host_name(request.headers.get("host", ""))
-            theirs = host_name(origin.split("://", 1)[-1].split("/", 1)[0])
-            if theirs != own:
-                raise APIError(403, f"requests from the page of another site ({origin}) are refused",
-                               code="cross_origin")
+        try:
+            check_origin(request.headers.get("origin"), request.url.scheme, request.headers.get("host", ""))
+        except RequestRejected as error:
+            raise APIError(error.status, error.message, code="cross_origin") from None
 
     async def read(request: Request, model_class: Any) -> Any:
         guard(request)

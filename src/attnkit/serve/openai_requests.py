@@ -6,10 +6,10 @@ not coerced (pydantic's strict mode), and arguments attnkit does not implement (
 penalties, log probabilities, tools) are refused by name unless they ask for the default.
 """
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 __all__ = ["APIError", "CHAT_ROLES", "MAX_INPUTS", "MAX_STOPS", "chat_messages", "invalid", "parse_request",
-           "refuse_unsupported", "request_models", "sampling_arguments", "texts_of"]
+           "refuse_unsupported", "request_models", "sampling_arguments", "stop_strings", "texts_of"]
 
 MAX_INPUTS = 2048
 """The most texts one /v1/embeddings request may hold (OpenAI's limit)."""
@@ -52,7 +52,7 @@ def request_models():
         temperature: Optional[float] = None
         top_p: Optional[float] = None
         n: Optional[int] = None
-        stop: Union[str, list[str], None] = None
+        stop: Any = None  # a string or a list of strings: checked by `stop_strings`, which says so
         seed: Optional[int] = None
         stream: Optional[bool] = None
         stream_options: Optional[dict[str, Any]] = None
@@ -138,11 +138,22 @@ def sampling_arguments(request: Any) -> dict[str, Any]:
         raise invalid("n", f"attnkit serve generates one choice per request: expected n=1, got n={request.n}")
     if request.seed is not None and request.seed < 0:
         raise invalid("seed", f"expected seed >= 0, got {request.seed}")
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if len(stop) > MAX_STOPS or any(not s for s in stop):
-        raise invalid("stop", f"expected at most {MAX_STOPS} non-empty stop strings, got {stop!r}")
+    stop = stop_strings(request.stop)
     refuse_unsupported(request, {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": "empty"})
     return {"temperature": temperature, "top_p": top_p, "seed": request.seed, "stop": stop}
+
+
+def stop_strings(value: Any) -> list[str]:
+    """`stop`: None, a string, or a list of at most MAX_STOPS non-empty strings, as a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop", f"expected stop as a string or a list of strings, got {value!r:.80}")
+    if len(value) > MAX_STOPS or any(not s for s in value):
+        raise invalid("stop", f"expected at most {MAX_STOPS} non-empty stop strings, got {value!r:.200}")
+    return value
 
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

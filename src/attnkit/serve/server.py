@@ -10,7 +10,9 @@ the model reads fewer (MiniLM: 256); longer texts are truncated, with a warning.
 
 `/api/attention` reads only requests that say `Content-Type: application/json`
 (others get 415): a page of another site can make a browser post a form or
-`text/plain` to a local server without asking, but not JSON.
+`text/plain` to a local server without asking, but not JSON. A request whose `Origin`
+is not this server's (scheme, host and port, as browsers compare origins: another port
+of the same host is another origin) is refused with 403, here and in the API.
 
 `/api/attention` draws the attention weights, or a map derived from them (its `kind`:
 "rollout", "flow" or "value-weighted", see `attnkit.viz.derived`). Attention flow solves
@@ -35,6 +37,7 @@ from attnkit.serve.http_checks import (  # noqa: F401 - host_name, HostCheck, pa
     HostCheck,
     RequestRejected,
     check_json_content_type,
+    check_origin,
     host_name,
     parse_json,
     read_body,
@@ -264,6 +267,7 @@ def create_app(
     @app.post("/api/attention")
     async def api_attention(request: Request) -> dict[str, Any]:
         try:
+            check_origin(request.headers.get("origin"), request.url.scheme, request.headers.get("host", ""))
             check_json_content_type(request.headers.get("content-type"))
             body = await read_body(request, max_body)
         except RequestRejected as error:

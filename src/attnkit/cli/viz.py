@@ -15,7 +15,7 @@ import typer
 from attnkit.cli import _interrupt
 from attnkit.cli._app import app, check_int, check_text, console, fail, say, usage, use_color, warn
 from attnkit.cli._output import Output, beside, plan, write_all
-from attnkit.cli.models import ANY, model_option
+from attnkit.cli.models import ANY, BACKEND_HELP, check_backend, model_option
 from attnkit.runtime import require
 
 _MODEL_HELP = ("minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path "
@@ -40,12 +40,12 @@ def _check_texts(max_tokens: int, *texts: tuple[str, str]) -> None:
     check_int("--max-tokens", max_tokens, 1, MAX_TOKENS)
 
 
-def _compute(text: str, model: str, max_tokens: int):
+def _compute(text: str, model: str, max_tokens: int, backend: str = "naive"):
     """AttentionMaps for `text`, or a clean exit with the reason."""
     from attnkit.viz.providers import ModelNotAvailableError, get_provider
 
     try:
-        maps = get_provider(model, max_tokens=max_tokens).attention(text)
+        maps = get_provider(model, max_tokens=max_tokens, backend=backend).attention(text)
     except (ModelNotAvailableError, ValueError, TypeError) as error:
         fail(str(error))
     if maps.truncated_from:
@@ -167,16 +167,19 @@ def show(
     rollout: bool = typer.Option(False, "--rollout", help=_ROLLOUT_HELP),
     flow: bool = typer.Option(False, "--flow", help=_FLOW_HELP),
     value_weighted: bool = typer.Option(False, "--value-weighted", help=_VALUE_WEIGHTED_HELP),
+    backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP + " The maps are recorded, so a backend "
+                                "that forms no weights (flash) gives way to naive for them."),
 ) -> None:
     """Show where a model's attention goes on TEXT: heatmap of one head and a summary of all."""
     from attnkit.viz.summary import summarize_heads
     from attnkit.viz.terminal import maps_heatmap, summary_table
 
     _check_texts(max_tokens, ("TEXT", text))
+    check_backend(backend)
     kind = _derived_kind(rollout, flow, value_weighted, mean, head)
     model_option(model, ANY, "show")
     outputs = _plan_views(png, html)
-    maps = _derive(_compute(text, model, max_tokens), kind, model)
+    maps = _derive(_compute(text, model, max_tokens, backend), kind, model)
     layer, chosen = _selection(maps, layer, 0 if kind in ("rollout", "flow") else head, mean)
     color = use_color(no_color)
     shown = maps.hide_special() if hide_special else maps

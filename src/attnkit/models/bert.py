@@ -42,7 +42,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnkit.functional import varlen_attention
-from attnkit.functional.varlen import VARLEN_BACKENDS
 from attnkit.kernels import elementwise as compiled
 from attnkit.models.bert_checkpoint import (
     BERT_IGNORED,
@@ -63,7 +62,7 @@ from attnkit.models.sentence import (
     read_transformer_settings,
 )
 from attnkit.nn import LayerNorm, Module, ModuleList, TransformerBlock
-from attnkit.nn.interface import AttentionModule, active_edits, active_recorders, record_attention
+from attnkit.nn.interface import AttentionModule, active_edits, active_recorders, record_attention, supports
 from attnkit.nn.layers import gelu
 from attnkit.runtime import FastestSchedule, blas_threads, cpu_count, renamed_keyword
 
@@ -428,13 +427,13 @@ class BertModel(Module):
         D = H * E
         N = qkv.shape[0]
         plain = not (active_recorders(module) or active_edits(module))
-        if plain and module.backend == "naive" and compiled.usable(qkv):
+        if plain and supports(module.backend, "reference") and compiled.usable(qkv):
             if qkv_bias is None:
                 return _packed_attention_compiled(qkv, cu, H, E), None
             compiled.add_bias_to_leading_columns(qkv, qkv_bias[:D])  # qkv[:, :D] += b_q
             return _packed_attention_compiled(qkv, cu, H, E), qkv_bias[2 * D :]
         heads = _add_bias(qkv, qkv_bias).reshape(N, 3, H, E)
-        if module.backend in VARLEN_BACKENDS and plain:
+        if plain and supports(module.backend, "varlen"):
             out = varlen_attention(heads[:, 0], heads[:, 1], heads[:, 2], cu, cu, backend=module.backend)
             return out.reshape(N, D), None
         # Through `attend` (recorded, edited, or a backend varlen_attention does not know): pad

@@ -126,7 +126,7 @@ class ModelPool:
 
         try:
             if self.kinds[name] == EMBEDDINGS:
-                from attnkit.models.bert import SentenceEncoder
+                from attnkit.models.sentence import SentenceEncoder
 
                 return SentenceEncoder.from_pretrained(name)
             from attnkit.models.auto import AutoCausalLM

@@ -72,7 +72,7 @@ def _encoder_limit(name: str) -> int | None:
     without loading its weights; None when `name` is no encoder attnkit runs."""
     from attnkit.models.checkpoint import read_config
     from attnkit.models.embedded import ENCODER, embedded_path
-    from attnkit.models.sentence import read_max_seq_length, read_modules, read_transformer_settings
+    from attnkit.models.sentence_head import read_max_seq_length, read_modules, read_transformer_settings
     from attnkit.serve.openai_models import EMBEDDINGS, model_kind
 
     if model_kind(name) != EMBEDDINGS:

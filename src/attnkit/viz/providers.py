@@ -335,7 +335,7 @@ def _is_missing_package(error: Exception) -> bool:
 
 def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
     try:
-        from attnkit.models.bert import SentenceEncoder
+        from attnkit.models.sentence import SentenceEncoder
 
         model = SentenceEncoder.from_pretrained(path)
     except (ImportError, AttributeError) as error:
@@ -411,7 +411,7 @@ def availability(name: str) -> tuple[bool, str]:
 
         if name == "minilm":
             embedded.minilm_path()
-            from attnkit.models.bert import SentenceEncoder  # noqa: F401
+            from attnkit.models.sentence import SentenceEncoder  # noqa: F401
         else:
             embedded.smollm2_gguf_path()
             from attnkit.models.auto import AutoCausalLM  # noqa: F401

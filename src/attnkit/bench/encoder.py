@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.runtime import keyword_only
+from attnkit.deprecation import keyword_only
 
 _SUBJECTS = (
     "The old lighthouse keeper", "A small team of engineers", "My neighbour's cat",

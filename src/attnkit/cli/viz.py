@@ -16,7 +16,7 @@ from attnkit.cli import _interrupt
 from attnkit.cli._app import app, check_int, check_text, console, fail, say, usage, use_color, warn
 from attnkit.cli._output import Output, beside, plan, write_all
 from attnkit.cli.models import ANY, BACKEND_HELP, check_backend, model_option
-from attnkit.runtime import require
+from attnkit.extras import require
 
 _MODEL_HELP = ("minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path "
                "(a .gguf file or a model folder, of any transformers architecture).")

@@ -41,7 +41,8 @@ from attnkit.models.sentence_head import (
     read_transformer_settings,
 )
 from attnkit.nn.interface import record_attention
-from attnkit.runtime import FastestSchedule, blas_threads, cpu_count, renamed_keyword
+from attnkit.deprecation import renamed_keyword
+from attnkit.runtime import FastestSchedule, blas_threads, cpu_count
 
 
 def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
@@ -389,7 +390,7 @@ class SentenceEncoder:
             raise ValueError(f"expected precision 'float32' (the only one attnkit computes), got {precision!r}")
         torch = None
         if convert_to_tensor or not convert_to_numpy:  # checked before any work
-            from attnkit.runtime import require
+            from attnkit.extras import require
 
             torch = require("torch", "torch", "encode(convert_to_tensor=True) or encode(convert_to_numpy=False)")
         with _progress_bar(len(texts), show_progress_bar, progress) as advance:

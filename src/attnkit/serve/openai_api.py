@@ -85,7 +85,7 @@ async def _in_thread(work: Callable[[Callable[[], bool]], Iterator[Any]]) -> Asy
         else:
             put("done", None)
 
-    threading.Thread(target=run, name="attnkit-openai", daemon=True).start()
+    threading.Thread(target=run, name="attnkit-serve-stream", daemon=True).start()  # one streamed answer
     try:
         while True:
             kind, item = await queue.get()

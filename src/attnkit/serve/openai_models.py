@@ -122,7 +122,7 @@ class ModelPool:
             self.get(name)
 
     def _load(self, name: str) -> Any:
-        from attnkit.runtime import MissingExtraError
+        from attnkit.extras import MissingExtraError
 
         try:
             if self.kinds[name] == EMBEDDINGS:

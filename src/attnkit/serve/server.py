@@ -335,7 +335,7 @@ class BackgroundServer:
         port = sock.getsockname()[1]
         self._server = web_server(self.app)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name="attnkit-serve")
+                                        name="attnkit-serve-background")
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():

@@ -285,7 +285,7 @@ def _folder_provider(path: Path, name: str, max_tokens: int) -> Provider:
 
 def _transformers_provider(path: Path, name: str, max_tokens: int) -> Provider:
     """Any other architecture, through transformers with attnkit's "attnkit" attention."""
-    from attnkit.runtime import MissingExtraError, require
+    from attnkit.extras import MissingExtraError, require
 
     try:
         for package in ("torch", "transformers"):  # the hf extra, named before anything imports them
@@ -314,7 +314,7 @@ def _run_random(text: str, limit: int) -> RunResult:
 
 def _missing(provider: str, error: Exception) -> ModelNotAvailableError:
     """The error for a model that cannot load: how to install it, when that is the cause."""
-    from attnkit.runtime import MissingExtraError
+    from attnkit.extras import MissingExtraError
 
     if isinstance(error, MissingExtraError):  # an optional package: its message names the extra
         return ModelNotAvailableError(str(error))

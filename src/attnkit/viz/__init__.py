@@ -44,11 +44,13 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+_MOVED = ("create_app", "BackgroundServer")  # resolvable until 0.3.0, no longer advertised
+
 __all__ = [
     "AttentionMaps",
     "HeadSummary",
     "maps_from_random_model",
     "pattern_difference",
     "summarize_heads",
-    *_LAZY,
+    *(name for name in _LAZY if name not in _MOVED),
 ]

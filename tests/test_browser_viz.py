@@ -17,7 +17,7 @@ import pytest
 
 from attnkit.viz.data import maps_from_random_model
 from attnkit.viz.html import save_html
-from attnkit.viz.server import EXAMPLE
+from attnkit.serve.server import EXAMPLE
 
 pytestmark = pytest.mark.browser
 
@@ -215,7 +215,7 @@ def test_the_file_opens_with_the_options_of_the_command_line(browser, tmp_path):
 def server_url():
     import uvicorn
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     app = create_app(models=["random", "minilm"], max_chars=6000, max_tokens=512)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -335,7 +335,7 @@ def test_served_on_ipv6_loopback_end_to_end(browser, tmp_path):
 @pytest.fixture(scope="module")
 def small_server_url():
     """A server whose page takes at most 60 characters, offering MiniLM and the random model."""
-    from attnkit.viz.server import BackgroundServer, create_app
+    from attnkit.serve.server import BackgroundServer, create_app
 
     with BackgroundServer(create_app(models=["random", "minilm"], max_chars=60, max_tokens=512)) as running:
         yield running.url + "/"

@@ -79,13 +79,35 @@ def test_the_ends_script_installs_the_declared_bounds(monkeypatch):
     spec.loader.exec_module(script)
     extras = _extras()
     torch_extra, hf_extra = _requirements(extras["torch"]), _requirements(extras["hf"])
+    numba_range = _requirements(extras["fast"])["numba"]
     ends = script.ends()
-    assert set(ends) == {"lowest-torch", "lowest-hf", "highest"}
+    assert set(ends) == {"lowest-numba", "lowest-torch", "lowest-hf", "highest"}
+    assert ends["lowest-numba"].requirements == [".[fast,gguf]", f"numba=={_lower(numba_range)}"]
     assert ends["lowest-torch"].requirements == [".[torch]", f"torch=={_lower(torch_extra['torch'])}"]
     assert ends["lowest-hf"].requirements == [
         ".[hf]", f"torch=={_lower(hf_extra['torch'])}", f"transformers=={_lower(hf_extra['transformers'])}",
     ]
-    assert ends["highest"].requirements == [".[torch,hf]", f"torch{hf_extra['torch']}",
-                                            f"transformers{hf_extra['transformers']}"]
+    assert ends["highest"].requirements == [".[fast,gguf,torch,hf]", f"numba{numba_range}",
+                                            f"torch{hf_extra['torch']}", f"transformers{hf_extra['transformers']}"]
     tested = {path.name for end in ends.values() for pattern in end.tests for path in ROOT.glob(pattern)}
-    assert {"test_torch_modules.py", "test_hf.py", "test_hf_views.py", "test_dependency_ranges.py"} <= tested
+    assert {"test_torch_modules.py", "test_hf.py", "test_hf_views.py", "test_dependency_ranges.py",
+            "test_flash_kernels.py", "test_quant_kernels.py", "test_native.py"} <= tested
+    numba_tested = {path.name for pattern in ends["lowest-numba"].tests for path in ROOT.glob(pattern)}
+    assert {"test_elementwise_kernels.py", "test_flash_kernels.py", "test_native.py"} <= numba_tested
+
+
+def test_numba_is_one_tested_range_in_every_extra_that_brings_it():
+    """numba>=A,<B wherever an extra brings it (A: the lowest release the lowest-numba end of
+    scripts/test-dependency-ends.py runs; B: the next minor release, not yet tested), and the
+    test extra pins a release inside it."""
+    extras = _extras()
+    ranges = {extra: _requirements(lines)["numba"] for extra, lines in extras.items()
+              if "numba" in _requirements(lines)}
+    assert {"fast", "gguf", "all", "test"} <= set(ranges)
+    pinned = next(iter(ranges.pop("test")))
+    assert pinned.operator == "==", f"the test extra pins numba, got {pinned}"
+    assert len({str(r) for r in ranges.values()}) == 1, f"one numba range, got {ranges}"
+    numba_range = ranges["fast"]
+    assert {spec.operator for spec in numba_range} == {">=", "<"}, f"numba needs both ends, got {numba_range}"
+    assert numba_range.contains(pinned.version) and numba_range.contains("0.61.0")
+    assert not numba_range.contains("0.60.0") and not numba_range.contains("0.69.0")  # 0.60: see pyproject.toml

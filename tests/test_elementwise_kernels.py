@@ -20,7 +20,7 @@ import pytest
 
 from attnkit import kernels
 from attnkit.kernels import elementwise as compiled
-from attnkit.models import bert
+from attnkit.models import bert_model as bert
 from attnkit.nn import layers
 from conftest import F32_EPS, assert_within_budget, optional
 

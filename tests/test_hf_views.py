@@ -239,7 +239,7 @@ def test_serve_offers_a_transformers_folder(folders):
         pytest.skip("attnkit serve needs fastapi (pip install 'attnkit[serve]') and its test client httpx")
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     folder = str(folders["t5"])
     client = TestClient(create_app(models=[folder], max_chars=200, max_tokens=16))

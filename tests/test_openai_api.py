@@ -34,7 +34,7 @@ def openai():
 @pytest.fixture(scope="module")
 def server(openai):
     """A real `attnkit serve` app on a free loopback port; yields (base url, app)."""
-    from attnkit.viz.server import BackgroundServer, create_app
+    from attnkit.serve.server import BackgroundServer, create_app
 
     app = create_app(models=["minilm", "smollm2", "random"], max_new_tokens=64)
     with BackgroundServer(app) as running:
@@ -83,7 +83,7 @@ class _ScriptedModel:
 
 
 def _run(script, **options):
-    from attnkit.viz.openai_models import Completion, complete
+    from attnkit.serve.openai_models import Completion, complete
 
     items = list(complete(_ScriptedModel(script), [7, 7], **{"max_tokens": 20, **options}))
     pieces, done = items[:-1], items[-1]
@@ -177,7 +177,7 @@ def test_the_api_passes_the_page_checks_and_answers_in_openai_shape(openai):
     """Host check, JSON only, a bounded body, strict JSON, no other site's page, the key."""
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     app = create_app(models=["minilm"], allowed_hosts=["127.0.0.1", "localhost"], api_key="sesame",
                      api_max_body=1000)
@@ -210,7 +210,7 @@ def test_the_api_passes_the_page_checks_and_answers_in_openai_shape(openai):
 def test_the_page_api_states_each_models_token_limit(openai, encoder):
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     web = TestClient(create_app(models=["minilm", "random"], max_chars=50, max_tokens=300))
     limits = {m["name"]: m["max_tokens"] for m in web.get("/api/models").json()}
@@ -221,7 +221,7 @@ def test_the_page_api_states_each_models_token_limit(openai, encoder):
 
 def test_a_wrong_key_raises_authentication_error_in_the_client(openai):
     """The same app over a real socket: the client maps 401 to its AuthenticationError."""
-    from attnkit.viz.server import BackgroundServer, create_app
+    from attnkit.serve.server import BackgroundServer, create_app
 
     with BackgroundServer(create_app(models=["minilm"], api_key="sesame")) as running:
         url = running.url + "/v1"
@@ -395,7 +395,7 @@ def test_a_decoder_given_by_its_path_answers_as_attnkit_generate(openai, tiny_fo
     from typer.testing import CliRunner
 
     from attnkit.cli import app as cli_app
-    from attnkit.viz.server import BackgroundServer, create_app
+    from attnkit.serve.server import BackgroundServer, create_app
     from attnkit.viz.text import printable
 
     name = str(tiny_folder)

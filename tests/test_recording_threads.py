@@ -141,7 +141,7 @@ def test_attnkit_serve_answers_concurrent_requests_on_one_model(minilm_folder):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     client = TestClient(create_app(models=["minilm"], max_chars=400, max_tokens=64))
     texts = [f"Sentence number {i} says {' and '.join(['more'] * i)} about the cat." for i in range(8)]

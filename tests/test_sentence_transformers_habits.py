@@ -163,7 +163,7 @@ def test_bad_flags_are_refused_by_name(encoder):
 def test_torch_results_name_the_torch_extra(encoder, monkeypatch):
     import importlib
 
-    from attnkit.runtime import MissingExtraError
+    from attnkit.extras import MissingExtraError
 
     real = importlib.import_module
 

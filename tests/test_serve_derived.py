@@ -22,7 +22,7 @@ CODE_STEP = 1 / 510 + 1e-6
 def client():
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     return TestClient(create_app(models=["random", "minilm"], max_chars=400, max_tokens=64, max_flow_problems=500))
 
@@ -125,7 +125,7 @@ def test_value_weighted_needs_a_model_with_weights_to_read(client):
 
 
 def test_the_server_refuses_a_flow_limit_below_one():
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     with pytest.raises(ValueError, match="max_flow_problems >= 1, got 64, 512, 1024 and 0"):
         create_app(models=["random"], max_chars=64, max_flow_problems=0)
@@ -158,7 +158,7 @@ def test_value_weighted_served_on_the_loaded_minilm(client, minilm_folder, monke
 def test_value_weighted_of_a_truncated_text_keeps_the_tokens_shown(minilm_folder):
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     client = TestClient(create_app(models=["minilm"], max_chars=400, max_tokens=7))
     answer = served(client, TEXT, "minilm", "value-weighted")
@@ -177,7 +177,7 @@ def test_value_weighted_served_on_the_loaded_smollm2(smollm2_file, monkeypatch):
 
     from attnkit.models.causal_lm import CausalLM
     from attnkit.viz import derived
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     client = TestClient(create_app(models=["smollm2"], max_chars=400, max_tokens=12))
     provider = get_provider("smollm2", max_tokens=12)

@@ -533,7 +533,7 @@ def test_importing_attnkit_and_the_cli_stays_light():
 def client():
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     return TestClient(create_app(models=["random", "minilm"], max_chars=200, max_tokens=6))
 
@@ -629,7 +629,7 @@ def test_smollm2_provider_is_causal_and_truncates(smollm2_file):
 def test_server_answers_only_its_own_host_names():
     from fastapi.testclient import TestClient
 
-    from attnkit.viz.server import create_app, host_name
+    from attnkit.serve.server import create_app, host_name
 
     local = TestClient(create_app(models=["random"], allowed_hosts=["127.0.0.1", "localhost", "::1"]),
                        base_url="http://127.0.0.1:8000")

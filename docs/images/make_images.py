@@ -90,7 +90,7 @@ def main() -> None:
     import uvicorn
     from playwright.sync_api import sync_playwright
 
-    from attnkit.viz.server import create_app
+    from attnkit.serve.server import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""The machine attnkit runs on: how many CPUs, BLAS threads, and the optional packages.
+"""The machine attnkit runs on: how many CPUs, BLAS threads, worker threads, scratch memory.
 
 - `cpu_count()`: the CPUs this process may use (its affinity mask on Linux,
   which a container or `taskset` narrows; `os.cpu_count()` elsewhere). The
@@ -23,16 +23,13 @@
   thread: fresh arrays are faulted in page by page, and glibc returns large
   freed blocks to the OS); `l2_cache_bytes()` is the per-core L2
   cache the OS reports, which sizes the tiles.
-- `require(module, extra, purpose)`: import an optional package, or raise
-  `MissingExtraError` naming the pip extra that installs it
-  (`pip install 'attnkit[png]'`). The command line prints that message as its
-  one error line.
-- `renamed_keyword(...)`: a keyword's old spelling, still taken for one release with
-  a DeprecationWarning (CHANGELOG.md lists each).
+
+Optional packages (`require`, `EXTRAS`, `MissingExtraError`) are in `attnkit.extras`, and
+the helpers of deprecated spellings (`renamed_keyword`, `keyword_only`) in
+`attnkit.deprecation`; their names here are aliases until 0.3.0.
 
 Nothing here is imported eagerly: threadpoolctl loads on the first
-`one_blas_thread()`, NumPy on the first scratch buffer, and each optional
-package when `require` asks for it.
+`one_blas_thread()`, NumPy on the first scratch buffer.
 """
 
 from __future__ import annotations
@@ -40,35 +37,31 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 import itertools
 import math
 import os
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
 from typing import Any
+
+# Aliases of names that moved, until 0.3.0 (CHANGELOG.md): import them from their homes.
+from attnkit.deprecation import REMOVED_IN, keyword_only, renamed_keyword  # noqa: F401
+from attnkit.extras import EXTRAS, MissingExtraError, require  # noqa: F401
 
 __all__ = [
     "ARENA_BYTES",
-    "EXTRAS",
     "FastestSchedule",
-    "MissingExtraError",
     "SERIAL_BELOW",
     "blas_thread_count",
     "blas_threads",
     "cpu_count",
     "l2_cache_bytes",
-    "keyword_only",
     "one_blas_thread",
-    "renamed_keyword",
     "run_claimed",
     "worker_thread_count",
     "worker_threads",
-    "require",
     "run_tasks",
     "scratch_arrays",
     "scratch_buffer",
@@ -76,64 +69,6 @@ __all__ = [
     "useful_threads",
     "worker_pool",
 ]
-
-REMOVED_IN = "0.3.0"
-"""The release in which a deprecated spelling stops working."""
-
-
-def renamed_keyword(where: str, old: str, old_value: Any, new: str, new_value: Any, default: Any) -> Any:
-    """The value of keyword `new`, taking one still passed under its old name `old`
-    (`old_value` None: not passed). Warns when `old` is used; refuses both at once
-    (TypeError) unless `new` kept its default."""
-    if old_value is None:
-        return new_value
-    if new_value != default:
-        raise TypeError(f"{where}: expected {new}= alone, got both {new}= and its old spelling {old}=")
-    warnings.warn(f"{where}: {old}= is deprecated, use {new}= (the old spelling goes in {REMOVED_IN})",
-                  DeprecationWarning, stacklevel=3)
-    return old_value
-
-
-def keyword_only(*names: str) -> Callable[[Callable], Callable]:
-    """Decorator for a function whose parameters `names` (in their old positional order)
-    became keyword-only: a call that still passes them positionally works for one
-    release, with a DeprecationWarning naming the keywords to use.
-
-        @keyword_only("quick", "progress", "threads")
-        def run(*, quick: bool, progress: Progress, threads: int | None = None): ...
-
-        run(True, progress)  # warns: pass quick=, progress= by keyword
-    """
-
-    def decorate(fn: Callable) -> Callable:
-        import inspect
-
-        parameters = inspect.signature(fn).parameters.values()
-        positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
-        where = f"{fn.__module__}.{fn.__qualname__}"
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if len(args) > positional:
-                extra = args[positional:]
-                if len(extra) > len(names):
-                    raise TypeError(f"{where}() takes {positional + len(names)} positional arguments at most "
-                                    f"(and those after {positional} only until {REMOVED_IN}), got {len(args)}")
-                given = names[: len(extra)]
-                for name in given:
-                    if name in kwargs:
-                        raise TypeError(f"{where}() got multiple values for argument {name!r}")
-                warnings.warn(f"{where}: pass {', '.join(f'{name}=' for name in given)} by keyword "
-                              f"(positional arguments there stop working in {REMOVED_IN})",
-                              DeprecationWarning, stacklevel=2)
-                kwargs.update(zip(given, extra))
-                args = args[:positional]
-            return fn(*args, **kwargs)
-
-        return call
-
-    return decorate
-
 
 def cpu_count() -> int:
     """The number of CPUs this process may run on (at least 1)."""
@@ -261,10 +196,13 @@ _scratch = threading.local()
 
 
 def worker_pool(num_threads: int) -> ThreadPoolExecutor:
-    """The process-wide pool of `num_threads` worker threads (made on first use, then kept)."""
+    """The process-wide pool of `num_threads` worker threads (made on first use, then kept).
+
+    Its threads run whatever work attnkit splits (flash attention's tiles, a quantized
+    model's product chunks, ...): they are named "attnkit-worker-N_i" (N: the pool's size)."""
     with _pool_lock:
         if num_threads not in _pools:
-            _pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix="attnkit-flash")
+            _pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix=f"attnkit-worker-{num_threads}")
         return _pools[num_threads]
 
 
@@ -416,43 +354,3 @@ def l2_cache_bytes() -> int:
         except (AttributeError, ValueError, OSError):
             pass
     return sizes.get(2) or (max(sizes.values()) if sizes else 1 << 20)
-
-
-# ----------------------------------------------------------------------------- optional packages
-
-EXTRAS: dict[str, tuple[str, ...]] = {
-    "gguf": ("gguf", "numba"),
-    "fast": ("numba",),
-    "chat": ("jinja2", "prompt_toolkit"),
-    "png": ("matplotlib",),
-    "serve": ("fastapi", "uvicorn"),
-    "torch": ("torch",),
-    "hf": ("transformers", "torch"),
-}
-"""pip extra -> the packages it brings (pyproject.toml's optional-dependencies, by import name)."""
-
-
-class MissingExtraError(ImportError):
-    """An optional package is not installed. The message names the pip extra that installs it."""
-
-
-def require(module: str, extra: str, purpose: str) -> ModuleType:
-    """Import the optional package `module`, or say which extra installs it.
-
-    Arguments:
-        module: the import name (`"matplotlib"`, `"gguf"`).
-        extra: the pip extra that brings it (a key of `EXTRAS`).
-        purpose: what needs it, for the message (`"PNG output"`).
-
-    Raises:
-        MissingExtraError: `module` (or a package it needs) is not installed.
-    """
-    assert module in EXTRAS[extra], f"{module} is not in the {extra!r} extra"
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        raise MissingExtraError(
-            f"{purpose} needs the package {error.name or module!r}, which is not installed; "
-            f"install it with: pip install 'attnkit[{extra}]'",
-            name=error.name or module,
-        ) from None

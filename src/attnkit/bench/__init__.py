@@ -5,7 +5,7 @@ A suite is a module listed in `SUITES` (name -> module path) that defines
     def run(*, quick: bool, progress: Progress, threads: int | None = None) -> BenchReport
 
 (all keyword-only: the suites take `quick`, `progress` and `threads` by position
-until 0.3.0, with a DeprecationWarning, through `attnkit.runtime.keyword_only`)
+until 0.3.0, with a DeprecationWarning, through `attnkit.deprecation.keyword_only`)
 
 - `quick=True` must finish in well under a minute (small sizes, few repeats);
   the full run is what docs/benchmarks.md records.
@@ -42,7 +42,7 @@ import importlib
 from types import ModuleType
 
 from attnkit.bench.report import BenchReport, NullProgress, Progress
-from attnkit.runtime import keyword_only
+from attnkit.deprecation import keyword_only
 
 SUITES: dict[str, str] = {
     "attention": "attnkit.bench.attention",

@@ -37,7 +37,8 @@ from attnkit.bench.measure import (
     peak_rss_bytes,
     system_info,
 )
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+from attnkit.runtime import cpu_count
 
 H, E = 8, 64
 FULL_LENGTHS = (512, 1024, 2048, 4096, 8192)

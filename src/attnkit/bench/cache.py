@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import best_times_interleaved, blas_summary
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+from attnkit.runtime import cpu_count
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FULL_SIZES = tuple((S, L) for S in (256, 1024, 4096) for L in (1, 64))

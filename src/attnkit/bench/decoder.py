@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.runtime import keyword_only
+from attnkit.deprecation import keyword_only
 
 PROMPT = (
     "The attention mechanism lets every token look at every other token in a single step. "

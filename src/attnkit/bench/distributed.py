@@ -24,7 +24,8 @@ from __future__ import annotations
 import statistics
 
 from attnkit.bench.report import BenchReport, Progress
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+from attnkit.runtime import cpu_count
 
 HEADS, HEAD_DIM = 4, 64
 DEPTH = 4  # the full run also stacks this many attention layers, as a model keeps their activations

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit.runtime import keyword_only
+from attnkit.deprecation import keyword_only
 
 _SUBJECTS = (
     "The old lighthouse keeper", "A small team of engineers", "My neighbour's cat",
@@ -211,7 +211,7 @@ def onnxruntime_available() -> bool:
 def _load_contenders(path: str | None, threads: int | None):
     from sentence_transformers import SentenceTransformer
 
-    from attnkit.models.bert import SentenceEncoder
+    from attnkit.models.sentence import SentenceEncoder
     from attnkit.models.embedded import minilm_path
 
     folder = str(path or minilm_path())
@@ -373,7 +373,7 @@ def run(*, quick: bool, progress: Any, threads: int | None = None) -> Any:
 
     from attnkit.bench.measure import blas_summary, system_info
     from attnkit.bench.report import BenchReport
-    from attnkit.models.bert import SentenceEncoder
+    from attnkit.models.sentence import SentenceEncoder
     from attnkit.runtime import cpu_count
 
     workloads = QUICK_WORKLOADS if quick else FULL_WORKLOADS

@@ -30,7 +30,8 @@ import subprocess
 import sys
 
 from attnkit.bench.report import BenchReport, Progress
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+from attnkit.runtime import cpu_count
 
 IMPLEMENTATIONS = ("eager", "sdpa", "attnkit", "attnkit_flash", "attnkit_tiled")
 MEMORY_EFFICIENT = ("attnkit_flash", "attnkit_tiled")  # the contenders the goals are about

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from attnkit.bench.report import BenchReport, NullProgress, Progress
-from attnkit.runtime import keyword_only
+from attnkit.deprecation import keyword_only
 
 CLEAN = "Yesterday afternoon, when Mary and John went to the old store, John gave a cold drink to"
 CORRUPT = "Yesterday afternoon, when Mary and John went to the old store, Mary gave a cold drink to"

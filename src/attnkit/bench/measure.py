@@ -21,7 +21,9 @@ import time
 import tracemalloc
 from typing import Callable
 
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+
+from attnkit.runtime import cpu_count
 
 
 @keyword_only("warmup")

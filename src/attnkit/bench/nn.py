@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import best_times_interleaved, blas_summary
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+from attnkit.runtime import cpu_count
 
 D_MODEL, HEADS, D_FF = 384, 12, 1536
 FULL_SHAPES = ((1, 16), (32, 32), (32, 128))

@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 from attnkit.bench.report import BenchReport, Progress
 from attnkit.bench.measure import blas_summary
-from attnkit.runtime import cpu_count, keyword_only
+from attnkit.deprecation import keyword_only
+from attnkit.runtime import cpu_count
 
 D_MODEL, HEADS = 512, 8
 FULL_LENGTHS = (256, 1024, 2048)

@@ -34,7 +34,7 @@ from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from attnkit.cli import _interrupt
-from attnkit.runtime import MissingExtraError
+from attnkit.extras import MissingExtraError
 from attnkit.viz.text import printable, utf8_problem
 
 try:  # typer >= 0.22 carries its own copy of click

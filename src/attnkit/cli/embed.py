@@ -99,7 +99,7 @@ def _check_sizes(batch_size: int, threads: Optional[int]) -> None:
 
 
 def _load_encoder(model: Optional[str], threads: Optional[int], command: str, backend: str = "naive") -> Any:
-    from attnkit.models.bert import SentenceEncoder
+    from attnkit.models.sentence import SentenceEncoder
     from attnkit.models.embedded import ModelPackageNotFoundError
 
     model = model_option(model, ENCODER, command)

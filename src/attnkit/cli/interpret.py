@@ -69,7 +69,7 @@ def _load(name: str, command: str, *, encoders: bool = False) -> Any:
              "(smollm2, minilm, or a model path)")
     if encoders and _is_encoder(name):
         model_option(name, ANY, command)
-        from attnkit.models.bert import SentenceEncoder
+        from attnkit.models.sentence import SentenceEncoder
         from attnkit.models.embedded import ModelPackageNotFoundError
 
         try:

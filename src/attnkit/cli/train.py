@@ -7,7 +7,7 @@ from rich.text import Text
 
 from attnkit.cli._app import app, check_float, check_int, console, err_console, say, usage
 from attnkit.cli._output import plan, write_all
-from attnkit.runtime import require
+from attnkit.extras import require
 
 # Sizes that keep one training run on a laptop CPU (each is named in its error).
 LIMITS = {

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import signal
 import socket
+import sys
+from collections.abc import Iterator
 from typing import Optional
 
 import typer
@@ -12,8 +15,8 @@ import typer
 from attnkit.cli import _interrupt
 from attnkit.cli._app import app, check_int, check_text, console, fail, say, usage, use_color, warn
 from attnkit.cli._output import Output, beside, plan, write_all
-from attnkit.cli.models import ANY, model_option
-from attnkit.runtime import require
+from attnkit.cli.models import ANY, BACKEND_HELP, check_backend, model_option
+from attnkit.extras import require
 
 _MODEL_HELP = ("minilm (embedded encoder), smollm2 (embedded decoder), random (untrained), or a model path "
                "(a .gguf file or a model folder, of any transformers architecture).")
@@ -37,12 +40,12 @@ def _check_texts(max_tokens: int, *texts: tuple[str, str]) -> None:
     check_int("--max-tokens", max_tokens, 1, MAX_TOKENS)
 
 
-def _compute(text: str, model: str, max_tokens: int):
+def _compute(text: str, model: str, max_tokens: int, backend: str = "naive"):
     """AttentionMaps for `text`, or a clean exit with the reason."""
     from attnkit.viz.providers import ModelNotAvailableError, get_provider
 
     try:
-        maps = get_provider(model, max_tokens=max_tokens).attention(text)
+        maps = get_provider(model, max_tokens=max_tokens, backend=backend).attention(text)
     except (ModelNotAvailableError, ValueError, TypeError) as error:
         fail(str(error))
     if maps.truncated_from:
@@ -164,16 +167,19 @@ def show(
     rollout: bool = typer.Option(False, "--rollout", help=_ROLLOUT_HELP),
     flow: bool = typer.Option(False, "--flow", help=_FLOW_HELP),
     value_weighted: bool = typer.Option(False, "--value-weighted", help=_VALUE_WEIGHTED_HELP),
+    backend: str = typer.Option("naive", "--backend", help=BACKEND_HELP + " The maps are recorded, so a backend "
+                                "that forms no weights (flash) gives way to naive for them."),
 ) -> None:
     """Show where a model's attention goes on TEXT: heatmap of one head and a summary of all."""
     from attnkit.viz.summary import summarize_heads
     from attnkit.viz.terminal import maps_heatmap, summary_table
 
     _check_texts(max_tokens, ("TEXT", text))
+    check_backend(backend)
     kind = _derived_kind(rollout, flow, value_weighted, mean, head)
     model_option(model, ANY, "show")
     outputs = _plan_views(png, html)
-    maps = _derive(_compute(text, model, max_tokens), kind, model)
+    maps = _derive(_compute(text, model, max_tokens, backend), kind, model)
     layer, chosen = _selection(maps, layer, 0 if kind in ("rollout", "flow") else head, mean)
     color = use_color(no_color)
     shown = maps.hide_special() if hide_special else maps
@@ -302,11 +308,9 @@ def _run_server(application, sock: socket.socket) -> None:
     landed while the commands loaded and that a library swallowed: then the server never
     starts. A second Ctrl+C stops at once, without waiting for open requests.
     """
-    import uvicorn
+    from attnkit.serve.server import web_server
 
-    # lifespan="off": the app has no startup or shutdown work, and a lifespan task cut short
-    # by a second Ctrl+C would log its CancelledError as a traceback.
-    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="off"))
+    server = web_server(application)
 
     def on_interrupt(signum: int, frame: object) -> None:
         _interrupt.note(signum)
@@ -347,6 +351,10 @@ def serve(
     preload: bool = typer.Option(
         False, "--preload", help="Load the API's models before serving instead of on their first request."
     ),
+    access_log: bool = typer.Option(
+        True, "--access-log/--no-access-log",
+        help="Log each request on stderr (client, method, path, status, time), as uvicorn's access log does.",
+    ),
 ) -> None:
     """A local web page: type a sentence, pick a model, explore its attention. Beside it, an
     OpenAI-compatible API under /v1 (embeddings from encoders, completions and chat from decoders)."""
@@ -369,13 +377,12 @@ def serve(
             check_model_name(name)
         except ModelNotAvailableError as error:
             fail(str(error))
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        fail(f"`attnkit serve` needs FastAPI and uvicorn ({error.name} is missing); "
+    from attnkit.serve.server import create_app, missing_web_package
+
+    missing = missing_web_package()
+    if missing:
+        fail(f"`attnkit serve` needs FastAPI and uvicorn ({missing} is missing); "
              "install them with: pip install 'attnkit[serve]'")
-    from attnkit.viz.server import create_app
 
     sock, address = _listen(host, port)
     name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -399,13 +406,39 @@ def serve(
             say(f"attnkit: from other machines: {url}")
     else:
         say(f"attnkit: open http://{_url_host(name)}:{port}/ (Ctrl+C to stop)")
-    _run_server(application, sock)
+    with _requests_logged(access_log):
+        _run_server(application, sock)
+
+
+@contextlib.contextmanager
+def _requests_logged(on: bool) -> Iterator[None]:
+    """While serving, show the server's request lines (`attnkit.serve.access_log`) on
+    stderr, one a line; the logger is as it was afterwards."""
+    import logging
+
+    from attnkit.serve.access_log import ACCESS_LOGGER
+
+    if not on:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(ACCESS_LOGGER)
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def _preload(pool) -> None:
     """Load the API's models now (`serve --preload`), saying which."""
     from attnkit.cli._app import err_console
-    from attnkit.viz.openai_models import ModelLoadError
+    from attnkit.serve.openai_models import ModelLoadError
 
     for name in pool.kinds:
         with err_console.status(f"loading {name}..."):

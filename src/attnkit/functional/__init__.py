@@ -61,6 +61,7 @@ from attnkit.functional.flash import (
     merge_attention_states,
 )
 from attnkit.functional.varlen import VarlenOutput, varlen_attention
+from attnkit.functional.backends import BACKEND_CAPABILITIES, BackendCapabilities, backend_capabilities, supports
 
 ATTENTION_BACKENDS: dict[str, Callable] = {
     "naive": scaled_dot_product_attention,
@@ -90,7 +91,8 @@ def register_attention(name: str, fn: Callable, *, weightless: bool = False) -> 
         name: a new name, or one registered before (not "naive" or "flash").
         fn: a function with the one backend signature (module docstring).
         weightless: `fn` never returns weights (return_weights=True is refused);
-            recording then runs "naive" instead (WEIGHTLESS_BACKENDS).
+            recording then runs "naive" instead (its capabilities in
+            `attnkit.functional.backends.BACKEND_CAPABILITIES`).
 
     Raises:
         TypeError: `fn` is not callable or does not take the signature;
@@ -119,6 +121,7 @@ def register_attention(name: str, fn: Callable, *, weightless: bool = False) -> 
                 + (f"; missing {missing}" if missing else "")
             ) from None
     ATTENTION_BACKENDS[name] = _checked_backend(name, fn)
+    BACKEND_CAPABILITIES[name] = BackendCapabilities(weightless=bool(weightless))
     if weightless:
         WEIGHTLESS_BACKENDS.add(name)
     else:
@@ -204,7 +207,11 @@ def get_attention(name: str) -> Callable:
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "BACKEND_CAPABILITIES",
+    "BackendCapabilities",
     "WEIGHTLESS_BACKENDS",
+    "backend_capabilities",
+    "supports",
     "BACKEND_KEYWORDS",
     "AttentionGrads",
     "AttentionOutput",

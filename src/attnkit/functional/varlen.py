@@ -24,10 +24,11 @@ from attnkit.functional._checks import (
     shape_str,
 )
 from attnkit.functional.attention import scaled_dot_product_attention
+from attnkit.functional.backends import BACKEND_CAPABILITIES, BackendCapabilities
 from attnkit.functional.flash import flash_attention
 from attnkit.functional.masks import causal_mask
 
-VARLEN_BACKENDS = ("naive", "flash")
+VARLEN_BACKENDS = tuple(name for name, can in BACKEND_CAPABILITIES.items() if can.varlen)  # ("naive", "flash")
 
 
 class VarlenOutput(NamedTuple):
@@ -151,7 +152,7 @@ def varlen_attention(
         VarlenOutput(output, lse) with lse (H, total_q) like FlashAttention's
         softmax_lse, in float32 (float64 for float64 inputs).
     """
-    if backend not in VARLEN_BACKENDS:
+    if not BACKEND_CAPABILITIES.get(backend, BackendCapabilities()).varlen:
         raise ValueError(f"unknown varlen attention backend {backend!r}; expected one of {list(VARLEN_BACKENDS)}")
     q = require_float_tensor(q, "q", 0)
     k = require_float_tensor(k, "k", 0)
@@ -190,8 +191,8 @@ def varlen_attention(
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"expected causal to be a bool, got {type(causal).__name__}")
     dropout_p = check_dropout(dropout_p)
-    if backend == "flash" and dropout_p:
-        raise ValueError(f"the flash backend has no dropout; expected dropout_p=0.0, got {dropout_p}")
+    if dropout_p and not BACKEND_CAPABILITIES[backend].dropout:
+        raise ValueError(f"the {backend} backend has no dropout; expected dropout_p=0.0, got {dropout_p}")
     if rng is not None or dropout_p:
         rng = check_rng(rng)  # one Generator across the sequences
 

@@ -11,11 +11,12 @@ from typing import Any
 
 # public name -> submodule that defines it
 _LAZY = {
-    "BertConfig": "bert",
-    "BertModel": "bert",
-    "BertOutput": "bert",
-    "BertTokenizer": "bert",
-    "SentenceEncoder": "bert",
+    "BertConfig": "bert_config",
+    "BertModel": "bert_model",
+    "BertOutput": "bert_model",
+    "BertTokenizer": "bert_tokenizer",
+    "SentenceEncoder": "sentence",
+    "SentenceTransformer": "sentence",
     "CheckpointError": "checkpoint",
     "ModelPackageNotFoundError": "embedded",
     "minilm_path": "embedded",

@@ -6,6 +6,7 @@
     model = AutoCausalLM.from_pretrained("smollm2")        # the same, by the command line's name
     model = AutoCausalLM.from_pretrained("model.gguf")     # by the file's general.architecture
     model = AutoCausalLM.from_pretrained("folder")         # by config.json's model_type
+    model = AutoCausalLM.from_pretrained("smollm2", backend="flash")   # any attention backend
 
 Two tables name the decoders: `CAUSAL_LM_TYPES` maps a Hugging Face `model_type` to
 the class whose `from_folder(path)` loads such a folder, and `GGUF_ARCHITECTURES` a
@@ -28,6 +29,7 @@ from attnkit.models.causal_lm import CausalLM
 from attnkit.models.gguf import GGUFFile
 from attnkit.models.gpt2 import GPT2LMHeadModel
 from attnkit.models.llama import LlamaForCausalLM
+from attnkit.nn.interface import check_backend
 
 __all__ = ["AutoCausalLM", "CAUSAL_LM_TYPES", "GGUF_ARCHITECTURES"]
 
@@ -54,7 +56,7 @@ class AutoCausalLM:
         raise TypeError("AutoCausalLM is not instantiated; load a model with AutoCausalLM.from_pretrained(path)")
 
     @staticmethod
-    def from_pretrained(path: str | os.PathLike[str] | None = None) -> CausalLM:
+    def from_pretrained(path: str | os.PathLike[str] | None = None, *, backend: str = "naive") -> CausalLM:
         """Load a decoder.
 
         Arguments:
@@ -63,6 +65,10 @@ class AutoCausalLM:
                 a `.gguf` file, or a folder holding exactly one (architecture in
                 `GGUF_ARCHITECTURES`); or a Hugging Face folder with config.json and safetensors
                 weights (`model_type` in `CAUSAL_LM_TYPES`: "llama", "qwen2", "mistral" or "gpt2").
+            backend: the attention backend of every attention module ("naive", "flash", or one
+                registered with `attnkit.functional.register_attention`): the same as calling
+                `model.set_attention_backend(backend)` on the loaded model. Checked before
+                anything is read.
 
         Returns:
             The model (a `CausalLM` subclass), with its tokenizer when the checkpoint has one.
@@ -73,6 +79,12 @@ class AutoCausalLM:
             ModelPackageNotFoundError: path None and the model package is not installed.
             MissingExtraError: a GGUF file and the `gguf` package is not installed.
         """
+        check_backend(backend)  # before any file is read
+        model = AutoCausalLM._load(path)
+        return model.set_attention_backend(backend) if backend != "naive" else model
+
+    @staticmethod
+    def _load(path: str | os.PathLike[str] | None) -> CausalLM:
         if path is None:
             path = smollm2_gguf_path()
         path = embedded_path(path, DECODER) or path  # "smollm2", as the command line takes it

@@ -23,6 +23,7 @@ import numpy as np
 from attnkit.models.causal_lm import CausalLM
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding
+from attnkit.nn.interface import check_backend
 from attnkit.nn.layers import FeedForward, LayerNorm
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, ModuleList, make_rng
@@ -197,9 +198,10 @@ class GPT2LMHeadModel(CausalLM):
         return hidden @ self._head_t
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike[str]) -> "GPT2LMHeadModel":
+    def from_folder(cls, folder: str | os.PathLike[str], *, backend: str = "naive") -> "GPT2LMHeadModel":
         """Load a Hugging Face GPT-2 folder (config.json, safetensors, generation_config.json and
-        tokenizer.json if present).
+        tokenizer.json if present), attending through `backend` (as `set_attention_backend`;
+        the name is checked before anything is read).
 
         The config is validated, then checked against the tensor shapes in the safetensors
         header, before any weight is read; every tensor must be used (the causal-mask buffers
@@ -222,6 +224,7 @@ class GPT2LMHeadModel(CausalLM):
             read_safetensors,
         )
 
+        check_backend(backend)
         folder = check_folder(folder)
         config = GPT2Config.from_hf(read_config(folder), source=folder / "config.json")
         generation = folder / "generation_config.json"
@@ -247,7 +250,7 @@ class GPT2LMHeadModel(CausalLM):
         model = cls(config, seed=0)
         model.load_state_dict(mapped)
         model.tokenizer = tokenizer
-        return model
+        return model.set_attention_backend(backend) if backend != "naive" else model
 
 
 def hf_tensor_shapes(

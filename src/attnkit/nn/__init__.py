@@ -12,10 +12,13 @@ from attnkit.nn.interface import (
     AttentionCall,
     AttentionModule,
     AttentionRecording,
+    BackendCapabilities,
     active_edits,
     active_recorders,
+    backend_capabilities,
     intervene,
     record_attention,
+    supports,
 )
 from attnkit.nn.attention import AttentionResult, MultiHeadAttention, SingleHeadSelfAttention
 from attnkit.nn.block import BlockOutput, TransformerBlock
@@ -31,6 +34,9 @@ from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, R
 
 __all__ = [
     "ACTIVATIONS",
+    "BackendCapabilities",
+    "backend_capabilities",
+    "supports",
     "AttentionModule",
     "AttentionRecording",
     "active_recorders",

@@ -1,5 +1,8 @@
 """What every attention module shares: a backend chosen by name, and recording.
 
+Where code must know what a backend can do, it asks `backend_capabilities(name)` /
+`supports(name, capability)` (the table in `attnkit.functional.backends`), never its name.
+
 `AttentionModule` is the base of attnkit's NumPy attention modules
 (`MultiHeadAttention`, `SingleHeadSelfAttention`, `PerHeadMultiHeadAttention`,
 `CausalSelfAttention`). Each owns a `backend`, a name in
@@ -45,11 +48,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnkit.functional import WEIGHTLESS_BACKENDS, AttentionOutput, get_attention
+from attnkit.functional import ATTENTION_BACKENDS, AttentionOutput, get_attention
+from attnkit.functional.backends import BACKEND_CAPABILITIES, CAPABILITIES, BackendCapabilities
 from attnkit.nn.module import Module
 
 __all__ = [
     "AttentionCall",
+    "BackendCapabilities",
+    "backend_capabilities",
+    "check_backend",
+    "supports",
     "AttentionModule",
     "AttentionRecording",
     "RECORDING_ADAPTERS",
@@ -59,6 +67,46 @@ __all__ = [
     "intervene",
     "record_attention",
 ]
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def check_backend(name: Any) -> str:
+    """`name` if it is a registered attention backend (`attnkit.functional.ATTENTION_BACKENDS`).
+
+    Raises:
+        TypeError: `name` is not a str.
+        ValueError: no backend has that name; the message lists the registered ones.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"expected backend as a str naming an attention backend "
+                        f"({', '.join(sorted(ATTENTION_BACKENDS))}), got {type(name).__name__}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(sorted(ATTENTION_BACKENDS))}")
+    return name
+
+
+def backend_capabilities(name: str) -> BackendCapabilities:
+    """What the registered backend `name` can do (`attnkit.functional.backends`: reference,
+    exact, weightless, varlen, dropout): ask this instead of comparing backend names.
+    A backend put into ATTENTION_BACKENDS by hand rather than registered has none of them.
+
+    Raises:
+        TypeError, ValueError: `name` is no registered backend (see `check_backend`).
+    """
+    return BACKEND_CAPABILITIES.get(check_backend(name), BackendCapabilities())
+
+
+def supports(name: str, capability: str) -> bool:
+    """Whether the registered backend `name` has `capability` (e.g. `supports("flash", "exact")`).
+
+    Raises:
+        ValueError: an unknown backend or capability (the message lists the known ones).
+    """
+    if capability not in CAPABILITIES:
+        raise ValueError(f"unknown backend capability {capability!r}; expected one of {list(CAPABILITIES)}")
+    return getattr(backend_capabilities(name), capability)
 
 
 class _Open(NamedTuple):
@@ -219,7 +267,7 @@ class AttentionModule(Module):
 
         While the module is recorded (`record_attention`), the (..., H, L, S) weights are
         formed and appended to each recording; a backend that never forms them
-        (`WEIGHTLESS_BACKENDS`, e.g. "flash") gives way to "naive" for that call, as it
+        (capability `weightless`, e.g. "flash") gives way to "naive" for that call, as it
         does for a module whose every result holds its weights (`returns_weights`).
         Otherwise `return_weights=True` asks the module's own backend for them (flash refuses).
         While an `intervene` edit is open on the module, the output goes through it.
@@ -232,7 +280,7 @@ class AttentionModule(Module):
                 output = _edited(self, edits, query, key, value, output, options.get("scale"))
             return output
         asked = return_weights and not self.returns_weights  # a caller asks this backend for weights
-        name = "naive" if self.backend in WEIGHTLESS_BACKENDS and not asked else self.backend
+        name = "naive" if supports(self.backend, "weightless") and not asked else self.backend
         result = get_attention(name)(query, key, value, return_weights=True, **options)
         for maps in recorders:
             maps.append(result.weights)

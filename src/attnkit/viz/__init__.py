@@ -1,9 +1,11 @@
-"""Views of attention: terminal heatmaps, PNG, a self-contained HTML file, a local web app.
+"""Views of attention: terminal heatmaps, PNG, a self-contained HTML file, a notebook view.
 
 Every view draws an `AttentionMaps` (tokens + weights of shape
 (layers, heads, T, T)); providers (`get_provider("minilm")`) compute one from
-a text. In Jupyter, `head_view(...)` and `model_view(...)` render inline. matplotlib (PNG) and FastAPI (the web app) are imported only when
-their functions are first used: `import attnkit.viz` stays light.
+a text. In Jupyter, `head_view(...)` and `model_view(...)` render inline. matplotlib
+(PNG) is imported only when its functions are first used: `import attnkit.viz` stays
+light. The local web app that serves these views is `attnkit.serve` (`create_app` and
+`BackgroundServer` here are its old spellings, with a DeprecationWarning, until 0.3.0).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ _LAZY = {
     "save_grid_png": "png",
     "render_html": "html",
     "save_html": "html",
-    "create_app": "server",
-    "BackgroundServer": "server",
+    "create_app": "server",  # the old spelling of attnkit.serve.create_app (the shim warns)
+    "BackgroundServer": "server",  # the old spelling of attnkit.serve.BackgroundServer
     "head_view": "notebook",
     "model_view": "notebook",
     "NotebookView": "notebook",
@@ -42,11 +44,13 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+_MOVED = ("create_app", "BackgroundServer")  # resolvable until 0.3.0, no longer advertised
+
 __all__ = [
     "AttentionMaps",
     "HeadSummary",
     "maps_from_random_model",
     "pattern_difference",
     "summarize_heads",
-    *_LAZY,
+    *(name for name in _LAZY if name not in _MOVED),
 ]

@@ -149,7 +149,7 @@ def _load(name: str) -> Any:
 
 
 def _encoder(path: Path | None) -> Any:
-    from attnkit.models.bert import SentenceEncoder
+    from attnkit.models.sentence import SentenceEncoder
 
     return SentenceEncoder.from_pretrained(path)
 

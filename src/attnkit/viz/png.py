@@ -112,7 +112,7 @@ def _pattern_line(maps: AttentionMaps, weights: np.ndarray) -> str:
 
 def _matplotlib():
     """matplotlib, or a `MissingExtraError` naming the extra that installs it."""
-    from attnkit.runtime import require
+    from attnkit.extras import require
 
     return require("matplotlib", "png", "PNG output")
 

@@ -136,27 +136,51 @@ class Provider:
         )
 
 
-_cache: dict[str, Provider] = {}
+_cache: dict[tuple[str, str], Provider] = {}  # (name, backend) -> its provider
 _cache_lock = threading.Lock()
 
 
-def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> Provider:
-    """The provider for `name` (minilm, smollm2, random, or a path), loaded once.
+def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS, backend: str = "naive") -> Provider:
+    """The provider for `name` (minilm, smollm2, random, or a path), loaded once per backend.
+
+    Arguments:
+        name: the model.
+        max_tokens: longer texts are truncated to this many tokens.
+        backend: the attention backend of an attnkit model ("naive", "flash", or one
+            registered); the maps are recorded, so a backend that forms no weights
+            (capability `weightless`, e.g. flash) gives way to "naive" for them. `random`
+            and models run through transformers take "naive" only.
 
     Raises:
         ModelNotAvailableError: the model package is not installed or the path
             holds no model we can read; the message says what to do.
+        ValueError: an unknown backend, or one other than "naive" for a model attnkit
+            does not run itself.
     """
+    from attnkit.nn.interface import check_backend
+
     if not isinstance(name, str) or not name:
         raise ValueError(f"expected a model name ({', '.join(PROVIDERS)}) or a path, got {name!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"expected max_tokens to be a positive int, got {max_tokens!r}")
+    check_backend(backend)
     with _cache_lock:
-        if name not in _cache:
-            _cache[name] = _load(name, DEFAULT_MAX_TOKENS)
-        loaded = _cache[name]
+        if (name, backend) not in _cache:
+            _cache[name, backend] = _with_backend(_load(name, DEFAULT_MAX_TOKENS), backend)
+        loaded = _cache[name, backend]
     provider = copy.copy(loaded)  # shares the model and its lock; only the limit differs
     provider.max_tokens = max_tokens
+    return provider
+
+
+def _with_backend(provider: Provider, backend: str) -> Provider:
+    """`provider`, just loaded (its model of its own, cached under this backend), on `backend`."""
+    if backend == "naive":
+        return provider
+    if provider.model is None:
+        raise ValueError(f"the {provider.name} model runs on the naive attention backend only (a backend is "
+                         f"chosen for the models attnkit runs itself); got backend {backend!r}")
+    provider.model.set_attention_backend(backend)
     return provider
 
 
@@ -261,7 +285,7 @@ def _folder_provider(path: Path, name: str, max_tokens: int) -> Provider:
 
 def _transformers_provider(path: Path, name: str, max_tokens: int) -> Provider:
     """Any other architecture, through transformers with attnkit's "attnkit" attention."""
-    from attnkit.runtime import MissingExtraError, require
+    from attnkit.extras import MissingExtraError, require
 
     try:
         for package in ("torch", "transformers"):  # the hf extra, named before anything imports them
@@ -290,7 +314,7 @@ def _run_random(text: str, limit: int) -> RunResult:
 
 def _missing(provider: str, error: Exception) -> ModelNotAvailableError:
     """The error for a model that cannot load: how to install it, when that is the cause."""
-    from attnkit.runtime import MissingExtraError
+    from attnkit.extras import MissingExtraError
 
     if isinstance(error, MissingExtraError):  # an optional package: its message names the extra
         return ModelNotAvailableError(str(error))
@@ -311,7 +335,7 @@ def _is_missing_package(error: Exception) -> bool:
 
 def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
     try:
-        from attnkit.models.bert import SentenceEncoder
+        from attnkit.models.sentence import SentenceEncoder
 
         model = SentenceEncoder.from_pretrained(path)
     except (ImportError, AttributeError) as error:
@@ -387,7 +411,7 @@ def availability(name: str) -> tuple[bool, str]:
 
         if name == "minilm":
             embedded.minilm_path()
-            from attnkit.models.bert import SentenceEncoder  # noqa: F401
+            from attnkit.models.sentence import SentenceEncoder  # noqa: F401
         else:
             embedded.smollm2_gguf_path()
             from attnkit.models.auto import AutoCausalLM  # noqa: F401

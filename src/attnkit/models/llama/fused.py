@@ -20,7 +20,7 @@ built from the model's public parts once per model and kept beside it (not in it
 rebuilt when a weight or a module was replaced: while `attnkit.nn.module.structure_version()`
 has not moved since the last step, nothing was (about 1 us); when it has moved (any module
 of the process changed), the attributes the frame was built from are read again and
-compared by identity (`_unchanged`).
+compared by identity (`_Links.unchanged`, in C: about 40 us for SmolLM2).
 """
 
 from __future__ import annotations
@@ -47,15 +47,36 @@ _PROJECTIONS = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("at
 
 
 class _Links:
-    """The attributes a frame was built from: `getattr(owner, name) is value` for each."""
+    """What a frame was built from, to compare by identity later: child modules and
+    parameters through the modules' live views (`Module.child_modules`, `own_parameters`),
+    plain attributes through `getattr`. The comparisons run in C (`map`): about 40 us for
+    SmolLM2's 900 links, where reading them through attribute lookups took 0.4 ms."""
 
     def __init__(self) -> None:
-        self.owners: list = []
+        self.views: list = []  # (view, key, value): module views
+        self.keys: list = []
+        self.held: list = []
+        self.owners: list = []  # (owner, name, value): plain attributes
         self.names: list = []
         self.values: list = []
 
-    def take(self, owner: Any, name: str) -> Any:
-        """owner.name, remembered."""
+    def child(self, module: Any, name: str) -> Any:
+        """module's child `name`, remembered."""
+        return self._viewed(module.child_modules, name)
+
+    def parameter(self, module: Any, name: str) -> Any:
+        """module's parameter `name` (None: absent), remembered."""
+        return self._viewed(module.own_parameters, name)
+
+    def _viewed(self, view: Any, key: str) -> Any:
+        value = view[key]
+        self.views.append(view)
+        self.keys.append(key)
+        self.held.append(value)
+        return value
+
+    def attribute(self, owner: Any, name: str) -> Any:
+        """owner.name (a plain attribute or a property), remembered."""
         value = getattr(owner, name)
         self.owners.append(owner)
         self.names.append(name)
@@ -63,16 +84,20 @@ class _Links:
         return value
 
     def unchanged(self) -> bool:
-        """Whether every attribute still holds its value (the lookups and comparisons run in C)."""
-        return all(map(operator.is_, map(getattr, self.owners, self.names), self.values))
+        """Whether every link still holds its value."""
+        try:
+            return (all(map(operator.is_, map(operator.getitem, self.views, self.keys), self.held))
+                    and all(map(operator.is_, map(getattr, self.owners, self.names), self.values)))
+        except (KeyError, AttributeError):
+            return False
 
 
 def _linear_reason(links: _Links, owner: Any, name: str) -> str | None:
-    linear = links.take(owner, name)
+    linear = links.child(owner, name)
     if type(linear) is not QuantizedLinear:
         return f"{name} is a {type(linear).__name__}, not the file's blocks (QuantizedLinear)"
-    links.take(linear, "quantized")
-    if links.take(linear, "bias") is not None:
+    links.attribute(linear, "quantized")
+    if links.parameter(linear, "bias") is not None:
         return f"{name} has a bias"
     return None
 
@@ -81,11 +106,11 @@ def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
     """What a frame of `model` is built from (the links, the blocks), and why the model is not
     one the step runs (None: it is)."""
     links = _Links()
-    config = links.take(model, "config")
-    embed = links.take(model, "embed")
+    config = links.attribute(model, "config")
+    embed = links.child(model, "embed")
     if not isinstance(embed, QuantizedEmbedding):
         return links, (), "the weights are not the GGUF's blocks (load with from_gguf(path, quantized=True))"
-    if links.take(embed, "quantized").row_order is not None:
+    if links.attribute(embed, "quantized").row_order is not None:
         return links, (), "the embedding's rows are permuted"
     if not config.tie_word_embeddings:
         reason = _linear_reason(links, model, "lm_head")
@@ -93,23 +118,24 @@ def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
             return links, (), reason
         if model.lm_head.quantized.row_order is not None:
             return links, (), "the output head's rows are permuted"
-    norm = links.take(model, "norm")
-    if links.take(norm, "weight").dtype != np.float32:
+    norm = links.child(model, "norm")
+    if links.parameter(norm, "weight").dtype != np.float32:
         return links, (), "the final norm is not float32"
-    blocks = tuple(links.take(model, "layers"))
+    layers = links.child(model, "layers")
+    blocks = tuple(links.child(layers, name) for name in layers.child_modules)
     scales = set()
     for index, block in enumerate(blocks):
-        attn, mlp = links.take(block, "attn"), links.take(block, "mlp")
+        attn, mlp = links.child(block, "attn"), links.child(block, "mlp")
         if type(attn) is not QuantizedCausalSelfAttention or type(mlp) is not QuantizedSwiGLU:
             return links, blocks, (f"layer {index} is {type(attn).__name__} + {type(mlp).__name__}, not "
                                    "QuantizedCausalSelfAttention + QuantizedSwiGLU")
-        backend = links.take(attn, "backend")
+        backend = links.attribute(attn, "backend")
         if backend not in _EXACT_BACKENDS:
             return links, blocks, (f"layer {index} attends through backend {backend!r}; the step computes "
                                    f"{' and '.join(map(repr, _EXACT_BACKENDS))} only")
-        scales.add(links.take(attn, "scale"))
+        scales.add(links.attribute(attn, "scale"))
         for name in ("attn_norm", "mlp_norm"):
-            if links.take(links.take(block, name), "weight").dtype != np.float32:
+            if links.parameter(links.child(block, name), "weight").dtype != np.float32:
                 return links, blocks, f"layer {index}'s {name} is not float32"
         for owner, name in _PROJECTIONS:
             reason = _linear_reason(links, attn if owner == "attn" else mlp, name)
@@ -176,9 +202,8 @@ class _Prepared:
                                                                                      reason, version)
 
     def unchanged(self, model: Any) -> bool:
-        """Whether the model still has the parts the frame was built from."""
-        return self.links.unchanged() and len(model.layers) == len(self.layers) and all(
-            map(operator.is_, model.layers, self.layers))
+        """Whether the model still has the parts the frame was built from (and as many layers)."""
+        return self.links.unchanged() and len(model.layers) == len(self.layers)
 
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Prepared (a cache, dropped with it)

@@ -171,7 +171,7 @@ class LlamaForCausalLM(CausalLM):
 
     def _compiled_step(self, ids, positions, cache, threads):
         # a quantized model's decode step runs in one compiled call when nothing watches the
-        # layers (attnkit.models.fused_decode says when); else layer by layer
+        # layers (attnkit.models.llama.fused: compiled_step_reason says when not); else layer by layer
         return fused_logits(self, ids, positions, cache, parts=threads)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -240,12 +240,15 @@ def _score(q, key, scale):  # pragma: no cover - compiled
     return s * scale
 
 
-def _attend(h, g, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, scores, mixed,
-            attended):  # pragma: no cover - compiled
-    """Head h's query (in `rotated`) over the cached keys of group g and its own new key
+def _attend(h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragma: no cover - compiled
+    """Head h's query (in `rotated`) over the cached keys of its group and its own new key
     (the cache's slot is written by part 0; every part reads the new key and value from its
     own `rotated`), in float32 as the module path's attention: scores, their exps by a
     vectorized polynomial, the weighted values, one division by the exps' sum at the end."""
+    heads, kv_heads, E, slot = frame.heads, frame.kv_heads, frame.head_dim, frame.slot
+    keys, vals = arrays.keys, arrays.values
+    g = h // (heads // kv_heads)
+    scale = arrays.floats[0]
     q = rotated[h * E: (h + 1) * E]
     new_key = rotated[(heads + g) * E: (heads + g + 1) * E]
     new_value = rotated[(heads + kv_heads + g) * E: (heads + kv_heads + g + 1) * E]
@@ -285,7 +288,6 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     embed = MATRICES_PER_LAYER * layers  # noqa: F821
     d = table[embed, COLUMNS]  # noqa: F821
     ff = table[4, ROWS]  # noqa: F821 - the gate's rows
-    scale = floats[0]
     widest = max(d, ff, heads * E)
     scratch = Scratch(np.empty(widest // 2 + 16, np.float32), np.empty(widest // 2 + 16, np.float32),  # noqa: F821
                       np.empty(widest // 32 + 1, np.float32), np.empty(widest + 32, np.int8),
@@ -306,7 +308,6 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     attended = shared[qkv_rows: qkv_rows + heads * E]
     projected = shared[qkv_rows + heads * E: qkv_rows + heads * E + d]
     gate_up = shared[qkv_rows + heads * E + d: qkv_rows + heads * E + d + 2 * ff]
-    group = heads // kv_heads
     per_part = (heads + parts - 1) // parts
     for layer in range(layers):
         base = MATRICES_PER_LAYER * layer  # noqa: F821
@@ -328,7 +329,7 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
                     keys[layer, g, slot, e] = rotated[(heads + g) * E + e]
                     vals[layer, g, slot, e] = rotated[(heads + kv_heads + g) * E + e]
         for h in range(part * per_part, min(heads, (part + 1) * per_part)):
-            _attend(h, h // group, layer, slot, E, scale, rotated, heads, kv_heads, keys, vals, scores, mixed, attended)
+            _attend(h, layer, frame, arrays, rotated, scores, mixed, attended)
         _barrier(barrier, parts)
         _group(table, base + 3, 1, attended, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)

@@ -250,3 +250,24 @@ def test_cli_generate_int8(tiny_gguf, monkeypatch):
     monkeypatch.setattr(kernels_module, "reason_disabled", lambda: "numba is not installed")
     result = CliRunner().invoke(app, ["generate", prompt, "--model", str(tiny_gguf), "-n", "2", "--int8"])
     assert result.exit_code == 0 and "--int8 has no effect: numba is not installed" in result.stderr
+
+
+def test_compiled_step_reason_names_what_sends_a_step_to_the_modules(tiny_gguf):
+    """One function answers whether a step runs compiled, and says why not."""
+    from attnkit.models.llama import LlamaForCausalLM, compiled_step_reason
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    one, at0 = np.array([[IDS[0]]]), np.array([[0]])
+    assert compiled_step_reason(model, one, at0, model.new_cache(1, 4)) is None
+    assert "one token of one sequence" in compiled_step_reason(model, np.array([[1], [2]]), at0)
+    assert "one sequence without padding" in compiled_step_reason(model, one, at0, model.new_cache(2, 4))
+    padded = model.new_cache(1, 4)
+    padded.add_padding(np.array([[False]]))
+    assert "padded" in compiled_step_reason(model, one, at0, padded)
+    replaced = model.new_cache(1, 4)
+    replaced.values[1] = replaced.values[1].copy()
+    assert "KVCache.stores" in compiled_step_reason(model, one, at0, replaced)
+    assert "position 3" in compiled_step_reason(model, one, np.array([[3]]), model.new_cache(1, 4))
+    with record_attention(model):
+        assert "watches the layers" in compiled_step_reason(model, one, at0)
+    assert "GGUF's blocks" in compiled_step_reason(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False))

@@ -169,7 +169,8 @@ class KVCache:
             raise ValueError(f"expected a count of positions >= 0, got {count!r}")
         stop = self.length + int(count)
         if stop > self.max_length:
-            raise ValueError(f"cache holds at most {self.max_length} positions; {self.length} are used and {count} more came")
+            raise ValueError(
+                f"cache holds at most {self.max_length} positions; {self.length} are used and {count} more came")
         self._lengths = [stop] * self.num_layers
 
     # -- append and attend ---------------------------------------------------------------

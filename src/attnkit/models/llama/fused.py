@@ -160,7 +160,7 @@ def _build(model: Any) -> tuple:
         raw = np.ascontiguousarray(tensor.raw)
         blocks.append(raw)
         table.append((raw.ctypes.data, raw.shape[0], raw.shape[1], QUANT_TYPES[tensor.kind].code, tensor.columns,
-                      offset))
+                      offset))  # the columns of step_kernels.TABLE_COLUMNS
 
     layers = list(model.layers)
     for block in layers:
@@ -241,8 +241,9 @@ def _call_reason(ids: np.ndarray | None, positions: np.ndarray | None, cache: KV
                 f"{cache.batch_size}{', padded' if cache.has_padding else ''}")
     if cache.stores is None:
         return "a layer's cache buffer was replaced (KVCache.stores is None)"
-    if positions is not None and int(np.asarray(positions).reshape(-1)[0]) != cache.length:
-        return f"the token's position {int(np.asarray(positions).reshape(-1)[0])} is not the cache's length {cache.length}"
+    position = None if positions is None else int(np.asarray(positions).reshape(-1)[0])
+    if position is not None and position != cache.length:
+        return f"the token's position {position} is not the cache's length {cache.length}"
     return None
 
 

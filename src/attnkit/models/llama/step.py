@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from attnkit.kernels import native, quant
-from attnkit.models.llama.step_kernels import FRAME, MATRICES_PER_LAYER, TABLE_COLUMNS, build, shared_size, \
-    source_digest
+from attnkit.models.llama.step_kernels import COLUMNS, FRAME, MATRICES_PER_LAYER, ROWS, TABLE_COLUMNS, build, \
+    shared_size, source_digest
 
 __all__ = ["FRAME", "Frame", "decode_step", "prepare", "shared_size"]
 
@@ -46,14 +46,15 @@ class Frame:
     def __init__(self, table: np.ndarray, orders: np.ndarray, norms: tuple, floats: np.ndarray, heads: int,
                  kv_heads: int, E: int, vocab: int) -> None:
         layers = orders.shape[0]
-        d, ff = int(table[MATRICES_PER_LAYER * layers, 4]), int(table[4, 1])
+        embed = MATRICES_PER_LAYER * layers  # the embedding's row; the gate's is 4
+        d, ff = int(table[embed, COLUMNS]), int(table[4, ROWS])
         self.addresses = np.array([n.ctypes.data for n in norms], np.int64)
         self.keep = (table, orders, floats, norms)
         self.barrier = np.zeros(2, np.int64)
         self.shared = np.empty(shared_size(heads, kv_heads, E, d, ff), np.float32)
         self.lock = threading.Lock()
         self.vocab = vocab
-        self.embed_rows = int(table[MATRICES_PER_LAYER * layers, 1])
+        self.embed_rows = int(table[embed, ROWS])
         self._workers: ThreadPoolExecutor | None = None
         self._worker_count = 0
         record = self.record = np.zeros(1, FRAME)

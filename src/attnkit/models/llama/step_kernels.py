@@ -39,7 +39,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["FRAME", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep", "StepArrays", "build", "source_digest"]
+__all__ = ["FRAME", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep", "Scratch", "StepArrays", "build",
+           "shared_size", "source_digest"]
 
 MATRICES_PER_LAYER = 7  # query, key, value, output, gate, up, down
 TABLE_COLUMNS = ("address", "rows", "row_bytes", "code", "columns", "offset")

@@ -1,7 +1,7 @@
-"""The compiled decode step (`attnkit.kernels.decode`) against the module path.
+"""The compiled decode step (`attnkit.models.llama.step`) against the module path.
 
 A quantized Llama model's decode steps run in one compiled call when nothing watches the
-layers (`attnkit.models.fused_decode`). Its logits are held to the float64 model by the
+layers (`attnkit.models.llama.compiled_step_reason` says when not). Its logits are held to the float64 model by the
 project's rule (at most twice the float32 reference's error, plus the block kernels'
 rounding), the same greedy tokens as the module path, the same bits at 1 and 2 threads,
 and every case it must leave to the modules (recording, interventions, batches, padding,
@@ -40,16 +40,16 @@ def tiny_gguf(tmp_path_factory, gguf):
 @pytest.fixture
 def calls(monkeypatch):
     """How many decode steps ran compiled."""
-    from attnkit.kernels import decode
+    from attnkit.models.llama import step
 
     count = [0]
-    original = decode.decode_step
+    original = step.decode_step
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "decode_step", counted)
+    monkeypatch.setattr(step, "decode_step", counted)
     return count
 
 
@@ -170,25 +170,24 @@ def test_a_replaced_weight_is_used(tiny_gguf, calls):
 
 def test_steps_do_not_walk_the_modules_again(tiny_gguf, monkeypatch):
     """While no module changes (`structure_version()` stays put), a step takes the frame
-    without walking its links; after any change it walks them once; a model found not
+    without reading its links again; after any change it reads them once; a model found not
     eligible is asked again only after a change (a custom backend set back to "naive")."""
     from attnkit.functional import ATTENTION_BACKENDS, get_attention, register_attention
-    from attnkit.models import fused_decode
-    from attnkit.models.llama import LlamaForCausalLM
+    from attnkit.models.llama import LlamaForCausalLM, compiled_step_reason, fused
 
     walks = {"links": 0, "sources": 0}
-    unchanged, sources = fused_decode._unchanged, fused_decode._sources
+    unchanged, walk = fused._Prepared.unchanged, fused._walk
 
     def counted_unchanged(*args):
         walks["links"] += 1
         return unchanged(*args)
 
-    def counted_sources(*args):
+    def counted_walk(*args):
         walks["sources"] += 1
-        return sources(*args)
+        return walk(*args)
 
-    monkeypatch.setattr(fused_decode, "_unchanged", counted_unchanged)
-    monkeypatch.setattr(fused_decode, "_sources", counted_sources)
+    monkeypatch.setattr(fused._Prepared, "unchanged", counted_unchanged)
+    monkeypatch.setattr(fused, "_walk", counted_walk)
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
     model.generate(np.array(IDS), 12, stop=())
     assert walks == {"links": 0, "sources": 1}
@@ -201,9 +200,11 @@ def test_steps_do_not_walk_the_modules_again(tiny_gguf, monkeypatch):
         model.layers[1].attn.backend = "custom_for_walks"
         model.generate(np.array(IDS), 12, stop=())
         assert walks["sources"] == 2 and walks["links"] == 2  # walked once, found not eligible, kept
+        assert "custom_for_walks" in compiled_step_reason(model)
         model.layers[1].attn.backend = "naive"
         model.generate(np.array(IDS), 12, stop=())
         assert walks["sources"] == 3
+        assert compiled_step_reason(model) is None
     finally:
         ATTENTION_BACKENDS.pop("custom_for_walks", None)
 
@@ -249,3 +250,24 @@ def test_cli_generate_int8(tiny_gguf, monkeypatch):
     monkeypatch.setattr(kernels_module, "reason_disabled", lambda: "numba is not installed")
     result = CliRunner().invoke(app, ["generate", prompt, "--model", str(tiny_gguf), "-n", "2", "--int8"])
     assert result.exit_code == 0 and "--int8 has no effect: numba is not installed" in result.stderr
+
+
+def test_compiled_step_reason_names_what_sends_a_step_to_the_modules(tiny_gguf):
+    """One function answers whether a step runs compiled, and says why not."""
+    from attnkit.models.llama import LlamaForCausalLM, compiled_step_reason
+
+    model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+    one, at0 = np.array([[IDS[0]]]), np.array([[0]])
+    assert compiled_step_reason(model, one, at0, model.new_cache(1, 4)) is None
+    assert "one token of one sequence" in compiled_step_reason(model, np.array([[1], [2]]), at0)
+    assert "one sequence without padding" in compiled_step_reason(model, one, at0, model.new_cache(2, 4))
+    padded = model.new_cache(1, 4)
+    padded.add_padding(np.array([[False]]))
+    assert "padded" in compiled_step_reason(model, one, at0, padded)
+    replaced = model.new_cache(1, 4)
+    replaced.values[1] = replaced.values[1].copy()
+    assert "KVCache.stores" in compiled_step_reason(model, one, at0, replaced)
+    assert "position 3" in compiled_step_reason(model, one, np.array([[3]]), model.new_cache(1, 4))
+    with record_attention(model):
+        assert "watches the layers" in compiled_step_reason(model, one, at0)
+    assert "GGUF's blocks" in compiled_step_reason(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False))

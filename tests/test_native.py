@@ -35,19 +35,19 @@ def tiny_gguf(tmp_path_factory, gguf):
 
 def _steps(model, ids, parts=1):
     """Logits (T, V) of `ids` a token a step through the compiled step at `parts` threads."""
-    from attnkit.kernels import decode
-    from attnkit.models import fused_decode
+    from attnkit.models.llama import step as decode
+    from attnkit.models.llama import fused
 
     cache = model.new_cache(1, len(ids) + 1)
     rows = []
     for slot, token in enumerate(ids):
-        frame = fused_decode._eligible_model(model).frame
+        frame = fused._prepared(model).frame
         cos, sin = model.rotary.cos_sin(np.array([slot]))
-        keys, values = cache._stores()
+        keys, values = cache.stores
         rows.append(decode.decode_step(token, slot, frame, np.ascontiguousarray(cos[0], np.float32),
                                        np.ascontiguousarray(sin[0], np.float32), keys[:, 0], values[:, 0],
                                        parts=parts))
-        cache._advance(1)
+        cache.advance(1)
     return np.array(rows)
 
 
@@ -65,7 +65,8 @@ def test_parts_give_the_same_bits(tiny_gguf):
 def test_library_and_in_process_callbacks_agree(tiny_gguf, monkeypatch):
     """The library's entries (emitted by llvmlite, linked by the C compiler) compute what
     numba's in-process callbacks compute, bit for bit: the decode step and the products."""
-    from attnkit.kernels import decode, native, quant
+    from attnkit.kernels import native, quant
+    from attnkit.models.llama import step as decode
     from attnkit.models.llama import LlamaForCausalLM
 
     if native._compiler() is None:
@@ -102,7 +103,8 @@ class Watch:  # where numba is first imported, for the assertion's message
 
 sys.meta_path.insert(0, Watch())
 import numpy as np
-from attnkit.kernels import decode, quant
+from attnkit.kernels import quant
+from attnkit.models.llama import step as decode
 from attnkit.models.llama import LlamaForCausalLM
 model = LlamaForCausalLM.from_gguf(sys.argv[1], quantized=True)
 tokens = model.generate(np.array([1, 5, 40]), 6, stop=())
@@ -122,7 +124,8 @@ def _child(path, **env) -> tuple[dict, str]:
 def test_a_process_on_the_library_never_imports_numba(tiny_gguf):
     """Once built, the library is all a quantized model's generate needs: numba and llvmlite
     stay out of the process (no LLVM, no compiler), and the tokens are the callbacks'."""
-    from attnkit.kernels import decode, quant
+    from attnkit.kernels import quant
+    from attnkit.models.llama import step as decode
 
     if quant._entries().route != "library" or decode._entries().route != "library":  # built here if not yet
         pytest.skip("no C compiler here: no library to load")
@@ -222,14 +225,14 @@ def test_two_threads_stepping_one_model(tiny_gguf):
 def test_the_step_refuses_what_it_cannot_read(tiny_gguf):
     """A token outside the embedding, a slot past the cache, caches or rotary tables of
     another shape: a clear error before the compiled code reads anything."""
-    from attnkit.kernels import decode
-    from attnkit.models import fused_decode
+    from attnkit.models.llama import step as decode
+    from attnkit.models.llama import fused
     from attnkit.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
-    frame = fused_decode._eligible_model(model).frame
+    frame = fused._prepared(model).frame
     cache = model.new_cache(1, 4)
-    keys, values = (s[:, 0] for s in cache._stores())
+    keys, values = (s[:, 0] for s in cache.stores)
     cos, sin = (np.ascontiguousarray(t[0], np.float32) for t in model.rotary.cos_sin(np.array([0])))
     vocab = model.config.vocab_size
     for token, slot, match in ((vocab, 0, "token in"), (-1, 0, "token in"), (1, 4, "slot in")):

@@ -156,9 +156,10 @@ if which == "attnkit":
     from attnkit import kernels
     route = ""
     if kernels.enabled():  # the compiled kernels' code: the native libraries (numba's runtime without them)
-        from attnkit.kernels import decode, quant
+        from attnkit.kernels import quant
+        from attnkit.models.llama import step
         route = quant._entries().route
-        decode._entries()
+        step._entries()
         runtime = rss() - before
     start = time.perf_counter()
     model = AutoCausalLM.from_pretrained(path)

@@ -231,7 +231,7 @@ class CausalLM(Module):
     def _compiled_step(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, threads: int) -> np.ndarray | None:
         """Logits (B, 1, V) of a one-token step run by compiled code on `threads` threads, or
         None: the modules run it (`_run`). A model with such a step implements this (Llama:
-        `attnkit.models.fused_decode`)."""
+        `attnkit.models.llama.fused`)."""
         return None
 
     def _run(self, ids: np.ndarray, positions: np.ndarray, cache: KVCache, last_only: bool) -> np.ndarray:

@@ -93,7 +93,7 @@ class KVCache:
         shape_k = (batch_size, num_kv_heads, max_length, head_dim)
         shape_v = (batch_size, num_kv_heads, max_length, value_dim)
         # every layer's buffer is a view of one array (L, B, Hkv, max, E): a compiled decode
-        # step (attnkit.kernels.decode) reads and writes all layers through it
+        # step (attnkit.models.llama.step) reads and writes all layers through it (`stores`)
         self._key_store = np.zeros((num_layers, *shape_k), dtype)
         self._value_store = np.zeros((num_layers, *shape_v), dtype)
         self.keys = list(self._key_store)  # each (B, Hkv, max, E)
@@ -148,18 +148,29 @@ class KVCache:
         if not mask.all():
             self._padded = True
 
-    def _stores(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The (L, B, Hkv, max, E) key and value arrays behind `keys` and `values`, or None
-        when a layer's buffer was replaced by another array."""
+    @property
+    def stores(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (L, B, Hkv, max_length, E) key and value arrays behind `keys` and `values`
+        (every layer's buffer is a view of them), or None when a layer's buffer was replaced
+        by another array. A compiled step reads and writes every layer through them, then
+        counts what it wrote with `advance`."""
         intact = all(k.base is self._key_store for k in self.keys) and all(
             v.base is self._value_store for v in self.values)
         return (self._key_store, self._value_store) if intact else None
 
-    def _advance(self, count: int) -> None:
-        """Count `count` more positions as stored in every layer (written by a compiled step)."""
-        stop = self.length + count
+    def advance(self, count: int) -> None:
+        """Count `count` more positions as stored in every layer: the ones written into
+        `stores` directly (by a compiled decode step) rather than through `update`.
+
+        Raises:
+            ValueError: beyond `max_length`, or a count that is not a non-negative int.
+        """
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"expected a count of positions >= 0, got {count!r}")
+        stop = self.length + int(count)
         if stop > self.max_length:
-            raise ValueError(f"cache holds at most {self.max_length} positions; {self.length} are used and {count} more came")
+            raise ValueError(
+                f"cache holds at most {self.max_length} positions; {self.length} are used and {count} more came")
         self._lengths = [stop] * self.num_layers
 
     # -- append and attend ---------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -267,6 +268,20 @@ class Module:
 
     def children(self) -> Iterator[Module]:
         yield from self._modules.values()
+
+    @property
+    def child_modules(self) -> Mapping[str, Module]:
+        """This module's direct children by attribute name: a live, read-only view (it sees
+        every later assignment; change children through attributes). Reading it is as fast
+        as reading a dict, which is what a cache built from a model's parts (the compiled
+        decode step's frame) uses to check that they are still there."""
+        return MappingProxyType(self._modules)
+
+    @property
+    def own_parameters(self) -> Mapping[str, np.ndarray | None]:
+        """This module's own parameters (not its children's) by name, None for an absent
+        optional one (a bias): a live, read-only view, as `child_modules`."""
+        return MappingProxyType(self._parameters)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, np.ndarray]]:
         """Yield (dotted name, array) for every parameter, in registration order."""

@@ -1,0 +1,437 @@
+"""The compiled code of a Llama decode step: one call computes a token's logits.
+
+A decode step (one new token, one sequence) is 211 small products and about 400 small
+element-wise operations between them; run one by one from Python, the operations cost as
+much as the products. `_step` runs the whole step inside one compiled function: the
+embedding row, and in every layer RMSNorm, the query/key/value products, rotary embedding,
+the new key and value written into the cache, attention of the one query over every cached
+key (grouped-query heads), the output product and residual, RMSNorm, gate and up products,
+SiLU(gate) * up, the down product and residual; then the final norm and the output head. It
+computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
+the sublayers in float32), so its logits agree with the module path's to float32 rounding.
+
+Products are the loops of `attnkit.kernels.quant` on row ranges, with float32 activations
+(the default) or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs
+them.
+
+Threads: the step is one native entry, `_step_entry(frame, part)`, called once per thread
+with `part` 0 .. parts - 1. Every product's rows are split in `parts` ranges and each part
+computes its range; the attention heads are split the same way. The parts meet at a barrier
+(a counter and a generation number, spun on with `pause`, then yielding) after each product
+group and after attention: five a layer. What is cheap and read whole (the residual stream,
+the norms, SiLU, the rotary embedding) each part computes for itself, in the same order, so
+every part holds the same bits without waiting for another.
+
+What crosses into compiled code is named: the frame is one record of the structured dtype
+`FRAME` (sizes, per-step values and the addresses of the arrays), which `_step_entry` turns
+into a `StepArrays` tuple of arrays; the matrices' table has the columns `TABLE_COLUMNS`
+names. The compiled functions are built by `build()` into a `CompiledStep`, each bound to
+an explicit namespace (the loops it calls, numba's helpers): no module's globals change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["FRAME", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep", "Scratch", "StepArrays", "build",
+           "shared_size", "source_digest"]
+
+MATRICES_PER_LAYER = 7  # query, key, value, output, gate, up, down
+TABLE_COLUMNS = ("address", "rows", "row_bytes", "code", "columns", "offset")
+"""The columns of the matrices' table (int64, one row a matrix): the blocks' address, rows,
+bytes per row, GGML type code (`attnkit.kernels.quant.QUANT_TYPES`), K, and the offset of
+its rows in its group's output."""
+(ADDRESS, ROWS, ROW_BYTES, CODE, COLUMNS, OFFSET) = range(len(TABLE_COLUMNS))
+
+FRAME = np.dtype([
+    # set once per model (`prepare`)
+    ("table", np.int64),  # (matrices, 6) int64: 7 a layer (query, key, value, output, gate, up, down),
+    #                       then the embedding and the output head
+    ("matrices", np.int64),  # rows of the table
+    ("orders", np.int64),  # (L, Hq E + Hkv E) int64: the output order of each layer's query and key rows
+    ("norms", np.int64),  # (2L + 1,) int64: addresses of the RMSNorm weights (attention, feed-forward; final)
+    ("floats", np.int64),  # (2L + 2,) float64: the score scale, then each norm's eps
+    ("layers", np.int64),
+    ("heads", np.int64),  # query heads
+    ("kv_heads", np.int64),
+    ("head_dim", np.int64),
+    ("vocab", np.int64),
+    ("half", np.int64),  # (65536,) float32: every float16 bit pattern's value
+    ("barrier", np.int64),  # (2,) int64: the parts' counter and generation
+    ("shared", np.int64),  # float32 scratch the parts write their shares into (`shared_size`)
+    # set by each step (`decode_step`)
+    ("token", np.int64),
+    ("slot", np.int64),  # the token's index in the cache (the cached length before it)
+    ("parts", np.int64),
+    ("int8", np.int64),  # 1: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations
+    ("cos", np.int64),  # (E,) float32: the token's rotary tables
+    ("sin", np.int64),
+    ("keys", np.int64),  # (L, Hkv, max_length, E) float32: the sequence's cache
+    ("values", np.int64),
+    ("max_length", np.int64),
+    ("logits", np.int64),  # (vocab,) float32: the output
+])
+"""The frame of one model's step: one record, every field int64 (an address, a size or a
+flag), read by `_step_entry` by name."""
+_FRAME_WORDS = FRAME.itemsize // 8
+
+
+class StepArrays(NamedTuple):
+    """The arrays a step reads and writes (viewed from the frame's addresses)."""
+
+    table: Any  # (matrices, 6) int64
+    orders: Any  # (L, Hq E + Hkv E) int64
+    norms: Any  # (2L + 1,) int64 addresses
+    floats: Any  # (2L + 2,) float64
+    cos: Any  # (E,) float32
+    sin: Any  # (E,) float32
+    keys: Any  # (L, Hkv, max, E) float32
+    values: Any  # (L, Hkv, max, E) float32
+    half: Any  # (65536,) float32
+    shared: Any  # float32 scratch
+    logits: Any  # (V,) float32
+
+
+class Scratch(NamedTuple):
+    """One part's scratch for preparing a product's input: x's halves and block sums (the
+    float32 Q4 loops), or its 8-bit blocks, scales, sums (the int8 loops). 1-D, long enough."""
+
+    xl: Any
+    xh: Any
+    xs: Any
+    q8: Any
+    dx: Any
+    xsq: Any
+    qsum: Any
+
+
+def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int) -> int:
+    """float32 elements of the step's shared scratch: the query/key/value rows, the attended
+    heads, the projected row, gate and up."""
+    return (heads + 2 * kv_heads) * E + heads * E + d + 2 * ff
+
+
+# ----------------------------------------------------------------------------- compiled pieces
+# Names marked F821 are bound in the namespace `build()` gives these functions.
+
+
+def _prepare(x, int8, half_split, scratch):  # pragma: no cover - compiled
+    """x (K,) float32 prepared for the products: its halves and block sums (float32 Q4
+    loops), or its 8-bit blocks (int8 loops)."""
+    K = x.shape[0]
+    blocks = K // 32
+    s = scratch
+    if int8:
+        _quantize_x(x.reshape(1, K), x.view(np.uint32).reshape(1, K), s.q8[:K].reshape(1, K),  # noqa: F821
+                    s.dx[:blocks].reshape(1, blocks), s.xsq[:blocks].reshape(1, blocks),
+                    s.qsum[:blocks].reshape(1, blocks))
+    elif half_split:
+        _split_x(x, s.xl, s.xh, s.xs)  # noqa: F821
+
+
+def _runs_int8(code):  # pragma: no cover - compiled
+    """Whether blocks of type `code` have an 8-bit-activation product (`quant.INT8_TYPES`)."""
+    return code == Q4_0 or code == Q4_1 or code == Q8_0  # noqa: F821
+
+
+def _product(raw, values, code, x, first, stop, int8, half, scratch, out):  # pragma: no cover - compiled
+    """Rows first .. stop - 1 of x @ W.T into out (R,), W given as blocks of type `code`;
+    x (K,) and the prepared scratch (each viewed as one row, C-contiguous, so the loops
+    keep their unit strides)."""
+    K = x.shape[0]
+    blocks = K // 32
+    out2 = out.reshape(1, out.shape[0])
+    s = scratch
+    if int8 and _runs_int8(code):
+        _int8(raw, code, s.q8[:K].reshape(1, K), s.dx[:blocks].reshape(1, blocks),  # noqa: F821
+              s.xsq[:blocks].reshape(1, blocks), s.qsum[:blocks].reshape(1, blocks), out2, first, stop)
+    elif code == Q4_1 or code == Q4_0:  # noqa: F821
+        xl2, xh2 = s.xl[: K // 2].reshape(1, K // 2), s.xh[: K // 2].reshape(1, K // 2)
+        xs2 = s.xs[:blocks].reshape(1, blocks)
+        if code == Q4_1:  # noqa: F821
+            _q4_1(raw, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
+        else:
+            _q4_0(raw, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
+    elif code == Q8_0:  # noqa: F821
+        _q8_0(raw, values, x.reshape(1, K), out2, first, stop)  # noqa: F821
+    else:
+        _rows(raw, values, code, half, x.reshape(1, K), out2, first, stop)  # noqa: F821
+
+
+def _group(table, start, count, x, part, parts, int8, half, scratch, out):  # pragma: no cover - compiled
+    """This part's share of x (K,) @ W.T for matrices start .. start + count - 1 (one input):
+    rows part * step .. of each matrix, written at the matrix's offset in `out` (1-D). x is
+    prepared (split, or quantized) into this part's scratch."""
+    int8_here = int8 and _runs_int8(table[start, CODE]) and x.shape[0] % 32 == 0  # noqa: F821
+    _prepare(x, int8_here, x.shape[0] % 32 == 0, scratch)
+    for m in range(start, start + count):
+        rows = table[m, ROWS]  # noqa: F821
+        first, stop = _part_rows(rows, parts, part)  # noqa: F821
+        if first < stop:
+            raw = carray(_u8(table[m, ADDRESS]), (rows, table[m, ROW_BYTES]))  # noqa: F821
+            values = carray(_i8(table[m, ADDRESS]), (rows, table[m, ROW_BYTES]))  # noqa: F821
+            at = table[m, OFFSET]  # noqa: F821
+            code = table[m, CODE]  # noqa: F821
+            _product(raw, values, code, x, first, stop, int8_here and _runs_int8(code), half, scratch,
+                     out[at: at + rows])
+
+
+def _barrier(address, parts):  # pragma: no cover - compiled
+    """Wait until every part arrived (int64 counter at `address`, generation at + 8): the
+    last to arrive resets the counter and moves the generation on; the others spin on it
+    (then yield, when it takes long: another process may hold their CPU)."""
+    if parts == 1:
+        return
+    generation = _atomic_load(address + 8)  # noqa: F821
+    if _atomic_add(address, 1) == parts - 1:  # noqa: F821
+        _atomic_add(address, -parts)  # noqa: F821
+        _atomic_add(address + 8, 1)  # noqa: F821
+        return
+    spins = 0
+    while _atomic_load(address + 8) == generation:  # noqa: F821
+        spins += 1
+        if spins < 20000:
+            _pause()  # noqa: F821
+        else:
+            _sched_yield()  # noqa: F821
+
+
+def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
+    """out (d,) float32 = x / sqrt(mean(x^2) + eps) * weight, x float64 (the residual
+    stream), computed in float64 and rounded once (as `RMSNorm.forward`)."""
+    d = x.shape[0]
+    total = 0.0
+    for i in range(d):
+        total += x[i] * x[i]
+    root = np.sqrt(total / d + eps)
+    for i in range(d):
+        out[i] = np.float32((x[i] / root) * np.float64(weight[i]))
+
+
+def _rotate(v, heads, E, cos, sin):  # pragma: no cover - compiled
+    """Rotary embedding in place on v (heads * E,), "rotate half" pairs (i, i + E/2)."""
+    half = E // 2
+    for h in range(heads):
+        o = h * E
+        for i in range(half):
+            a = v[o + i]
+            b = v[o + half + i]
+            v[o + i] = a * cos[i] - b * sin[i]
+            v[o + half + i] = b * cos[half + i] + a * sin[half + i]
+
+
+def _exp_shifted(s, n, top):  # pragma: no cover - compiled
+    """s[t] <- exp(s[t] - top) for t < n, float32 (`_loops.exp32`, 0.7 ulp; compiled with
+    contraction only: reassociation would undo the exp's range reduction)."""
+    for t in range(n):
+        s[t] = _exp32(s[t] - top)  # noqa: F821
+
+
+def _score(q, key, scale):  # pragma: no cover - compiled
+    """q . key * scale, float32 (summed in any order)."""
+    s = np.float32(0.0)
+    for e in range(q.shape[0]):
+        s += q[e] * key[e]
+    return s * scale
+
+
+def _attend(h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragma: no cover - compiled
+    """Head h's query (in `rotated`) over the cached keys of its group and its own new key
+    (the cache's slot is written by part 0; every part reads the new key and value from its
+    own `rotated`), in float32 as the module path's attention: scores, their exps by a
+    vectorized polynomial, the weighted values, one division by the exps' sum at the end."""
+    heads, kv_heads, E, slot = frame.heads, frame.kv_heads, frame.head_dim, frame.slot
+    keys, vals = arrays.keys, arrays.values
+    g = h // (heads // kv_heads)
+    scale = arrays.floats[0]
+    q = rotated[h * E: (h + 1) * E]
+    new_key = rotated[(heads + g) * E: (heads + g + 1) * E]
+    new_value = rotated[(heads + kv_heads + g) * E: (heads + kv_heads + g + 1) * E]
+    scale32 = np.float32(scale)
+    top = np.float32(-np.inf)
+    for t in range(slot):
+        scores[t] = _score(q, keys[layer, g, t], scale32)
+        top = max(top, scores[t])
+    scores[slot] = _score(q, new_key, scale32)
+    top = max(top, scores[slot])
+    _exp_shifted(scores, slot + 1, top)
+    total = np.float32(0.0)
+    for t in range(slot + 1):
+        total += scores[t]
+    for e in range(E):
+        mixed[e] = scores[slot] * new_value[e]
+    for t in range(slot):
+        w = scores[t]
+        value = vals[layer, g, t]
+        for e in range(E):
+            mixed[e] += w * value[e]
+    inverse = np.float32(1.0) / total
+    for e in range(E):
+        attended[h * E + e] = mixed[e] * inverse
+
+
+def _step(part, frame, arrays):  # pragma: no cover - compiled
+    """Part `part` of one token through every layer (see the module docstring).
+
+    frame: the `FRAME` record (sizes, token, slot, parts, int8, the barrier's address);
+    arrays: the `StepArrays` it points at (the cache written at `slot` by part 0)."""
+    table, orders, norms, floats = arrays.table, arrays.orders, arrays.norms, arrays.floats
+    keys, vals, cos, sin, half, shared = arrays.keys, arrays.values, arrays.cos, arrays.sin, arrays.half, arrays.shared
+    heads, kv_heads, E = frame.heads, frame.kv_heads, frame.head_dim
+    parts, barrier, slot, int8 = frame.parts, frame.barrier, frame.slot, frame.int8 != 0
+    layers = keys.shape[0]
+    embed = MATRICES_PER_LAYER * layers  # noqa: F821
+    d = table[embed, COLUMNS]  # noqa: F821
+    ff = table[4, ROWS]  # noqa: F821 - the gate's rows
+    widest = max(d, ff, heads * E)
+    scratch = Scratch(np.empty(widest // 2 + 16, np.float32), np.empty(widest // 2 + 16, np.float32),  # noqa: F821
+                      np.empty(widest // 32 + 1, np.float32), np.empty(widest + 32, np.int8),
+                      np.empty(widest // 32 + 1, np.float32), np.empty(widest // 32 + 1, np.float32),
+                      np.empty(widest // 32 + 1, np.int32))
+    row = np.empty(d, np.float32)
+    raw = carray(_u8(table[embed, ADDRESS]), (table[embed, ROWS], table[embed, ROW_BYTES]))  # noqa: F821
+    values = carray(_i8(table[embed, ADDRESS]), (table[embed, ROWS], table[embed, ROW_BYTES]))  # noqa: F821
+    _dequantize_row(raw, values, frame.token, table[embed, CODE], half, row)  # noqa: F821
+    x = row.astype(np.float64)  # the residual stream (each part's own, the same bits)
+    normed = np.empty(d, np.float32)
+    qkv_rows = (heads + 2 * kv_heads) * E
+    rotated = np.empty(qkv_rows, np.float32)
+    scores = np.empty(slot + 1, np.float32)
+    mixed = np.empty(E, np.float32)
+    hidden = np.empty(ff, np.float32)
+    qkv = shared[:qkv_rows]  # written by the parts, read whole after a barrier
+    attended = shared[qkv_rows: qkv_rows + heads * E]
+    projected = shared[qkv_rows + heads * E: qkv_rows + heads * E + d]
+    gate_up = shared[qkv_rows + heads * E + d: qkv_rows + heads * E + d + 2 * ff]
+    per_part = (heads + parts - 1) // parts
+    for layer in range(layers):
+        base = MATRICES_PER_LAYER * layer  # noqa: F821
+        # attention
+        weight = carray(_f32(norms[2 * layer]), (d,))  # noqa: F821
+        _rms_norm(x, weight, floats[1 + 2 * layer], normed)
+        _group(table, base, 3, normed, part, parts, int8, half, scratch, qkv)
+        _barrier(barrier, parts)
+        order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
+        for i in range(order.shape[0]):
+            rotated[i] = qkv[order[i]]
+        for i in range(order.shape[0], qkv_rows):
+            rotated[i] = qkv[i]
+        _rotate(rotated[: heads * E], heads, E, cos, sin)
+        _rotate(rotated[heads * E: (heads + kv_heads) * E], kv_heads, E, cos, sin)
+        if part == 0:
+            for g in range(kv_heads):
+                for e in range(E):
+                    keys[layer, g, slot, e] = rotated[(heads + g) * E + e]
+                    vals[layer, g, slot, e] = rotated[(heads + kv_heads + g) * E + e]
+        for h in range(part * per_part, min(heads, (part + 1) * per_part)):
+            _attend(h, layer, frame, arrays, rotated, scores, mixed, attended)
+        _barrier(barrier, parts)
+        _group(table, base + 3, 1, attended, part, parts, int8, half, scratch, projected)
+        _barrier(barrier, parts)
+        for i in range(d):
+            x[i] += projected[i]
+        # feed-forward
+        weight = carray(_f32(norms[2 * layer + 1]), (d,))  # noqa: F821
+        _rms_norm(x, weight, floats[2 + 2 * layer], normed)
+        _group(table, base + 4, 2, normed, part, parts, int8, half, scratch, gate_up)
+        _barrier(barrier, parts)
+        for i in range(ff):
+            gate = gate_up[i]
+            hidden[i] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * gate_up[ff + i]
+        _group(table, base + 6, 1, hidden, part, parts, int8, half, scratch, projected)
+        _barrier(barrier, parts)
+        for i in range(d):
+            x[i] += projected[i]
+    weight = carray(_f32(norms[2 * layers]), (d,))  # noqa: F821
+    _rms_norm(x, weight, floats[1 + 2 * layers], normed)
+    _group(table, embed + 1, 1, normed, part, parts, int8, half, scratch, arrays.logits)
+
+
+def _step_entry(frame_address, part):  # pragma: no cover - compiled
+    """The native entry: the `FRAME` record at `frame_address` and the arrays it points at,
+    then `_step`."""
+    frame = carray(_i64(frame_address), (FRAME_WORDS,)).view(FRAME)[0]  # noqa: F821
+    layers, heads, kv_heads, E = frame.layers, frame.heads, frame.kv_heads, frame.head_dim
+    table = carray(_i64(frame.table), (frame.matrices, 6))  # noqa: F821
+    d = table[MATRICES_PER_LAYER * layers, COLUMNS]  # noqa: F821
+    cache = (layers, kv_heads, frame.max_length, E)
+    arrays = StepArrays(  # noqa: F821
+        table,
+        carray(_i64(frame.orders), (layers, (heads + kv_heads) * E)),  # noqa: F821
+        carray(_i64(frame.norms), (2 * layers + 1,)),  # noqa: F821
+        carray(_f64(frame.floats), (2 * layers + 2,)),  # noqa: F821
+        carray(_f32(frame.cos), (E,)),  # noqa: F821
+        carray(_f32(frame.sin), (E,)),  # noqa: F821
+        carray(_f32(frame.keys), cache),  # noqa: F821
+        carray(_f32(frame.values), cache),  # noqa: F821
+        carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
+        carray(_f32(frame.shared), ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS],)),  # noqa: F821
+        carray(_f32(frame.logits), (frame.vocab,)),  # noqa: F821
+    )
+    _step(part, frame, arrays)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+class CompiledStep(NamedTuple):
+    """The step's compiled functions: `step(part, frame, arrays)` (numba, for other compiled
+    code) and `entry`, the Python function numba compiles as the native entry
+    (`attnkit.kernels.native`), bound to the same namespace."""
+
+    step: Any
+    entry: Any
+    namespace: dict
+
+
+_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _step)
+_EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
+
+
+def _bound(fn, namespace: dict):
+    """`fn` with `namespace` as its globals (the same code, file and name: numba's on-disk
+    cache finds it as it finds `fn`)."""
+    clone = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    clone.__qualname__, clone.__module__, clone.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return clone
+
+
+@lru_cache(maxsize=1)
+def build() -> CompiledStep:
+    """The step's functions compiled by numba, in one namespace that holds what they call:
+    the products' loops (`attnkit.kernels.quant`), numba's helpers (`attnkit.kernels.native`),
+    the type codes by name, the layout's names. Built once; only call when
+    `attnkit.kernels.enabled()`."""
+    from attnkit import kernels
+    from attnkit.kernels import _loops, native, quant  # _loops imports numba: only when compiling
+
+    nb = kernels.numba()
+    loops = quant._compiled()
+    codes = {name: quant.QUANT_TYPES[name].code for name in ("Q4_0", "Q4_1", "Q8_0")}
+    namespace: dict[str, Any] = {
+        "np": np, "carray": nb.carray, **native.helpers(), **codes,
+        "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row, "_split_x": quant._split_x,
+        "_part_rows": quant._part_rows, "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"],
+        "_rows": loops["rows"], "_int8": loops["int8"], "_exp32": _loops.exp32,
+        "FRAME": FRAME, "FRAME_WORDS": _FRAME_WORDS, "MATRICES_PER_LAYER": MATRICES_PER_LAYER,
+        "ADDRESS": ADDRESS, "ROWS": ROWS, "ROW_BYTES": ROW_BYTES, "CODE": CODE, "COLUMNS": COLUMNS, "OFFSET": OFFSET,
+        "StepArrays": StepArrays, "Scratch": Scratch,
+    }
+    namespace["_exp_shifted"] = nb.njit(**_EXACT)(_bound(_exp_shifted, namespace))
+    options = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
+    for fn in _SERIAL:
+        namespace[fn.__name__] = nb.njit(**options)(_bound(fn, namespace))
+    return CompiledStep(namespace["_step"], _bound(_step_entry, namespace), namespace)
+
+
+@lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of this file: the native library of the step is named by it (its folder is
+    named by `attnkit.kernels`' sources, which do not include this file)."""
+    return hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]

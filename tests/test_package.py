@@ -318,6 +318,8 @@ for _layer, _below in ALLOWED.items():  # runtime's neighbours sit under every l
 MOVED = {f"attnkit.viz.{name}": f"attnkit.serve.{name}"
          for name in ("openai_api", "openai_models", "openai_requests", "server", "http_checks")}
 MOVED["attnkit.kernels.decode"] = "attnkit.models.llama"
+# An old spelling that forwards to another old spelling (viz.create_app -> the viz.server shim).
+FORWARDS = {("attnkit.viz", "attnkit.viz.server")}
 
 
 def test_layers_import_downward_only():
@@ -332,7 +334,8 @@ def test_layers_import_downward_only():
         if layer(a) in ALLOWED and layer(b) != layer(a) and layer(b) not in ALLOWED[layer(a)]
         and not (a in MOVED and b.startswith(MOVED[a]))
     ]
-    importers = [f"{a} imports the deprecated {b}" for a, targets in graph.items() for b in targets if b in MOVED]
+    importers = [f"{a} imports the deprecated {b}" for a, targets in graph.items() for b in targets
+                 if b in MOVED and (a, b) not in FORWARDS]
     assert not importers, "\n".join(importers)
     assert not upward, "imports against the layers' direction:\n" + "\n".join(upward)
 

@@ -29,6 +29,7 @@ kernel applies each block's scale once per block instead of once per weight.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from attnkit import kernels
+from attnkit.kernels.native import Entries, NativeKernelsWarning, Unavailable
 from attnkit.quant import compiled as _compiled
 from attnkit.quant.loops import DEQUANTIZE_FRAME, PRODUCT_FRAME, frame
 from attnkit.quant.reference import TILE_VALUES, check_blocks, check_x, matmul_reference
@@ -121,6 +123,27 @@ def _use_compiled(compiled: bool | None) -> bool:
     return bool(compiled)
 
 
+def _run(compiled: bool | None) -> Entries | None:
+    """The native entries to run, or None for the NumPy reference: `compiled` False, or None
+    with the kernels off; None too, with one warning, when they turn out unable to run here
+    (numba installed but not importing). `compiled=True` raises then instead."""
+    if not _use_compiled(compiled):
+        return None
+    try:
+        return _compiled.entries()
+    except Unavailable as error:
+        if compiled:
+            raise
+        if not _warned:
+            _warned.append(True)
+            warnings.warn(f"attnkit: {error}; the NumPy reference runs the quantized products", NativeKernelsWarning,
+                          stacklevel=4)
+        return None
+
+
+_warned: list[bool] = []
+
+
 def matmul(x: np.ndarray, raw: np.ndarray, kind: str | GGMLType, columns: int, *,
            compiled: bool | None = None) -> np.ndarray:
     """x @ W.T with W (R, K) given as GGUF blocks, never dequantized whole.
@@ -166,9 +189,9 @@ def matmul_stack(x: np.ndarray, parts, columns: int, *, compiled: bool | None = 
     """
     parts = _check_parts(parts, columns)
     check_x(x, columns)
-    if not _use_compiled(compiled) or x.dtype == np.float64:  # the loops are float32; float64 is the reference's
+    run = _run(compiled) if x.dtype != np.float64 else None  # the loops are float32; float64 is the reference's
+    if run is None:
         return np.concatenate([matmul_reference(x, raw, kind, columns) for raw, kind in parts], axis=1)
-    run = _compiled.entries()
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[0]
     out = np.empty((n, sum(raw.shape[0] for raw, _ in parts)), np.float32)

@@ -211,6 +211,10 @@ def _entries(name: str, sources: Sources) -> Entries:
                 damaged = str(error)
         cc = compiler()
         if cc is not None:
+            try:
+                kernels.numba()  # a numba that does not import builds nothing: say nothing of a build
+            except RuntimeError as error:
+                raise _unavailable() from error
             _report("start", name, estimate(name), str(target.parent))
             started = time.perf_counter()
             try:
@@ -243,3 +247,6 @@ def _entries(name: str, sources: Sources) -> Entries:
         if kernels.enabled():
             raise
         raise _unavailable() from error
+
+
+_compiler = compiler  # the old private name (tests of 0.1.0)

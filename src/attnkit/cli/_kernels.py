@@ -72,7 +72,8 @@ def prepare(model) -> None:
         warnings.simplefilter("always")
         try:
             with native.reporting(progress):
-                model.generate(np.array([model.tokenizer.bos_token_id or 0]), 2, stop=())
+                bos = model.tokenizer.bos_token_id or 0  # two tokens: the products, then one decode step
+                model.generate(np.array([bos, bos]), 2, stop=())
         finally:
             progress.close()
     seen = set()

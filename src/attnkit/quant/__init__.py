@@ -49,13 +49,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'attnkit.quant' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"attnkit.quant.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
+    return getattr(importlib.import_module(f"attnkit.quant.{module}"), name)
 
 
 __all__ = sorted([
@@ -63,3 +57,7 @@ __all__ = sorted([
     "compiled_available", "current_activations", "dequantize", "dequantize_compiled", "ggml_type", "matmul",
     "matmul_int8_reference", "matmul_reference", "matmul_stack", "quantize_activations", "row_bytes", *_LAZY,
 ])
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, "compiled", "ir", "layers", "loops", "products", "reference", "types"})

@@ -118,7 +118,8 @@ def test_a_first_generate_says_what_it_builds_before_it_starts(tiny_gguf, tmp_pa
 
     reader = threading.Thread(target=read)
     reader.start()
-    out, _ = child.communicate(timeout=600)
+    out = child.stdout.read()  # stderr is the reader's alone (communicate would read it too)
+    child.wait(timeout=600)
     reader.join(10)
     assert child.returncode == 0, lines
     assert lines, "nothing on stderr"

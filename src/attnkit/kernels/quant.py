@@ -15,7 +15,7 @@ from types import FunctionType
 from typing import Any, NamedTuple
 
 from attnkit.quant.ir import dot_instructions as _dot_instructions  # noqa: F401 - old private name
-from attnkit.quant.products import (
+from attnkit.quant.products import (  # noqa: F401 - re-exported
     DECODE_ROWS,
     PARALLEL_MACS,
     activations,
@@ -26,7 +26,7 @@ from attnkit.quant.products import (
     matmul,
     matmul_stack,
 )
-from attnkit.quant.reference import (
+from attnkit.quant.reference import (  # noqa: F401 - re-exported
     TILE_VALUES as _TILE_VALUES,
     dequantize,
     matmul_int8_reference,

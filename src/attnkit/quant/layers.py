@@ -65,7 +65,8 @@ class QuantizedTensor:
     dtype = np.dtype(np.float32)  # what its lookups give (products follow x: float64 stays float64)
     __array_ufunc__ = None  # x @ W.T reaches `_Transposed.__rmatmul__`, never NumPy's matmul
 
-    def __init__(self, raw: np.ndarray, kind: str | GGMLType, columns: int, row_order: np.ndarray | None = None) -> None:
+    def __init__(self, raw: np.ndarray, kind: str | GGMLType, columns: int,
+                 row_order: np.ndarray | None = None) -> None:
         member = ggml_type(kind)
         kind = member.name
         if not isinstance(raw, np.ndarray):

@@ -25,8 +25,8 @@ def check_blocks(raw: np.ndarray, kind: str | GGMLType, columns: int) -> GGMLTyp
     if not isinstance(columns, (int, np.integer)) or isinstance(columns, bool) or columns <= 0:
         raise ValueError(f"expected columns to be a positive integer, got {columns!r}")
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
-        raise TypeError(f"expected raw blocks as a 2-D uint8 array (rows, bytes per row), got {getattr(raw, 'dtype', type(raw))}"
-                        f" {getattr(raw, 'shape', '')}")
+        arrived = f"{getattr(raw, 'dtype', type(raw).__name__)} {getattr(raw, 'shape', '')}"
+        raise TypeError(f"expected raw blocks as a 2-D uint8 array (rows, bytes per row), got {arrived}")
     if raw.shape[1] != row_bytes(kind, columns):
         raise ValueError(
             f"expected {row_bytes(kind, columns)} bytes per row for {columns} {kind.name} values, got {raw.shape[1]}"
@@ -84,7 +84,8 @@ def dequantize(raw: np.ndarray, kind: str | GGMLType, columns: int) -> np.ndarra
     if kind == GGMLType.F16:
         return np.ascontiguousarray(raw).view(np.float16).astype(np.float32).reshape(rows, columns)
     if kind == GGMLType.BF16:
-        return (np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, columns)
+        bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16  # the high half of a float32
+        return bits.view(np.float32).reshape(rows, columns)
     b = raw.reshape(rows, -1, kind.type_size)  # (R, blocks, bytes)
     if kind in _SMALL:
         d = _half(b, 0)[..., None]  # (R, blocks, 1)

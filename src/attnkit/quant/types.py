@@ -109,5 +109,6 @@ def row_bytes(kind: str | int | GGMLType, columns: int) -> int:
     """Bytes of one row of `columns` values of GGML type `kind`."""
     kind = ggml_type(kind)
     if columns % kind.block_size:
-        raise ValueError(f"expected a row length that is a multiple of {kind.block_size} for {kind.name}, got {columns}")
+        raise ValueError(
+            f"expected a row length that is a multiple of {kind.block_size} for {kind.name}, got {columns}")
     return columns // kind.block_size * kind.type_size

@@ -65,7 +65,7 @@ def test_public_entries_check_what_they_are_given(compiled):
         (lambda: quant.matmul(x, raw, "Q4_1", 48, compiled=compiled), ValueError,
          "expected a row length that is a multiple of 32 for Q4_1, got 48"),
         (lambda: quant.matmul_stack(x, [raw], 64, compiled=compiled), TypeError, r"expected each part as a \(raw, kind\)"),
-        (lambda: quant.matmul_stack(x, [], 64, compiled=compiled), TypeError, "non-empty sequence"),
+        (lambda: quant.matmul_stack(x, [], 64, compiled=compiled), TypeError, "non-empty list"),
         (lambda: quant.dequantize(raw, "Q4_1", 0), ValueError, "expected columns to be a positive integer, got 0"),
     ]
     for call, error, message in cases:

@@ -69,12 +69,15 @@ DEQUANTIZE_FRAME = np.dtype([
 
 def frame(layout: np.dtype, **fields: int) -> np.ndarray:
     """One record of `layout` (a (1,) structured array), every field given by name."""
-    missing = set(layout.names) - set(fields)
-    extra = set(fields) - set(layout.names)
-    if missing or extra:
-        raise ValueError(f"expected the fields {', '.join(layout.names)}; missing {sorted(missing)}, "
-                         f"unknown {sorted(extra)}")
-    return np.array([tuple(int(fields[name]) for name in layout.names)], layout)
+    try:
+        values = [fields[name] for name in layout.names]
+    except KeyError:
+        values = None
+    if values is None or len(fields) != len(layout.names):
+        missing = sorted(set(layout.names) - set(fields))
+        raise ValueError(f"expected the fields {', '.join(layout.names)}; missing {missing}, "
+                         f"unknown {sorted(set(fields) - set(layout.names))}")
+    return np.array(values, np.int64).view(layout)  # every field an int64, in order
 
 
 # ----------------------------------------------------------------------------- products

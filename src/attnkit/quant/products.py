@@ -30,7 +30,7 @@ kernel applies each block's scale once per block instead of once per weight.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
@@ -164,8 +164,8 @@ def matmul(x: np.ndarray, raw: np.ndarray, kind: str | GGMLType, columns: int, *
 
 
 def _check_parts(parts, columns: int) -> list[tuple[np.ndarray, GGMLType]]:
-    if isinstance(parts, (str, bytes, np.ndarray)) or not isinstance(parts, Sequence) or not parts:
-        raise TypeError(f"expected parts as a non-empty sequence of (raw, kind) pairs, got {type(parts).__name__}")
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise TypeError(f"expected parts as a non-empty list of (raw, kind) pairs, got {type(parts).__name__}")
     checked = []
     for part in parts:
         if not isinstance(part, (tuple, list)) or len(part) != 2:

@@ -27,10 +27,9 @@ def check_blocks(raw: np.ndarray, kind: str | GGMLType, columns: int) -> GGMLTyp
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
         arrived = f"{getattr(raw, 'dtype', type(raw).__name__)} {getattr(raw, 'shape', '')}"
         raise TypeError(f"expected raw blocks as a 2-D uint8 array (rows, bytes per row), got {arrived}")
-    if raw.shape[1] != row_bytes(kind, columns):
-        raise ValueError(
-            f"expected {row_bytes(kind, columns)} bytes per row for {columns} {kind.name} values, got {raw.shape[1]}"
-        )
+    expected = row_bytes(kind, columns)
+    if raw.shape[1] != expected:
+        raise ValueError(f"expected {expected} bytes per row for {columns} {kind.name} values, got {raw.shape[1]}")
     return kind
 
 

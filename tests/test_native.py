@@ -69,7 +69,7 @@ def test_library_and_in_process_callbacks_agree(tiny_gguf, monkeypatch):
     from attnkit.models.llama import step as decode
     from attnkit.models.llama import LlamaForCausalLM
 
-    if native._compiler() is None:
+    if native.compiler() is None:
         assert quant._entries().route == "in-process"
         pytest.skip("no C compiler here: the callbacks are all there is to compare")
     assert quant._entries().route == "library" and decode._entries().route == "library"
@@ -103,11 +103,18 @@ class Watch:  # where numba is first imported, for the assertion's message
 
 sys.meta_path.insert(0, Watch())
 import numpy as np
-from attnkit.kernels import quant
+from attnkit.kernels import native, quant
 from attnkit.models.llama import step as decode
 from attnkit.models.llama import LlamaForCausalLM
+
+
+def report(event):  # what the command line shows of a build
+    print(f"{event.stage} the native kernels ({event.library})", file=sys.stderr)
+
+
 model = LlamaForCausalLM.from_gguf(sys.argv[1], quantized=True)
-tokens = model.generate(np.array([1, 5, 40]), 6, stop=())
+with native.reporting(report):
+    tokens = model.generate(np.array([1, 5, 40]), 6, stop=())
 routes = {quant._entries().route, decode._entries().route}
 print(json.dumps({"route": " ".join(sorted(routes)), "numba": "numba" in sys.modules, "llvmlite": "llvmlite" in sys.modules,
                   "tokens": np.asarray(tokens).tolist(), "where": first_import}))
@@ -250,7 +257,7 @@ def test_a_build_removes_libraries_unused_for_a_week(tiny_gguf, tmp_path):
     that no process loaded for a week, and keeps the recent ones."""
     from attnkit.kernels import native
 
-    if native._compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler here: nothing is built")
     base = tmp_path / "attnkit" / "native"
     old, recent = base / "old-version", base / "recent-version"
@@ -272,7 +279,7 @@ def test_a_damaged_library_is_rebuilt(tiny_gguf, tmp_path, damage):
     process runs on the rebuilt library with the same tokens."""
     from attnkit.kernels import native, quant
 
-    if native._compiler() is None or quant._entries().route != "library":
+    if native.compiler() is None or quant._entries().route != "library":
         pytest.skip("no C compiler here: nothing is built")
     numba_cache = os.environ.get("NUMBA_CACHE_DIR") or kernels.numba().config.CACHE_DIR
     env = dict(XDG_CACHE_HOME=str(tmp_path), NUMBA_CACHE_DIR=numba_cache)

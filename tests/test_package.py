@@ -301,13 +301,15 @@ ALLOWED = {
     "masks": {"functional"},
     "nn": {"functional", "kernels", "runtime"},
     "walkthrough": {"functional", "nn"},
-    "models": {"functional", "kernels", "nn", "runtime"},
+    "quant": {"functional", "kernels", "nn", "runtime"},  # GGML blocks: loops on kernels, layers on nn
+    "models": {"functional", "kernels", "nn", "quant", "runtime"},
     "torch": {"functional", "nn", "runtime"},
     "interpret": {"functional", "nn", "models", "hf", "runtime"},  # hf: transformers models' hooks
     "viz": {"functional", "masks", "nn", "models", "hf", "interpret", "runtime"},  # hf: views of transformers folders
     "serve": {"functional", "masks", "nn", "models", "hf", "interpret", "viz", "runtime"},  # viz: the page's views
     "hf": {"attnkit", "functional", "masks", "nn", "torch", "runtime"},
-    "bench": {"attnkit", "functional", "kernels", "masks", "nn", "models", "torch", "hf", "interpret", "runtime"},
+    "bench": {"attnkit", "functional", "kernels", "masks", "nn", "models", "quant", "torch", "hf", "interpret",
+              "runtime"},
 }
 for _layer, _below in ALLOWED.items():  # runtime's neighbours sit under every layer
     if "runtime" in _below:
@@ -318,6 +320,8 @@ for _layer, _below in ALLOWED.items():  # runtime's neighbours sit under every l
 MOVED = {f"attnkit.viz.{name}": f"attnkit.serve.{name}"
          for name in ("openai_api", "openai_models", "openai_requests", "server", "http_checks")}
 MOVED["attnkit.kernels.decode"] = "attnkit.models.llama"
+MOVED["attnkit.kernels.quant"] = "attnkit.quant"
+MOVED["attnkit.models.quantized"] = "attnkit.quant"
 # An old spelling that forwards to another old spelling (viz.create_app -> the viz.server shim).
 FORWARDS = {("attnkit.viz", "attnkit.viz.server")}
 

@@ -33,7 +33,7 @@ before loading, `VmHWM`) <= 1.5x the file's size; a row says how much of that is
 the compiled kernels' code (the native libraries, `attnkit.kernels.native`; numba's
 runtime and compiler machinery, about 150 MB, where no library could be built), loaded
 first in that process. With numba, attnkit runs the file's quantized blocks
-(`attnkit.models.quantized`), and the bound is over the bytes of those blocks.
+(`attnkit.quant.layers`), and the bound is over the bytes of those blocks.
 
 The second part shows what the KV cache buys (first thread count only): the
 time of one new token at growing context lengths, with the cache (one query
@@ -67,7 +67,7 @@ PROBE_BYTES = 256 * 2**20
 
 def weight_bytes(model: Any) -> int:
     """Bytes of weights a decode step reads: every parameter and every quantized matrix
-    (`attnkit.models.quantized`, its blocks) once, except the embedding table when the head is
+    (`attnkit.quant.layers`, its blocks) once, except the embedding table when the head is
     separate (one row of it is read); a tied head reads it whole."""
     total = sum(int(a.nbytes) for a in model.parameters())
     total += sum(int(m.quantized.nbytes) for _, m in model.named_modules() if "quantized" in m.__dict__)
@@ -346,7 +346,7 @@ def _measure_threads(count, ours, hf, path, ids, prompt_tensor, new_tokens, roun
 
     contenders = {"attnkit": run_ours, "transformers": run_hf}
     if _runs_int8(ours):
-        from attnkit.kernels import quant
+        from attnkit import quant
 
         def run_ours_int8() -> None:
             with quant.activations("int8"):

@@ -419,7 +419,7 @@ def chat(
     # the model's package, gguf, the template's jinja2 and the prompt's prompt_toolkit: all
     # that is missing, named at once, before the model loads
     require_pieces(model_option(model_path, DECODER, "chat"), DECODER, "chat", template=True, prompt=interactive)
-    model = load_decoder(model_path, "chat", backend)
+    model = load_decoder(model_path, "chat", backend, prepare=True)
     if not model.tokenizer.chat_template:
         fail("this model has no chat template; use attnkit generate instead")
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,

@@ -30,9 +30,10 @@ def counted(count: int, noun: str, plural: Optional[str] = None) -> str:
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
-def load_decoder(model_path: Optional[str], command: str, backend: str = "naive"):
+def load_decoder(model_path: Optional[str], command: str, backend: str = "naive", *, prepare: bool = False):
     """The decoder named by `--model` (checked first; see cli/models.py), with its tokenizer,
-    attending through `backend`."""
+    attending through `backend`; with `prepare`, its native kernels built or loaded now, before
+    any text is printed (`cli/_kernels.py`: a notice and progress on stderr)."""
     from attnkit.models.embedded import ModelPackageNotFoundError
     from attnkit.models.auto import AutoCausalLM
 
@@ -44,7 +45,12 @@ def load_decoder(model_path: Optional[str], command: str, backend: str = "naive"
         fail(str(error))
     if model.tokenizer is None:
         fail(f"{model_path} has no tokenizer.json; attnkit {command} needs one to turn text into tokens")
-    return model if backend == "naive" else model.set_attention_backend(backend)  # models start on naive
+    model = model if backend == "naive" else model.set_attention_backend(backend)  # models start on naive
+    if prepare:
+        from attnkit.cli import _kernels
+
+        _kernels.prepare(model)
+    return model
 
 
 def sampling_problem(key: str, value, name: Optional[str] = None) -> Optional[str]:
@@ -187,7 +193,7 @@ def int8_activations(on: bool) -> Iterator[None]:
         yield
         return
     from attnkit import kernels
-    from attnkit.kernels import quant
+    from attnkit import quant
 
     if not kernels.enabled():
         note(f"--int8 has no effect: {kernels.reason_disabled()}", style="yellow")
@@ -221,7 +227,7 @@ def generate(
     require_pieces(model_option(model_path, DECODER, "generate"), DECODER, "generate", template=chat)
     if prompt == "-":
         prompt = _without_final_line_break(read_stdin())
-    model = load_decoder(model_path, "generate", backend)
+    model = load_decoder(model_path, "generate", backend, prepare=True)
     tokenizer = model.tokenizer
     if chat:
         try:

@@ -55,9 +55,11 @@ def _cache_folder() -> Path:
 
 
 def _sources_digest() -> str:
-    """A digest of this package's source files (what the compiled code is built from)."""
+    """A digest of the compiled code's source files: this package's (native/ included) and
+    attnkit.quant's, whose loops the kernels here call."""
     digest = hashlib.sha1()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    here = Path(__file__).parent
+    for path in sorted([*here.rglob("*.py"), *here.rglob("*.c"), *(here.parent / "quant").glob("*.py")]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

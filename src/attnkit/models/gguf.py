@@ -8,7 +8,7 @@ the chat template) followed by tensors, often quantized in blocks (Q4_1 stores
 attnkit reads the layout itself (`attnkit.models.gguf_layout`, from a memory map, every
 length and offset checked against the file); the `gguf` package (llama.cpp's reference, the
 pip extra `attnkit[gguf]`) dequantizes tensors to float32 through its public API
-(`gguf.quants.dequantize`). `attnkit.models.quantized` runs the blocks without dequantizing.
+(`gguf.quants.dequantize`). `attnkit.quant` runs the blocks without dequantizing.
 This module knows the format and nothing about any one model:
 
     gguf_file = GGUFFile(path)                    # metadata, tensor shapes and types
@@ -198,7 +198,7 @@ class GGUFFile:
     (`attnkit.models.gguf_layout`: numeric arrays in one NumPy call each, no Python object per
     vocabulary entry beyond its string); the tensor table is checked (`check_tensor_table`)
     before any tensor is touched. `tensor_infos` gives shapes and types without reading data;
-    `tensor(name)` dequantizes one to float32 (`attnkit.kernels.quant.dequantize` for the types
+    `tensor(name)` dequantizes one to float32 (`attnkit.quant.dequantize` for the types
     it knows, value for value the gguf package's; the package for the others);
     `raw(name)` is its stored blocks, a read-only view of the map (no copy).
 
@@ -292,16 +292,17 @@ class GGUFFile:
             MissingExtraError: the gguf package (the dequantizer of the types attnkit does not
                 dequantize itself) is not installed.
         """
-        from attnkit.kernels.quant import QUANT_TYPES, dequantize as dequantize_blocks
+        from attnkit.quant.reference import dequantize as dequantize_blocks
+        from attnkit.quant.types import GGMLType
 
         info = self._info(name)
-        if info.dtype not in QUANT_TYPES and info.dtype != "F64":
+        if info.dtype not in GGMLType.__members__ and info.dtype != "F64":
             self.check_tensor_types([name])
         raw = self.raw(name)
         try:
             if info.dtype == "F64":
                 values = raw.view(np.float64).astype(np.float32)
-            elif info.dtype in QUANT_TYPES:  # attnkit's NumPy reference, value for value the package's
+            elif info.dtype in GGMLType.__members__:  # attnkit's NumPy reference, value for value the package's
                 values = dequantize_blocks(raw, info.dtype, info.shape[-1] if info.shape else 1)
             else:
                 gguf = _gguf()

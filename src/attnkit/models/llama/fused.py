@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from attnkit import kernels
-from attnkit.models.quantized import QuantizedCausalSelfAttention, QuantizedEmbedding, QuantizedLinear, \
+from attnkit.quant.layers import QuantizedCausalSelfAttention, QuantizedEmbedding, QuantizedLinear, \
     QuantizedSwiGLU
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import supports, watching
@@ -156,7 +156,7 @@ def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
 def _build(model: Any) -> tuple:
     """The model's frame for `decode_step` (`step.prepare`), and the blocks it points at
     (kept alive beside it)."""
-    from attnkit.kernels.quant import QUANT_TYPES
+    from attnkit.quant import GGMLType
     from attnkit.models.llama import step
 
     c = model.config
@@ -166,7 +166,7 @@ def _build(model: Any) -> tuple:
     def add(tensor, offset: int) -> None:
         raw = np.ascontiguousarray(tensor.raw)
         blocks.append(raw)
-        table.append((raw.ctypes.data, raw.shape[0], raw.shape[1], QUANT_TYPES[tensor.kind].code, tensor.columns,
+        table.append((raw.ctypes.data, raw.shape[0], raw.shape[1], int(GGMLType[tensor.kind]), tensor.columns,
                       offset))  # the columns of step_kernels.TABLE_COLUMNS
 
     layers = list(model.layers)
@@ -287,7 +287,7 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
     if isinstance(found, str):
         return None
     from attnkit import runtime
-    from attnkit.kernels.quant import current_activations
+    from attnkit.quant import current_activations
     from attnkit.models.llama import step
 
     slot = cache.length

@@ -61,7 +61,7 @@ from attnkit.models.gguf import GGUFFile, tokenizer_from_gguf
 from attnkit.models.llama.config import LlamaConfig, _describe, _with_generation_config
 from attnkit.models.llama.fused import fused_logits
 from attnkit.models.llama.weights import _HF_LLAMA_IGNORE, _HF_LLAMA_NAMES, hf_tensor_shapes, state_from_gguf
-from attnkit.models.quantized import (
+from attnkit.quant.layers import (
     QuantizedCausalSelfAttention,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -201,7 +201,7 @@ class LlamaForCausalLM(CausalLM):
         Arguments:
             path: the `.gguf` file, or the `GGUFFile` already opened on it.
             quantized: True: weight matrices stay in the file's blocks, memory-mapped, and run
-                on the compiled kernels (`attnkit.models.quantized`; no float32 copy, loads in a
+                on the compiled kernels (`attnkit.quant.layers`; no float32 copy, loads in a
                 fraction of a second); False: every weight dequantized to float32 (the
                 reference); None (default): quantized when `attnkit.kernels.enabled()`, every
                 matrix's type is one `quantized_types()` lists and no layer has a sliding window.
@@ -259,7 +259,7 @@ class LlamaForCausalLM(CausalLM):
 def _runs_quantized(gguf_file: GGUFFile, config: LlamaConfig) -> bool:
     """Whether `from_gguf` keeps the blocks by default: compiled kernels on, every matrix of a
     type they run, no sliding-window layer (those run the float32 model)."""
-    from attnkit.kernels.quant import compiled_available
+    from attnkit.quant import compiled_available
 
     if not compiled_available() or any(config.window_of(i) is not None for i in range(config.num_layers)):
         return False

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from attnkit.kernels import native, quant
+from attnkit.kernels import native
+from attnkit.quant.products import half_table
 from attnkit.models.llama.step_kernels import COLUMNS, FRAME, MATRICES_PER_LAYER, ROWS, TABLE_COLUMNS, build, \
     shared_size, source_digest
 
@@ -61,7 +62,7 @@ class Frame:
         for name, value in dict(table=table.ctypes.data, matrices=table.shape[0], orders=orders.ctypes.data,
                                 norms=self.addresses.ctypes.data, floats=floats.ctypes.data, layers=layers,
                                 heads=heads, kv_heads=kv_heads, head_dim=E, vocab=vocab,
-                                half=quant._half_table().ctypes.data, barrier=self.barrier.ctypes.data,
+                                half=half_table().ctypes.data, barrier=self.barrier.ctypes.data,
                                 shared=self.shared.ctypes.data).items():
             record[name] = value
 

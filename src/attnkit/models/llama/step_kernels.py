@@ -10,7 +10,7 @@ SiLU(gate) * up, the down product and residual; then the final norm and the outp
 computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
 the sublayers in float32), so its logits agree with the module path's to float32 rounding.
 
-Products are the loops of `attnkit.kernels.quant` on row ranges, with float32 activations
+Products are the loops of `attnkit.quant` on row ranges, with float32 activations
 (the default) or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs
 them.
 
@@ -45,7 +45,7 @@ __all__ = ["FRAME", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep", "Scra
 MATRICES_PER_LAYER = 7  # query, key, value, output, gate, up, down
 TABLE_COLUMNS = ("address", "rows", "row_bytes", "code", "columns", "offset")
 """The columns of the matrices' table (int64, one row a matrix): the blocks' address, rows,
-bytes per row, GGML type code (`attnkit.kernels.quant.QUANT_TYPES`), K, and the offset of
+bytes per row, ggml's type number (`attnkit.quant.GGMLType`), K, and the offset of
 its rows in its group's output."""
 (ADDRESS, ROWS, ROW_BYTES, CODE, COLUMNS, OFFSET) = range(len(TABLE_COLUMNS))
 
@@ -405,20 +405,23 @@ def _bound(fn, namespace: dict):
 @lru_cache(maxsize=1)
 def build() -> CompiledStep:
     """The step's functions compiled by numba, in one namespace that holds what they call:
-    the products' loops (`attnkit.kernels.quant`), numba's helpers (`attnkit.kernels.native`),
+    the products' loops (`attnkit.quant.compiled`), numba's helpers (`attnkit.kernels.native`),
     the type codes by name, the layout's names. Built once; only call when
     `attnkit.kernels.enabled()`."""
     from attnkit import kernels
-    from attnkit.kernels import _loops, native, quant  # _loops imports numba: only when compiling
+    from attnkit.kernels import _loops, native  # _loops imports numba: only when compiling
+    from attnkit.quant import GGMLType
+    from attnkit.quant.compiled import compiled
 
     nb = kernels.numba()
-    loops = quant._compiled()
-    codes = {name: quant.QUANT_TYPES[name].code for name in ("Q4_0", "Q4_1", "Q8_0")}
+    loops = compiled().loops
+    codes = {kind.name: int(kind) for kind in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)}  # ggml's numbers
     namespace: dict[str, Any] = {
         "np": np, "carray": nb.carray, **native.helpers(), **codes,
-        "_quantize_x": loops["quantize_x"], "_dequantize_row": quant._dequantize_row, "_split_x": quant._split_x,
-        "_part_rows": quant._part_rows, "_q4_1": loops["q4_1"], "_q4_0": loops["q4_0"], "_q8_0": loops["q8_0"],
-        "_rows": loops["rows"], "_int8": loops["int8"], "_exp32": _loops.exp32,
+        "_quantize_x": loops["_quantize_x"], "_dequantize_row": loops["_dequantize_row"],
+        "_split_x": loops["_split_x"], "_part_rows": loops["_part_rows"], "_q4_1": loops["_matvec_q4_1"],
+        "_q4_0": loops["_matvec_q4_0"], "_q8_0": loops["_matvec_q8_0"],
+        "_rows": loops["_matvec_rows"], "_int8": loops["_matvec_int8"], "_exp32": _loops.exp32,
         "FRAME": FRAME, "FRAME_WORDS": _FRAME_WORDS, "MATRICES_PER_LAYER": MATRICES_PER_LAYER,
         "ADDRESS": ADDRESS, "ROWS": ROWS, "ROW_BYTES": ROW_BYTES, "CODE": CODE, "COLUMNS": COLUMNS, "OFFSET": OFFSET,
         "StepArrays": StepArrays, "Scratch": Scratch,

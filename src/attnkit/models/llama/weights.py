@@ -21,7 +21,7 @@ from attnkit.models.llama.config import (
     LlamaConfig,
     _require_gguf_architecture,
 )
-from attnkit.models.quantized import QuantizedTensor, quantized_types
+from attnkit.quant.layers import QuantizedTensor, quantized_types
 
 __all__ = ["gguf_tensor_shapes", "hf_tensor_shapes", "state_from_gguf", "unpermute_rotary_rows"]
 

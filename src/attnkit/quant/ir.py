@@ -1,0 +1,304 @@
+"""The one file that writes LLVM IR: the block dot products the hottest loops call.
+
+numba compiles `attnkit.quant.loops` from Python; four rows of a decode product at a time
+are written here directly in LLVM IR (llvmlite), as numba intrinsics, because the loops in
+Python kept their accumulators in memory (a store and a reload every block) and could not
+name the integer dot-product instructions:
+
+- `rows4f_intrinsic(kind)`: `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`, four
+  rows of Q4_0, Q4_1 or Q8_0 blocks against float32 x (16 float32 lanes a row);
+- `rows4_intrinsic(kind, dot)`: `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)`, the
+  same on 8-bit x, each block's dot product exact in int32 lanes (`vpdpbusd` with AVX-512
+  VNNI, `vpmaddubsw` with AVX2, LLVM's own lowering elsewhere; `dot_instructions()`).
+
+A block's float16 scale is read with one `vcvtph2ps` (`_ir_half`); the rows `PREFETCH_ROWS`
+ahead are prefetched (`_ir_prefetch`'s reason). Block sizes come from `GGMLType`'s traits.
+"""
+
+from __future__ import annotations
+
+from attnkit import kernels
+from attnkit.quant.types import GGMLType
+
+__all__ = ["FLOAT_TYPES", "INT8_LOOP_TYPES", "PREFETCH_ROWS", "dot_instructions", "rows4_intrinsic",
+           "rows4f_intrinsic"]
+
+PREFETCH_ROWS = 16
+"""How far ahead (in rows) the decode loops prefetch W's blocks."""
+
+FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
+"""The types with a four-row loop on float32 x (`_rows4f_<name>`)."""
+INT8_LOOP_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
+"""The types with a four-row loop on 8-bit x (`_rows4_<name>`)."""
+
+
+def loop_name(prefix: str, kind: GGMLType) -> str:
+    """The name the loops call a four-row intrinsic by: `_rows4f_q4_1`, `_rows4_q8_0`, ..."""
+    return f"{prefix}_{kind.name.lower()}"
+
+
+def dot_instructions() -> str:
+    """Which block dot product the IR loops emit: "vnni" (AVX-512 VNNI), "avx2", or
+    "generic" (LLVM's own lowering), from the host's features; "generic" when numba
+    compiles for another CPU (NUMBA_CPU_NAME)."""
+    from llvmlite import binding
+
+    nb = kernels.numba()
+    if nb.config.CPU_NAME not in (None, "", "host"):
+        return "generic"
+    features = binding.get_host_cpu_features()
+    if features.get("avx512vnni", False) and features.get("avx512vl", False):
+        return "vnni"
+    return "avx2" if features.get("avx2", False) else "generic"
+
+
+def _ir_prefetch(builder, pointer) -> None:  # pragma: no cover - compiled
+    """LLVM IR asking for the cache line at `pointer` (i8*): a read, kept in every cache
+    level. A decode product streams its weights from the file's pages, whose 4 KB boundaries
+    stop the hardware prefetcher: the row loops ask for the rows `PREFETCH_ROWS` ahead
+    themselves (the Q8_0 output head ran 5x faster so)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    i32 = ir.IntType(32)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+    builder.call(prefetch, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+def _ir_half(builder, pointer):  # pragma: no cover - compiled
+    """LLVM IR of the little-endian float16 at `pointer` (i8*) as float32 (`vcvtph2ps`)."""
+    from llvmlite import ir
+
+    return builder.fpext(builder.load(builder.bitcast(pointer, ir.HalfType().as_pointer()), align=1), ir.FloatType())
+
+
+def _ir_four_rows(context, builder, signature, raw, indices) -> tuple:  # pragma: no cover - compiled
+    """(pointers to the rows `indices` of the (rows, bytes) uint8 array `raw`, its row stride)."""
+    from numba.core import cgutils
+
+    matrix = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=raw)
+    stride = builder.extract_value(matrix.strides, 0)
+    return [builder.gep(matrix.data, [builder.mul(r, stride)]) for r in indices], stride
+
+
+def _ir_prefetch_ahead(builder, rows, stride, offset) -> None:  # pragma: no cover - compiled
+    """Prefetch byte `offset` of the rows PREFETCH_ROWS past each of `rows` (never faults: a
+    prefetch past the end is dropped)."""
+    from llvmlite import ir
+
+    ahead = builder.add(builder.mul(stride, ir.Constant(stride.type, PREFETCH_ROWS)), offset)
+    for row in rows:
+        _ir_prefetch(builder, builder.gep(row, [ahead]))
+
+
+def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)`: four rows of
+    W (blocks of `kind`) against one row of 8-bit x, returning their four sums. Per block:
+    the 32 weights as unsigned bytes (nibbles; Q8_0's |w|) against x's 32 signed bytes
+    (Q8_0: times sign(w)), summed into eight int32 lanes, converted (exact), scaled by
+    d_b dx_b and added to eight float32 lanes per row (allocas that LLVM keeps in
+    registers); the minimum's (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The
+    rows 16 ahead are prefetched (`_ir_prefetch`'s reason)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = kind.type_size
+    dot = dot or dot_instructions()
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, q, dx, xs, qsum = args
+        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        lanes_f, lanes_i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+        bytes32, bytes16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        proxy = cgutils.create_struct_proxy
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
+        q_data = proxy(signature.args[5])(context, builder, value=q).data
+        dx_array = proxy(signature.args[6])(context, builder, value=dx)
+        xs_data = proxy(signature.args[7])(context, builder, value=xs).data
+        qsum_data = proxy(signature.args[8])(context, builder, value=qsum).data
+        blocks = builder.extract_value(dx_array.shape, 0)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes_f, [0.0] * 8)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+        module = builder.module
+        if dot == "vnni":
+            vpdpbusd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(lanes_i, [lanes_i, lanes_i, lanes_i]), "llvm.x86.avx512.vpdpbusd.256")
+        elif dot == "avx2":
+            words = ir.VectorType(i16, 16)
+            maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(words, [bytes32, bytes32]),
+                                                     "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(lanes_i, [words, words]),
+                                                    "llvm.x86.avx2.pmadd.wd")
+
+        def block_dot(unsigned, signed):  # <32 x i8> (as unsigned) . <32 x i8> -> <8 x i32>
+            if dot == "vnni":
+                return builder.call(vpdpbusd, [ir.Constant(lanes_i, [0] * 8), builder.bitcast(unsigned, lanes_i),
+                                               builder.bitcast(signed, lanes_i)])
+            if dot == "avx2":  # pairs of products fit int16: 2 * 255 * 127 < 32768
+                pairs = builder.call(maddubs, [unsigned, signed])
+                return builder.call(maddwd, [pairs, ir.Constant(ir.VectorType(i16, 16), [1] * 16)])
+            wide = ir.VectorType(i32, 32)
+            products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
+            parts = [builder.shuffle_vector(products, products, ir.Constant(lanes_i, list(range(8 * k, 8 * k + 8))))
+                     for k in range(4)]
+            return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            _ir_prefetch_ahead(builder, rows, stride, offset)
+            e = builder.load(builder.gep(dx_array.data, [b]))
+            x = builder.load(builder.bitcast(builder.gep(q_data, [builder.mul(b, ir.Constant(b.type, 32))]),
+                                             bytes32.as_pointer()), align=1)
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                d = _ir_half(builder, block)
+                if kind == GGMLType.Q8_0:
+                    w = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, 2)]), bytes32.as_pointer()),
+                                     align=1)
+                    zero = ir.Constant(bytes32, [0] * 32)
+                    negative = builder.icmp_signed("<", w, zero)
+                    unsigned = builder.select(negative, builder.sub(zero, w), w)
+                    signed = builder.select(negative, builder.sub(zero, x), x)
+                else:
+                    at = 4 if kind == GGMLType.Q4_1 else 2
+                    packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
+                                                          bytes16.as_pointer()), align=1)
+                    low = builder.and_(packed, ir.Constant(bytes16, [15] * 16))
+                    high = builder.lshr(packed, ir.Constant(bytes16, [4] * 16))
+                    unsigned = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+                    signed = x
+                scale = builder.fmul(d, e)
+                lanes = builder.sitofp(block_dot(unsigned, signed), lanes_f)
+                spread = builder.insert_element(ir.Constant(lanes_f, ir.Undefined), scale, ir.Constant(i32, 0))
+                spread = builder.shuffle_vector(spread, spread, ir.Constant(lanes_i, [0] * 8))
+                builder.store(builder.fadd(builder.load(total), builder.fmul(lanes, spread)), total)
+                if kind == GGMLType.Q4_1:  # m_b xs_b
+                    m = _ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)]))
+                    part = builder.fmul(m, builder.load(builder.gep(xs_data, [b])))
+                    builder.store(builder.fadd(builder.load(term), part), term)
+                elif kind == GGMLType.Q4_0:  # -8 d_b dx_b qsum_b
+                    count = builder.sitofp(builder.load(builder.gep(qsum_data, [b])), f32)
+                    part = builder.fmul(builder.fmul(scale, ir.Constant(f32, -8.0)), count)
+                    builder.store(builder.fadd(builder.load(term), part), term)
+        reduce = cgutils.get_or_insert_function(module, ir.FunctionType(f32, [f32, lanes_f]),
+                                                "llvm.vector.reduce.fadd.v8f32")
+        results = [builder.fadd(builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)]), builder.load(term))
+                   for total, term in zip(sums, terms)]
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
+def _rows4f_codegen(kind):  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`: four rows of W
+    (Q4_0, Q4_1 or Q8_0 blocks) against one row of float32 x, returning their four sums.
+    Per block: x's 16 low-nibble and 16 high-nibble values (Q8_0: its 32 values, xlo = xhi
+    = the row of x, xsum unused) loaded once for the four rows; each row's nibbles (Q8_0:
+    signed bytes) widened to float32 (exact), lo * xlo + hi * xhi scaled by d_b and added
+    to 16 float32 lanes per row (allocas LLVM keeps in registers: the accumulators of a
+    loop in Python stayed in memory, a store and a reload every block); the minimum's
+    (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The rows 16 ahead are
+    prefetched (`_ir_prefetch`'s reason)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = kind.type_size
+    fast = ("contract", "reassoc", "nsz")
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, xlo, xhi, xsum = args
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        lanes = ir.VectorType(f32, 16)
+        bytes16 = ir.VectorType(i8, 16)
+        proxy = cgutils.create_struct_proxy
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
+        xl_data = proxy(signature.args[5])(context, builder, value=xlo).data
+        xh_data = proxy(signature.args[6])(context, builder, value=xhi).data
+        xs_array = proxy(signature.args[7])(context, builder, value=xsum)
+        if kind == GGMLType.Q8_0:  # x's length / 32
+            x_array = proxy(signature.args[5])(context, builder, value=xlo)
+            blocks = builder.udiv(builder.extract_value(x_array.shape, 0), ir.Constant(stride.type, 32))
+        else:
+            blocks = builder.extract_value(xs_array.shape, 0)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+        module = builder.module
+
+        def spread(value):
+            one = builder.insert_element(ir.Constant(lanes, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            _ir_prefetch_ahead(builder, rows, stride, offset)
+            if kind == GGMLType.Q8_0:
+                at_lo = builder.mul(b, ir.Constant(b.type, 32))
+                at_hi = builder.add(at_lo, ir.Constant(b.type, 16))
+            else:
+                at_lo = at_hi = builder.mul(b, ir.Constant(b.type, 16))
+            xl = builder.load(builder.bitcast(builder.gep(xl_data, [at_lo]), lanes.as_pointer()), align=4)
+            xh = builder.load(builder.bitcast(builder.gep(xh_data, [at_hi]), lanes.as_pointer()), align=4)
+            s = None if kind == GGMLType.Q8_0 else builder.load(builder.gep(xs_array.data, [b]))
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                d = _ir_half(builder, block)
+                if kind == GGMLType.Q8_0:
+                    def signed(at):
+                        values = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
+                                                              bytes16.as_pointer()), align=1)
+                        return builder.sitofp(values, lanes)
+
+                    low, high = signed(2), signed(18)
+                else:
+                    at = 4 if kind == GGMLType.Q4_1 else 2
+                    packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
+                                                          bytes16.as_pointer()), align=1)
+                    low = builder.uitofp(builder.and_(packed, ir.Constant(bytes16, [15] * 16)), lanes)
+                    high = builder.uitofp(builder.lshr(packed, ir.Constant(bytes16, [4] * 16)), lanes)
+                mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast), flags=fast)
+                updated = builder.fadd(builder.load(total), builder.fmul(spread(d), mixed, flags=fast), flags=fast)
+                builder.store(updated, total)
+                if kind == GGMLType.Q4_1:  # m_b xsum_b
+                    part = builder.fmul(_ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)])), s, flags=fast)
+                elif kind == GGMLType.Q4_0:  # -8 d_b xsum_b
+                    part = builder.fmul(builder.fmul(d, ir.Constant(f32, -8.0), flags=fast), s, flags=fast)
+                else:
+                    continue
+                builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
+        reduce = cgutils.get_or_insert_function(module, ir.FunctionType(f32, [f32, lanes]),
+                                                "llvm.vector.reduce.fadd.v16f32")
+        results = []
+        for total, term in zip(sums, terms):
+            summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)  # a tree
+            results.append(builder.fadd(summed, builder.load(term), flags=fast))
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
+
+def rows4_intrinsic(kind: GGMLType, dot: str | None = None):
+    """The numba intrinsic `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)` -> four
+    float32 sums, its block dots on `dot` ("vnni", "avx2", "generic"; default: the host's)."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    def _rows4_typing(typingctx, raw, r0, r1, r2, r3, q, dx, xs, qsum):
+        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, q, dx, xs, qsum), _rows4_codegen(kind, dot)
+
+    return intrinsic(_rows4_typing)
+
+
+def rows4f_intrinsic(kind: GGMLType):
+    """The numba intrinsic `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)` -> four float32 sums."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    def _rows4f_typing(typingctx, raw, r0, r1, r2, r3, xlo, xhi, xsum):
+        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, xlo, xhi, xsum), _rows4f_codegen(kind)
+
+    return intrinsic(_rows4f_typing)
+

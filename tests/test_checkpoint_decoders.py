@@ -927,6 +927,17 @@ def test_qwen2_folder_matches_transformers(tmp_path, torch, transformers, tied):
     np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
 
 
+def test_qwen2_use_mrope_false_is_accepted_and_true_refused(tmp_path, torch, transformers):
+    """Qwen2.5's config.json says "use_mrope": false: no multimodal rotary, nothing changes."""
+    hf = hf_family("qwen2")
+    folder = save(hf, tmp_path)
+    edit_config(folder, use_mrope=False)
+    compare(AutoCausalLM.from_pretrained(folder), hf, IDS, "Qwen2 (use_mrope=false) logits")
+    edit_config(folder, use_mrope=True)
+    with pytest.raises(ValueError, match=r"config\.json: use_mrope=true is not supported"):
+        AutoCausalLM.from_pretrained(folder)
+
+
 def test_qwen2_sliding_layers_match_transformers(tmp_path, torch, transformers):
     """use_sliding_window: the layers from max_window_layers on see their last 8 keys (IDS has 40)."""
     hf = hf_family("qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)

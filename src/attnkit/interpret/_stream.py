@@ -49,16 +49,14 @@ def residuals(model: CausalLM, ids: np.ndarray) -> list[np.ndarray]:
 def metric_value(metric: Callable[[np.ndarray], Any], logits: np.ndarray) -> float:
     """metric(logits) as a float; TypeError unless the metric returned one number."""
     value = metric(logits)
-    try:
-        if np.ndim(value) == 0:
+    shape = np.shape(value) if isinstance(value, (np.ndarray, np.generic)) else None
+    if not shape:
+        try:
             return float(value)
-    except (TypeError, ValueError):
-        pass
-    raise TypeError(
-        "expected the metric to return a scalar (one number from the logits (T, vocab)), got "
-        f"{type(value).__name__} of shape {np.shape(value)}" if np.ndim(value) else
-        f"expected the metric to return a scalar (one number from the logits (T, vocab)), got {value!r}"
-    )
+        except (TypeError, ValueError):
+            pass
+    got = f"{type(value).__name__} of shape {shape}" if shape else repr(value)
+    raise TypeError(f"expected the metric to return a scalar (one number from the logits (T, vocab)), got {got}")
 
 
 def _chunks(total: int, size: int) -> list[slice]:

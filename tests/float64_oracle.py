@@ -43,7 +43,13 @@ def _rotary64(self, x, position_ids):
 
 
 def _rope_of(config) -> tuple[float, object, int]:
-    from attnkit.models.llama import LlamaConfig
+    """(theta, attnkit's RopeScaling or None, head dim) of a transformers config."""
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if parameters.get("rope_type", "default") == "default":
+        return float(theta), None, int(head_dim)
+    from attnkit.models.llama import LlamaConfig  # the scaling's parameters, as attnkit's loader reads them
 
     ours = LlamaConfig.from_hf(config.to_dict())
     return ours.rope_theta, ours.rope_scaling, ours.head_dim

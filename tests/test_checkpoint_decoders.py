@@ -17,7 +17,6 @@ naming the file.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import tracemalloc
@@ -26,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import F32_EPS, assert_within_budget, optional
+from float64_oracle import float64_transcription
 
 from attnkit.models.chat import DecoderTokenizer
 from attnkit.models.auto import AutoCausalLM
@@ -110,7 +110,9 @@ def save(model, folder):
 
 
 def float64_truth(model):
-    return copy.deepcopy(model).double()
+    """transformers' model in float64 with no float32 rounding left (its RMSNorm and rotary
+    round in float32 even in a float64 model; see float64_oracle.py)."""
+    return float64_transcription(model)
 
 
 def hf_logits(model, ids):
@@ -194,7 +196,7 @@ def write_gguf(path, hf, *, kind="F32", pre="smollm", rope_freqs=None, keys=None
         if isinstance(value, bool):
             writer.add_bool(key, value)
         elif isinstance(value, int):
-            writer.add_uint32(key, value)
+            (writer.add_uint32 if value < 2**32 else writer.add_uint64)(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         else:
@@ -841,10 +843,22 @@ def test_broken_gpt2_configs_are_refused_before_allocation(tmp_path, torch, tran
     ({"llama.attention.head_count": 0}, ("head_count",), r"llama\.attention\.head_count to be an integer >= 1"),
     ({}, ("embedding_length",), r"lacks the key 'llama\.embedding_length'"),
     ({"llama.embedding_length": 12000000, "llama.attention.key_length": 16}, ("embedding_length",),
-     r"'token_embd\.weight' has shape \(275, 64\), expected \(275, 12000000\)"),
-    ({"llama.attention.head_count_kv": 3}, ("head_count_kv",), r"multiple of llama\.attention\.head_count_kv"),
+     r"embedding_length is 12000000 but token_embd\.weight is \(vocab, d\) = \(275, 64\)"),
+    ({"llama.attention.head_count_kv": 3}, ("head_count_kv",),
+     r"head_count_kv is 3 but blk\.0\.attn_k\.weight has 32 rows, not a multiple of it"),
     ({}, ("tokens", "vocab_size"), r"lacks tokenizer\.ggml\.tokens"),
-    ({"llama.vocab_size": 300}, ("vocab_size",), r"vocab_size is 300 but tokenizer\.ggml\.tokens has 275"),
+    ({"llama.vocab_size": 300}, ("vocab_size",), r"vocab_size is 300 but token_embd\.weight is \(vocab, d\)"),
+    # counts from metadata checked against the tensor table before anything is sized by them
+    ({"llama.block_count": 2**31}, ("block_count",),
+     r"block_count is 2147483648 but the tensor table holds 2 layers \(blk\.N\. for N in 0\.\.1\)"),
+    ({"llama.block_count": 3}, ("block_count",), r"block_count is 3 but the tensor table holds 2 layers"),
+    ({"llama.block_count": 1}, ("block_count",), r"block_count is 1 but the tensor table holds 2 layers"),
+    ({"llama.feed_forward_length": 2**40}, ("feed_forward_length",),
+     r"feed_forward_length is 1099511627776 but blk\.0\.ffn_up\.weight has 96 rows"),
+    ({"llama.attention.head_count": 3}, ("head_count",),
+     r"head_count is 3 but blk\.0\.attn_q\.weight has 64 rows"),
+    ({"llama.attention.head_count": 4, "llama.attention.head_count_kv": 1}, ("head_count", "head_count_kv"),
+     r"head_count_kv is 1 but it makes heads of 32 values where head_count makes heads of 16"),
     ({"tokenizer.ggml.eos_token_id": 9999}, ("eos",), r"token id\(s\) \[9999\] are outside the vocabulary"),
     ({"llama.rope.dimension_count": 8}, ("rope_dims",), r"partial rotary"),
 ])
@@ -925,6 +939,17 @@ def test_qwen2_folder_matches_transformers(tmp_path, torch, transformers, tied):
     assert ours.config.qkv_bias and not ours.config.attention_bias and ours.config.sliding_window is None
     compare(ours, hf, IDS, f"Qwen2 (tied={tied}) logits")
     np.testing.assert_array_equal(ours.generate(PROMPT, 32, stop=()), hf_greedy(hf, PROMPT, 32))
+
+
+def test_qwen2_use_mrope_false_is_accepted_and_true_refused(tmp_path, torch, transformers):
+    """Qwen2.5's config.json says "use_mrope": false: no multimodal rotary, nothing changes."""
+    hf = hf_family("qwen2")
+    folder = save(hf, tmp_path)
+    edit_config(folder, use_mrope=False)
+    compare(AutoCausalLM.from_pretrained(folder), hf, IDS, "Qwen2 (use_mrope=false) logits")
+    edit_config(folder, use_mrope=True)
+    with pytest.raises(ValueError, match=r"config\.json: use_mrope=true is not supported"):
+        AutoCausalLM.from_pretrained(folder)
 
 
 def test_qwen2_sliding_layers_match_transformers(tmp_path, torch, transformers):

@@ -157,3 +157,49 @@ def test_damaged_headers_are_refused_clearly(every_type, tmp_path, gguf):
             assert repr(as_package_gives(layout.metadata)) == repr(theirs), f"{what}: read differently from the package"
         outcomes["same"] += 1
     assert outcomes["refused"] > len(cases) // 2, outcomes
+
+
+# ----------------------------------------------------------------------------- big-endian files
+
+ELEMENT_TYPES = {"token_embd": "F16", "attn_q": "F32", "attn_k": "F16", "attn_v": "F32", "attn_output": "F16",
+                 "ffn_gate": "F32", "ffn_up": "F16", "ffn_down": "F32"}
+
+
+def test_a_big_endian_file_reads_as_its_little_endian_twin(tmp_path, gguf):
+    """The gguf package writes big-endian files (`GGUFEndian.BIG`) and reads them back: the
+    same metadata, table and values as the little-endian file of the same model (the old
+    reader took its counts little-endian: "claims 1080863910568919040 metadata keys")."""
+    from attnkit.models import AutoCausalLM
+
+    little, big = tmp_path / "little.gguf", tmp_path / "big.gguf"
+    model = write_tiny_llama_gguf(little, types=ELEMENT_TYPES)
+    write_tiny_llama_gguf(big, model, types=ELEMENT_TYPES, big_endian=True)
+    assert gguf.GGUFReader(str(big)).endianess == gguf.GGUFEndian.BIG
+    ours_little, ours_big = GGUFFile(little), GGUFFile(big)
+    assert (ours_little.byte_order, ours_big.byte_order) == ("<", ">")
+    assert ours_big.metadata == ours_little.metadata
+    assert ours_big.tensor_infos.keys() == ours_little.tensor_infos.keys()
+    for name in ours_little.tensor_names:
+        assert ours_big.tensor_type(name) == ours_little.tensor_type(name)
+        np.testing.assert_array_equal(ours_big.raw(name), ours_little.raw(name))
+        np.testing.assert_array_equal(ours_big.tensor(name), ours_little.tensor(name))
+    # the package's reader of the big-endian file agrees, value for value
+    package = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(big)).tensors}
+    for name, values in package.items():
+        np.testing.assert_array_equal(ours_big.tensor(name).reshape(-1), values.astype(np.float32).reshape(-1))
+    ids = np.array([1, 5, 9, 3, 7])
+    np.testing.assert_array_equal(AutoCausalLM.from_pretrained(big)(ids), AutoCausalLM.from_pretrained(little)(ids))
+
+
+def test_a_big_endian_file_with_quantized_blocks_is_refused_by_name(tmp_path, gguf):
+    """A quantized block's byte order in a big-endian file depends on the tool that wrote it
+    (the gguf package leaves the blocks as they are; llama.cpp's gguf_convert_endian.py swaps
+    their scales): refused, naming the tensor, its type and the way out."""
+    path = tmp_path / "big-q8.gguf"
+    write_tiny_llama_gguf(path, types={**ELEMENT_TYPES, "attn_q": "Q8_0"}, big_endian=True)
+    found = GGUFFile(path)
+    assert found.metadata["llama.block_count"] == 2 and found.tensor_type("blk.0.attn_q.weight") == "Q8_0"
+    found.tensor("blk.0.attn_k.weight")  # element types read
+    with pytest.raises(ValueError, match=r"big-q8\.gguf: tensor 'blk\.0\.attn_q\.weight' is Q8_0 in a big-endian "
+                                         r"GGUF file.*gguf_convert_endian\.py"):
+        found.raw("blk.0.attn_q.weight")

@@ -47,10 +47,12 @@ GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "F16", "attn_v": "Q4_1", "attn_output"
 
 
 def write_tiny_llama_gguf(path, model: LlamaForCausalLM | None = None, *, arch: str = "llama",
-                          extra=None) -> LlamaForCausalLM:
+                          extra=None, types: dict | None = None, big_endian: bool = False) -> LlamaForCausalLM:
     """Write `model` (default `tiny_llama()`) as a llama.cpp-style GGUF; returns the model.
 
-    `extra(writer, state)` may add keys or tensors before the file is written."""
+    `extra(writer, state)` may add keys or tensors before the file is written; `types` maps
+    "token_embd" and the matrices' short names to GGML types (default Q8_0 and `GGUF_TYPES`);
+    `big_endian` writes the file with the gguf package's `GGUFEndian.BIG`."""
     import gguf
 
     model = model or tiny_llama()
@@ -58,7 +60,9 @@ def write_tiny_llama_gguf(path, model: LlamaForCausalLM | None = None, *, arch: 
     Q = gguf.GGMLQuantizationType
     state = {k: np.asarray(v, np.float32) for k, v in model.state_dict().items()}
     tokens = tiny_vocab()
-    writer = gguf.GGUFWriter(str(path), arch)
+    types = {"token_embd": "Q8_0", **GGUF_TYPES, **(types or {})}
+    endianess = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
+    writer = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     writer.add_block_count(c.num_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -84,7 +88,7 @@ def write_tiny_llama_gguf(path, model: LlamaForCausalLM | None = None, *, arch: 
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
 
-    put("token_embd.weight", state["embed.weight"], Q.Q8_0)
+    put("token_embd.weight", state["embed.weight"], Q[types["token_embd"]])
     for i in range(c.num_layers):
         p = f"layers.{i}."
         put(f"blk.{i}.attn_norm.weight", state[p + "attn_norm.weight"], Q.F32)
@@ -98,7 +102,7 @@ def write_tiny_llama_gguf(path, model: LlamaForCausalLM | None = None, *, arch: 
             "ffn_down": state[p + "mlp.down_proj.weight"],
         }
         for short, array in weights.items():
-            put(f"blk.{i}.{short}.weight", array, Q[GGUF_TYPES[short]])
+            put(f"blk.{i}.{short}.weight", array, Q[types[short]])
         put(f"blk.{i}.ffn_norm.weight", state[p + "mlp_norm.weight"], Q.F32)
     put("output_norm.weight", state["norm.weight"], Q.F32)
     if extra is not None:

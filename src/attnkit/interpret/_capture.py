@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 
 from attnkit.nn.interface import AttentionCall, AttentionModule, intervene
 
@@ -56,13 +57,19 @@ def capturing(modules: list[Any], keep: Callable[[AttentionCall], Any] | None = 
 
 
 def check_heads(heads: Any, modules: list[Any]) -> list[tuple[int, int]]:
-    """`heads` as a list of (layer, head) pairs, each in range; ValueError otherwise."""
+    """`heads` as a list of (layer, head) pairs of ints, each in range; TypeError for an index
+    that is not an integer (a float is not truncated, a bool is not 0 or 1), ValueError otherwise."""
     pairs = []
     for item in heads:
         try:
-            layer, head = (int(v) for v in item)
+            layer, head = item
         except (TypeError, ValueError):
             raise ValueError(f"expected heads as (layer, head) pairs, got {item!r}") from None
+        for what, value in (("layer", layer), ("head", head)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"expected the {what} of a (layer, head) pair as an int, got "
+                                f"{type(value).__name__} {value!r} in {item!r}")
+        layer, head = int(layer), int(head)
         if not 0 <= layer < len(modules):
             raise ValueError(f"expected a layer in [0, {len(modules)}), got {layer} in {item!r}")
         count = num_heads(modules[layer])

@@ -85,6 +85,8 @@ def token_ids(model: Any, ids: Any) -> np.ndarray:
         raise ValueError(f"expected a text or a non-empty 1-D sequence of token ids, got shape {array.shape}")
     if not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"expected integer token ids, got dtype {array.dtype}")
+    if isinstance(model, CausalLM):  # the model's own checks: what its forward refuses, refused here
+        model.check_tokens(array[None])
     vocab = vocab_size(model)
     if array.min() < 0 or (vocab is not None and array.max() >= vocab):
         raise ValueError(f"expected token ids in [0, {vocab}), got {array.min()}..{array.max()}")

@@ -46,6 +46,19 @@ def residuals(model: CausalLM, ids: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+def metric_value(metric: Callable[[np.ndarray], Any], logits: np.ndarray) -> float:
+    """metric(logits) as a float; TypeError unless the metric returned one number."""
+    value = metric(logits)
+    shape = np.shape(value) if isinstance(value, (np.ndarray, np.generic)) else None
+    if not shape:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    got = f"{type(value).__name__} of shape {shape}" if shape else repr(value)
+    raise TypeError(f"expected the metric to return a scalar (one number from the logits (T, vocab)), got {got}")
+
+
 def _chunks(total: int, size: int) -> list[slice]:
     return [slice(start, min(total, start + size)) for start in range(0, total, size)]
 
@@ -116,5 +129,5 @@ def sweep(
         for rows in _chunks(B, max(1, LOGITS_BUDGET // max(1, T * int(c.vocab_size) * 4))):
             logits = model.unembed(model.final_norm(x[rows]))  # (n, T, vocab)
             for offset, row in enumerate(range(rows.start, rows.stop)):
-                scores[owner[row]][within[row]] = float(metric(logits[offset]))
+                scores[owner[row]][within[row]] = metric_value(metric, logits[offset])
     return scores

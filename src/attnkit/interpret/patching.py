@@ -27,7 +27,7 @@ import numpy as np
 from attnkit.interpret import _hf
 from attnkit.interpret._capture import capturing, edit_heads, num_heads
 from attnkit.interpret._model import decoder, head_modules, hf_decoder, layer_modules, token_ids
-from attnkit.interpret._stream import positions, residuals, sweep
+from attnkit.interpret._stream import metric_value, positions, residuals, sweep
 from attnkit.nn.interface import AttentionCall
 
 __all__ = ["patch_heads", "patch_residual"]
@@ -147,7 +147,7 @@ def _hf_patch_heads(model: Any, clean: Any, corrupt: Any, metric: Metric) -> np.
 
         with edit_heads({module: edit}):
             logits = _hf.forward(model, np.repeat(corrupt_ids[None], H, axis=0))  # (H, T, vocab)
-        result[layer, :H] = [float(metric(row)) for row in logits]
+        result[layer, :H] = [metric_value(metric, row) for row in logits]
     return result
 
 
@@ -165,5 +165,5 @@ def _hf_patch_residual(model: Any, clean: Any, corrupt: Any, metric: Metric) -> 
         x[every, every] = clean_stream[layer][0]
         with _hf.residual_patched(model, layer, x):
             logits = _hf.forward(model, np.repeat(corrupt_ids[None], T, axis=0))  # (T, T, vocab)
-        result[layer] = [float(metric(row)) for row in logits]
+        result[layer] = [metric_value(metric, row) for row in logits]
     return result

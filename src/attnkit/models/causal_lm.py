@@ -179,17 +179,23 @@ class CausalLM(Module):
             cache = self.new_cache(B, T)
         elif cache.batch_size != B:
             raise ValueError(f"expected input_ids with batch size {cache.batch_size} like the cache, got {B}")
-        if ids.max() >= self.config.vocab_size or ids.min() < 0:
-            raise ValueError(f"expected token ids in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
-        if cache.length + T > self.context_length:
-            raise ValueError(
-                f"{cache.length} cached + {T} new tokens go beyond this model's context of "
-                f"{self.context_length} tokens"
-            )
+        self.check_tokens(ids, cache.length)
         logits = self._forward(ids, mask, cache, last_only)
         if was_1d:
             logits = logits[0]
         return logits
+
+    def check_tokens(self, ids: np.ndarray, cached: int = 0) -> None:
+        """ValueError unless (B, T) integer `ids` are a valid input after `cached` positions:
+        every id in [0, vocab), and cached + T within the context (what `forward` refuses;
+        `attnkit.interpret` checks its inputs with it too)."""
+        if ids.size and (ids.max() >= self.config.vocab_size or ids.min() < 0):
+            raise ValueError(f"expected token ids in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+        T = ids.shape[-1]
+        if cached + T > self.context_length:
+            raise ValueError(
+                f"{cached} cached + {T} new tokens go beyond this model's context of {self.context_length} tokens"
+            )
 
     def _forward(self, ids: np.ndarray, mask: np.ndarray, cache: KVCache, last_only: bool) -> np.ndarray:
         """`forward` on checked (B, T) ids and mask: positions, then `_run` on the threads

@@ -604,6 +604,7 @@ NEUTRAL_CONFIG_VALUES: dict[str, tuple] = {
     "cross_attention_hidden_size": (None,),
     "tie_encoder_decoder": (False,),
     "pruned_heads": ({},),
+    "use_mrope": (False,),  # Qwen2.5's configs: multimodal rotary sections, off
 }
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "GGUFTensorEntry",
     "GGUF_PRE_TOKENIZERS",
     "check_tensor_table",
+    "check_metadata_counts",
     "check_metadata_keys",
     "supported_tensor_types",
     "tokenizer_from_gguf",
@@ -98,6 +99,10 @@ def _check_magic(path: Path) -> None:
         raise ValueError(
             f"could not read GGUF file {str(path)!r}: expected GGUF version 2 or 3, got {version}"
         )
+
+
+# GGML's element (non-block) types: bytes per value, swapped as one number in a big-endian file
+_ELEMENT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "I16": 2, "I32": 4, "I64": 8}
 
 
 # llama.cpp's limits on a tensor-info entry (ggml.h: GGML_MAX_DIMS, GGML_MAX_NAME).
@@ -224,6 +229,7 @@ class GGUFFile:
                            file_size=layout.file_size, source=self.path)
         self._buffer = layout.buffer
         self._data_start = layout.data_start
+        self.byte_order = layout.byte_order  # "<", or ">" for a big-endian file
         self.metadata: dict[str, Any] = layout.metadata
         self._entries = {entry.name: entry for entry in entries}
         self.tensor_infos: dict[str, TensorInfo] = {
@@ -263,7 +269,29 @@ class GGUFFile:
             rows *= n
         row_bytes = columns // kind.block_size * kind.type_size
         start = self._data_start + entry.offset
-        return self._buffer[start:start + rows * row_bytes].reshape(rows, row_bytes)
+        stored = self._buffer[start:start + rows * row_bytes].reshape(rows, row_bytes)
+        if self.byte_order == "<":
+            return stored
+        return self._little_endian(name, kind.name, stored)
+
+    def _little_endian(self, name: str, kind: str, stored: np.ndarray) -> np.ndarray:
+        """A big-endian file's tensor bytes in little-endian order (a copy): its values swapped
+        one by one for the element types (F32, F16, BF16, F64, I8 ... I64), as the gguf package
+        writes them. Block types are refused: the gguf package writes their bytes unswapped,
+        llama.cpp's gguf_convert_endian.py swaps the scales inside each block, and the file does
+        not say which it holds."""
+        width = _ELEMENT_BYTES.get(kind)
+        if width is None:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is {kind} in a big-endian GGUF file; attnkit reads big-endian "
+                "files' F32, F16, BF16, F64 and integer tensors only (the byte order inside a quantized block "
+                "depends on the tool that wrote it); convert the file with the gguf package's "
+                "gguf_convert_endian.py FILE little"
+            )
+        if width == 1:
+            return stored
+        swapped = stored.view(f">u{width}").astype(f"<u{width}")  # (rows, row_bytes / width)
+        return swapped.view(np.uint8).reshape(stored.shape)
 
     def check_tensor_types(self, names: Any = None) -> None:
         """Refuse, before anything is dequantized, a tensor whose GGML type has no dequantizer.
@@ -377,6 +405,7 @@ def check_metadata_keys(
     ConfigReader(metadata, source, prefix=f"{arch}.").check_keys(
         known, neutral=neutral, harmless=harmless, common=False, what=what
     )
+    check_metadata_counts(gguf_file, arch)
     named_templates = {key.removeprefix("tokenizer.") for key in metadata if key.startswith("tokenizer.chat_template.")}
     ConfigReader(metadata, source, prefix="tokenizer.").check_keys(
         _TOKENIZER_KEYS, neutral=_TOKENIZER_NEUTRAL, harmless=_TOKENIZER_HARMLESS | named_templates, common=False,
@@ -389,6 +418,89 @@ def check_metadata_keys(
             f"{source}: {what} does not know the metadata key(s) {', '.join(map(repr, sorted(other)))}; "
             "they may change what the model computes, so the file is refused"
         )
+
+
+def _block_indices(names: list[str]) -> set[int]:
+    """The N of every `blk.N.` tensor name (llama.cpp's name for layer N's tensors)."""
+    found = set()
+    for name in names:
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+            found.add(int(parts[1]))
+    return found
+
+
+def check_metadata_counts(gguf_file: GGUFFile, arch: str) -> None:
+    """Refuse metadata counts that the tensor table contradicts, before anything is sized by them.
+
+    llama.cpp names tensors the same way in every architecture, so each count is checked
+    against the tensors it counts: `{arch}.block_count` against the layers `blk.0.` ... present
+    (exactly those), `embedding_length` and `vocab_size` against `token_embd.weight`'s
+    (vocab, d), `feed_forward_length` against `blk.0.ffn_up.weight`'s rows, and the head counts
+    against `blk.0.attn_q.weight` / `attn_k.weight` (rows a multiple of the count, the same
+    head size for both). A per-layer count (a list) has one entry per block. A count whose
+    tensor is absent is left to the model's own shape checks. So a block_count of 2^31 over two
+    layers of tensors is an error naming the key, not a list of 2^31 tensor names.
+
+    Raises:
+        CheckpointError (a ValueError): naming the file, the key, its value and what the
+            tensors say.
+    """
+    source, metadata, infos = gguf_file.path, gguf_file.metadata, gguf_file.tensor_infos
+
+    def count(key: str) -> Any:
+        value = metadata.get(f"{arch}.{key}")
+        if value is None or isinstance(value, list) or (type(value) is int and value >= 0):
+            return value
+        raise CheckpointError(f"{source}: expected {arch}.{key} to be a count (an integer >= 0), got {value!r}")
+
+    def disagree(key: str, value: Any, tensors: str) -> CheckpointError:
+        return CheckpointError(
+            f"{source}: {arch}.{key} is {value} but {tensors}; the metadata and the tensor table disagree "
+            "(corrupt or edited metadata)"
+        )
+
+    blocks = count("block_count")
+    present = _block_indices(list(infos))
+    if blocks is not None:
+        # distinct indices >= 0: exactly 0 .. blocks - 1 when there are `blocks` of them, the last blocks - 1
+        if isinstance(blocks, list) or len(present) != blocks or (present and max(present) != blocks - 1):
+            held = (f"the tensor table holds {len(present)} layers (blk.N. for N in "
+                    f"{min(present)}..{max(present)})" if present else "the tensor table holds no blk.N. layer")
+            raise disagree("block_count", blocks, held)
+    for key, value in metadata.items():  # per-layer lists: one entry a layer
+        if key.startswith(f"{arch}.") and isinstance(value, list) and blocks is not None \
+                and key.endswith(("head_count", "head_count_kv", "feed_forward_length")) and len(value) != blocks:
+            raise disagree(key.removeprefix(f"{arch}."), f"a list of {len(value)}", f"block_count is {blocks}")
+
+    def rows(name: str) -> int | None:  # a weight's output features (GGML dims are fastest first)
+        info = infos.get(name)
+        return info.shape[0] if info is not None and len(info.shape) == 2 else None
+
+    embedding = infos.get("token_embd.weight")
+    if embedding is not None and len(embedding.shape) == 2:
+        vocab, width = embedding.shape
+        for key, expected in (("embedding_length", width), ("vocab_size", vocab)):
+            value = count(key)
+            if isinstance(value, int) and value != expected:
+                raise disagree(key, value, f"token_embd.weight is (vocab, d) = {embedding.shape}")
+    ffn = count("feed_forward_length")
+    if isinstance(ffn, int) and rows("blk.0.ffn_up.weight") not in (None, ffn):
+        raise disagree("feed_forward_length", ffn, f"blk.0.ffn_up.weight has {rows('blk.0.ffn_up.weight')} rows")
+    heads, kv_heads = count("attention.head_count"), count("attention.head_count_kv")
+    q_rows, k_rows = rows("blk.0.attn_q.weight"), rows("blk.0.attn_k.weight")
+    sizes = {}
+    for key, value, total, name in (("attention.head_count", heads, q_rows, "attn_q"),
+                                    ("attention.head_count_kv", kv_heads, k_rows, "attn_k")):
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int) and value > 0 and total is not None:  # 0: the reader's ">= 1" says so
+            if total % value:
+                raise disagree(key, value, f"blk.0.{name}.weight has {total} rows, not a multiple of it")
+            sizes[name] = total // value
+    if len(set(sizes.values())) > 1:
+        raise disagree("attention.head_count_kv", kv_heads,
+                       f"it makes heads of {sizes['attn_k']} values where head_count makes heads of {sizes['attn_q']}")
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -1,6 +1,8 @@
 """The GGUF file layout, read straight from a memory map: header, metadata, tensor table.
 
-GGUF (llama.cpp's `docs/gguf.md`), little-endian, version 2 or 3:
+GGUF (llama.cpp's `docs/gguf.md`), version 2 or 3, little-endian (or big-endian throughout,
+as the gguf package writes with `GGUFEndian.BIG`: told apart, as its reader does, by the
+version's low 16 bits being zero when read little-endian):
 
     magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count
     kv_count x   (string key | u32 value_type | value)
@@ -53,8 +55,8 @@ GGML_TYPES: dict[int, GGMLType] = {
     }.items()
 }
 
-# GGUF metadata value types -> NumPy dtype (little-endian); 7 bool, 8 string, 9 array.
-_NUMERIC = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 10: "<u8", 11: "<i8", 12: "<f8"}
+# GGUF metadata value types -> NumPy dtype (the byte order is the file's); 7 bool, 8 string, 9 array.
+_NUMERIC = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 10: "u8", 11: "i8", 12: "f8"}
 _BOOL, _STRING, _ARRAY = 7, 8, 9
 _MAX_NESTING = 4  # arrays of arrays: llama.cpp writes none; a deeper chain is damage
 
@@ -79,6 +81,7 @@ class GGUFLayout(NamedTuple):
     data_start: int
     file_size: int
     buffer: np.ndarray  # the whole file, uint8, memory-mapped read-only
+    byte_order: str = "<"  # "<" little-endian, ">" big-endian (numbers, metadata and tensor data)
 
 
 class _Truncated(ValueError):
@@ -88,11 +91,13 @@ class _Truncated(ValueError):
 class _Cursor:
     """Reads the header from `view` (the file's bytes), every read checked against its end."""
 
-    def __init__(self, view: memoryview, source: str) -> None:
+    def __init__(self, view: memoryview, source: str, order: str = "<") -> None:
         self.view = view
         self.size = len(view)
         self.pos = 0
         self.source = source
+        self.order = order  # "<" or ">"
+        self._u32, self._u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
 
     def need(self, n: int, what: str) -> int:
         if n < 0 or self.pos + n > self.size:
@@ -105,10 +110,10 @@ class _Cursor:
         return start
 
     def u32(self, what: str) -> int:
-        return struct.unpack_from("<I", self.view, self.need(4, what))[0]
+        return self._u32.unpack_from(self.view, self.need(4, what))[0]
 
     def u64(self, what: str) -> int:
-        return struct.unpack_from("<Q", self.view, self.need(8, what))[0]
+        return self._u64.unpack_from(self.view, self.need(8, what))[0]
 
     def string(self, what: str) -> str:
         length = self.u64(f"the length of {what}")
@@ -123,7 +128,7 @@ class _Cursor:
 
     def value(self, kind: int, what: str, depth: int = 0) -> Any:
         if kind in _NUMERIC:
-            dtype = np.dtype(_NUMERIC[kind])
+            dtype = np.dtype(self.order + _NUMERIC[kind])
             return np.frombuffer(self.view, dtype, 1, self.need(dtype.itemsize, what)).tolist()[0]
         if kind == _BOOL:
             return bool(self.view[self.need(1, what)])
@@ -143,14 +148,14 @@ class _Cursor:
         count = self.u64(f"the length of {what}")
         remaining = self.size - self.pos
         if kind in _NUMERIC or kind == _BOOL:
-            dtype = np.dtype(_NUMERIC.get(kind, "<u1"))
+            dtype = np.dtype(self.order + _NUMERIC.get(kind, "u1"))
             start = self.need(count * dtype.itemsize if count <= remaining else remaining + 1, what)
             values = np.frombuffer(self.view, dtype, count, start)
             return (values != 0).tolist() if kind == _BOOL else values.tolist()
         if kind == _STRING:  # each string is at least its 8-byte length
             if count > remaining // 8:
                 self.need(remaining + 1, f"{count} strings of {what}")
-            view, pos, size, unpack = self.view, self.pos, self.size, struct.Struct("<Q").unpack_from
+            view, pos, size, unpack = self.view, self.pos, self.size, self._u64.unpack_from
             spans = []
             for _ in range(count):
                 if pos + 8 > size:
@@ -205,7 +210,10 @@ def read_layout(path: str | os.PathLike[str]) -> GGUFLayout:
     """
     source = str(path)
     buffer = _map(path)
-    cursor = _Cursor(memoryview(buffer), source)
+    order = "<"
+    if len(buffer) >= 8 and int.from_bytes(bytes(buffer[4:8]), "little") & 0xFFFF == 0:
+        order = ">"  # the version (2 or 3) stored big-endian: the whole file is (the gguf package's test)
+    cursor = _Cursor(memoryview(buffer), source, order)
     cursor.need(4, "the magic bytes")
     version = cursor.u32("the version")
     tensor_count = cursor.u64("the tensor count")
@@ -233,12 +241,12 @@ def read_layout(path: str | os.PathLike[str]) -> GGUFLayout:
         n_dims = cursor.u32(f"the dimension count of tensor {name!r}")
         if n_dims > 4:
             raise _tensor_error(source, name, f"expected 1 to 4 dims (n_dims), got {n_dims}")
-        dims = struct.unpack_from(f"<{n_dims}Q", cursor.view, cursor.need(8 * n_dims, f"the dims of {name!r}"))
+        dims = struct.unpack_from(f"{order}{n_dims}Q", cursor.view, cursor.need(8 * n_dims, f"the dims of {name!r}"))
         raw_type = cursor.u32(f"the type of tensor {name!r}")
         offset = cursor.u64(f"the data offset of tensor {name!r}")
         tensors.append(TensorRecord(name, tuple(dims), raw_type, offset))
     data_start = -(-cursor.pos // alignment) * alignment
-    return GGUFLayout(version, metadata, tensors, alignment, data_start, cursor.size, buffer)
+    return GGUFLayout(version, metadata, tensors, alignment, data_start, cursor.size, buffer, order)
 
 
 def _tensor_error(source: str, name: str, message: str) -> ValueError:

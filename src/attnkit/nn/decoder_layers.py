@@ -98,16 +98,22 @@ class RMSNorm(Module):
         return f"{self.d}, eps={self.eps}"
 
 
-class RotaryEmbedding:
+class RotaryEmbedding(Module):
     """Rotary position embeddings in the "rotate half" layout of Hugging Face's Llama.
 
     Channel i and channel i + E/2 of each head form a pair rotated by position * theta_i,
     theta_i = base^(-2i/E) unless `scaling` stretches them (`attnkit.nn.positional.RopeScaling`:
-    linear, dynamic, yarn, llama3, or llama.cpp's per-frequency divisors). Frequencies and angles
-    are computed in float32 as transformers does, so logits agree to float32 rounding; cos and
-    sin are multiplied by the scaling's attention factor (yarn). The cos/sin table grows on
-    demand; with "dynamic" scaling, positions past `max_position_embeddings` use frequencies of
-    the current length (max position + 1), as transformers' forward does.
+    linear, dynamic, yarn, llama3, or llama.cpp's per-frequency divisors). Frequencies,
+    angles and their cos and sin are computed in float64 and rounded once into the model's
+    dtype: a float64 model is float64 throughout, and a float32 one gets the correctly rounded
+    cos and sin of the exact angle (transformers rounds the angle position * theta_i to float32
+    first, an error that grows with the position: half an ulp of 240 rad is 7.6e-6). cos and
+    sin are multiplied by the scaling's attention factor (yarn). The table grows on demand;
+    with "dynamic" scaling, positions past `max_position_embeddings` use frequencies of the
+    current length (max position + 1), as transformers' forward does.
+
+    A module without parameters: `astype` on the model that holds it sets the tables' dtype
+    (float32 until then).
 
     Arguments:
         head_dim: E (even).
@@ -116,39 +122,50 @@ class RotaryEmbedding:
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, scaling=None) -> None:
+        super().__init__()
         if head_dim % 2:
             raise ValueError(f"expected an even head_dim for rotary embeddings, got {head_dim}")
         self.head_dim = int(head_dim)
         self.base = float(base)
         self.scaling = scaling or RopeScaling()
-        self.inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling)  # (E/2,) float32
+        self.inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling, dtype=np.float64)  # (E/2,)
         self.attention_scaling = self.scaling.attention_scaling()
+        self._dtype_changed(np.dtype(np.float32))
+
+    def _dtype_changed(self, dtype: np.dtype) -> None:
         # (cos, sin) as one tuple, replaced whole when it grows: a reader in another
         # thread takes both from the same table, never a new cos with an old, shorter sin
-        self._tables = (np.zeros((0, head_dim), np.float32), np.zeros((0, head_dim), np.float32))
+        # (written past Module.__setattr__: a table is not a change of the model's structure)
+        empty = np.zeros((0, self.head_dim), dtype)
+        object.__setattr__(self, "_tables", (empty, empty))
+
+    @property
+    def table_dtype(self) -> np.dtype:
+        """The dtype of cos and sin: the model's (float32 or float64)."""
+        return self._tables[0].dtype
 
     def _table(self, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        angles = positions.astype(np.float32)[..., None] * inv_freq  # (..., E/2), float32 like transformers
-        angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)  # (..., E)
-        # cos and sin correctly rounded to float32 (NumPy's float32 kernels may be 1 ulp off)
-        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        angles = positions.astype(np.float64)[..., None] * inv_freq  # (..., E/2), exact to float64
+        angles = np.concatenate([angles, angles], axis=-1)  # (..., E)
+        cos, sin = np.cos(angles), np.sin(angles)
         if self.attention_scaling != 1.0:
             cos *= self.attention_scaling
             sin *= self.attention_scaling
-        return cos, sin
+        dtype = self.table_dtype
+        return cos.astype(dtype), sin.astype(dtype)  # each rounded once
 
     def _grow(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         length = max(length, 2 * len(self._tables[0]), 64)
         tables = self._table(np.arange(length), self.inv_freq)
-        self._tables = tables  # one attribute write: readers see the old pair or the new one
+        object.__setattr__(self, "_tables", tables)  # one attribute write: readers see the old pair or the new one
         return tables
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin for integer `positions` (any shape P): each (*P, E), float32."""
+        """cos and sin for integer `positions` (any shape P): each (*P, E), in `table_dtype`."""
         positions = np.asarray(positions)
         top = int(positions.max()) + 1 if positions.size else 0
         if self.scaling.is_dynamic and top > self.scaling.max_position_embeddings:
-            inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling, seq_len=top)
+            inv_freq = rope_frequencies(self.head_dim, self.base, self.scaling, seq_len=top, dtype=np.float64)
             return self._table(positions, inv_freq)
         cos, sin = self._tables
         if top > len(cos):
@@ -156,8 +173,8 @@ class RotaryEmbedding:
         return cos[positions], sin[positions]
 
     def at(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin of one position (a decode step's): each (E,) float32, C-contiguous (the
-        rows `cos_sin` gives, without its array work)."""
+        """cos and sin of one position (a decode step's): each (E,) in `table_dtype`,
+        C-contiguous (the rows `cos_sin` gives, without its array work)."""
         if self.scaling.is_dynamic and position >= self.scaling.max_position_embeddings:
             cos, sin = self.cos_sin(np.array([position]))
             return cos[0], sin[0]
@@ -165,6 +182,9 @@ class RotaryEmbedding:
         if position >= len(cos):
             cos, sin = self._grow(position + 1)
         return cos[position], sin[position]
+
+    def extra_repr(self) -> str:
+        return f"{self.head_dim}, base={self.base:g}, rope_type={self.scaling.rope_type!r}"
 
     @staticmethod
     def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

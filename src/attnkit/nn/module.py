@@ -258,6 +258,10 @@ class Module:
     def _parameters_changed(self) -> None:
         """Hook for modules that cache arrays derived from their parameters."""
 
+    def _dtype_changed(self, dtype: np.dtype) -> None:
+        """Hook for modules that hold arrays in the parameters' dtype that are not
+        parameters (rotary tables): `astype` calls it with the new dtype."""
+
     # ----- traversal ----------------------------------------------------------
 
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
@@ -372,6 +376,7 @@ class Module:
                 if array is not None and array.dtype != dt:
                     module._parameters[name] = _stored(array, dt, module._parameter_order[name])
             module._parameters_changed()
+            module._dtype_changed(dt)
         return self
 
     # ----- modes ----------------------------------------------------------------

@@ -229,10 +229,24 @@ def test_show_rollout_and_flow_in_every_file_view(tmp_path):
         result = cli("show", "the cat sat on the mat", "--model", "random", flag, "--layer", "1",
                      "--png", png, "--html", page, width=50)
         assert result.exit_code == 0, result.output
-        assert f"random ({flag[2:]}): layer 1, head 0" in result.output
+        assert f"random ({flag[2:]}): layer 1, all heads" in result.output
         assert "…" not in result.output
         assert png.exists() and (tmp_path / f"{flag[2:]}-grid.png").exists()
         assert f'"model":"random ({flag[2:]})"' in page.read_text(encoding="utf-8")
+
+
+def test_show_rollout_and_flow_default_to_the_last_layer():
+    """Rollout and flow accumulate through the layers: the default map is the last layer's
+    (layer 0's is nearly the identity); plain attention still opens at layer 0."""
+    from attnkit.viz.providers import get_provider
+
+    layers = get_provider("random").attention("the cat sat").num_layers
+    for flag in ("--rollout", "--flow"):
+        result = cli("show", "the cat sat", "--model", "random", flag)
+        assert result.exit_code == 0, result.output
+        assert f"random ({flag[2:]}): layer {layers - 1}, all heads" in result.output
+    plain = cli("show", "the cat sat", "--model", "random", "--no-summary")
+    assert plain.exit_code == 0 and "random: layer 0, head 0" in plain.output
 
 
 def test_show_value_weighted_matches_the_library(tiny):

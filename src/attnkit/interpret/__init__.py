@@ -9,7 +9,8 @@ indexed ``[layer, head]`` unless stated. See docs/interpret.md for the formulas.
 - Detectors: `detect_heads(model, ids, pattern)` (TransformerLens's `detect_head`, "mul";
   the patterns: `detection_pattern`), `induction_scores(model, length, seed)` (on
   `repeated_random_tokens`), `sink_scores(model, ids, epsilon)`.
-- Interventions: `ablate(model, heads, how)` (a context manager), `patch_heads` and
+- Interventions: `ablate(model, heads, how)` (a context manager), `head_importance(model, ids)`
+  (the loss with each head alone ablated, every head in one batched sweep), `patch_heads` and
   `patch_residual` (activation patching).
 - The residual stream: `logit_lens(model, ids)`, `direct_logit_attribution(model, ids, answer)`.
 - Maps: `value_weighted(model, ids)` (Kobayashi et al.'s norms), `rollout(weights)` and
@@ -34,6 +35,8 @@ _LAZY = {
     "repeated_random_tokens": "heads",
     "sink_scores": "heads",
     "ablate": "ablation",
+    "HeadImportance": "importance",
+    "head_importance": "importance",
     "patch_heads": "patching",
     "patch_residual": "patching",
     "LogitAttribution": "lens",
@@ -49,6 +52,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ loads these
     from attnkit.interpret.ablation import ablate  # noqa: F401
+    from attnkit.interpret.importance import HeadImportance, head_importance  # noqa: F401
     from attnkit.interpret.heads import (  # noqa: F401
         HEAD_PATTERNS,
         SinkScores,

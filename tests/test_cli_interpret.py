@@ -183,6 +183,41 @@ def test_patch_prints_what_patch_heads_computes(tiny, tiny_model):
                                                      for i in order]
 
 
+def test_patch_names_each_token_and_warns_about_a_missing_space(tiny, tiny_model):
+    """Each answer is named as the token it became; an answer without its leading space is
+    flagged when the spaced form is one token too and likelier after the clean text."""
+    model = tiny_model
+    clean = "the cat sat"
+    logits = model.forward(model.tokenizer.encode(clean))[-1]
+    likelier, not_likelier = [], []
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        plain = model.tokenizer.encode(letter, add_special_tokens=False)
+        spaced = model.tokenizer.encode(" " + letter, add_special_tokens=False)
+        if len(plain) == 1 and len(spaced) == 1 and plain != spaced:
+            (likelier if logits[spaced[0]] > logits[plain[0]] else not_likelier).append(letter)
+    assert likelier and not_likelier  # both branches run
+    for letter, warned in ((likelier[0], True), (not_likelier[0], False)):
+        result = cli("patch", "--clean", clean, "--corrupt", "the hat sat", "--answer", letter, "--model", tiny,
+                     "--top", "0")
+        assert result.exit_code == 0, result.output
+        token = model.tokenizer.encode(letter, add_special_tokens=False)[0]
+        assert f"--answer {letter!r} is the token {letter!r} (id {token})" in result.output
+        assert (f"did you mean --answer {' ' + letter!r}?" in result.output) is warned, result.output
+
+
+def test_patch_warns_when_the_clean_run_gets_the_answer_wrong(tiny, tiny_model):
+    """Of an answer and its swap, the clean run prefers one: the other is warned about."""
+    model = tiny_model
+    logits = model.forward(model.tokenizer.encode("the cat sat"))[-1].astype(np.float64)
+    a, t = (model.tokenizer.encode(x, add_special_tokens=False)[0] for x in "at")
+    preferred = "a" if logits[a] > logits[t] else "t"
+    for answer, wrong in (("a", "t"), ("t", "a")):
+        result = cli("patch", "--clean", "the cat sat", "--corrupt", "the hat sat", "--answer", answer,
+                     "--wrong", wrong, "--model", tiny, "--top", "0")
+        assert result.exit_code == 0, result.output
+        assert ("the clean run does not prefer" in result.output) is (answer != preferred), result.output
+
+
 def test_patch_refuses_what_it_cannot_patch(tiny):
     longer = cli("patch", "--clean", "the cat sat", "--corrupt", "the big hat sat", "--answer", "a", "--model", tiny)
     assert longer.exit_code == 1 and "same number of tokens" in longer.output and longer.output.count("\n") == 1

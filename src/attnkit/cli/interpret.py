@@ -296,6 +296,41 @@ def _one_token(model: Any, option: str, text: str) -> int:
     return int(ids[0])
 
 
+def _name_tokens(model: Any, logits: np.ndarray, options: list[tuple[str, Optional[str], Optional[int]]]) -> None:
+    """Say which token each of --answer / --wrong became; warn when the text has no leading
+    space but its space-prefixed form is one token too and likelier after the clean text
+    (the word that follows another usually carries its space: ' Mary', not 'Mary')."""
+    for option, text, token in options:
+        if text is None or token is None:
+            continue
+        note(f"{option} {text!r} is the token {model.tokenizer.decode([token])!r} (id {token})")
+        if text.startswith(" "):
+            continue
+        spaced = list(model.tokenizer.encode(" " + text, add_special_tokens=False))
+        if len(spaced) == 1 and spaced[0] != token and logits[spaced[0]] > logits[token]:
+            warn(f"{option} {text!r} has no leading space, but {' ' + text!r} is a token too and likelier after "
+                 f"the clean text (logit {logits[spaced[0]]:.2f} against {logits[token]:.2f}); "
+                 f"did you mean {option} {' ' + text!r}?")
+
+
+def _check_clean_run(model: Any, logits: np.ndarray, answer: str, wrong: Optional[str], answer_id: int,
+                     clean_value: float, corrupt_value: float) -> None:
+    """Warn when the model does not get the clean prompt right: patching then measures how
+    heads move a wrong answer, and the share recovered can be any number (not 0..1)."""
+    if wrong is not None and clean_value <= 0:
+        warn(f"the clean run does not prefer {answer!r} to {wrong!r} (logit difference {clean_value:.3f}): the model "
+             "gets this prompt wrong, so the shares recovered below are hard to read; choose a prompt the model "
+             "answers correctly")
+    elif wrong is None and int(np.argmax(logits)) != answer_id:
+        rank = int(np.sum(logits > logits[answer_id])) + 1
+        top = model.tokenizer.decode([int(np.argmax(logits))])
+        warn(f"{answer!r} is not the clean run's most likely next token (rank {rank}; the top one is {top!r}): "
+             "choose a prompt the model answers correctly, or give --wrong to compare two answers")
+    if clean_value <= corrupt_value:
+        warn(f"the clean run scores the answer no higher than the corrupt one (clean {clean_value:.3f}, corrupt "
+             f"{corrupt_value:.3f}): the corrupt text does not take the answer away, so 'recovered' is not a share")
+
+
 @app.command()
 def patch(
     clean: str = typer.Option(..., "--clean", help="The text whose run gives the answer."),
@@ -332,8 +367,11 @@ def patch(
         last = logits[-1].astype(np.float64)
         return float(last[answer_id] - (last[wrong_id] if wrong_id is not None else 0.0))
 
-    clean_value = metric(loaded.forward(clean_ids))
+    clean_logits = loaded.forward(clean_ids)[-1].astype(np.float64)  # (vocab,) at the last position
+    _name_tokens(loaded, clean_logits, [("--answer", answer, answer_id), ("--wrong", wrong, wrong_id)])
+    clean_value = metric(clean_logits[None])
     corrupt_value = metric(loaded.forward(corrupt_ids))
+    _check_clean_run(loaded, clean_logits, answer, wrong, answer_id, clean_value, corrupt_value)
     heads_ = int(max(block.attn.num_heads for block in loaded.layers))
     with err_console.status(f"patching each of {len(loaded.layers) * heads_} heads..."):
         try:

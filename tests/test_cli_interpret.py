@@ -248,6 +248,46 @@ def test_lens_last_row_is_the_models_prediction(tiny, tiny_model, tmp_path):
     assert cli("lens", "x", "--model", tiny, "--top", "6").exit_code == 2
 
 
+def test_top_tokens_lives_in_interpret_and_the_views_keep_it(tiny_model):
+    from attnkit.interpret import logit_lens, top_tokens
+    from attnkit.viz import interpret_views
+
+    ids = np.asarray(tiny_model.tokenizer.encode("the cat sat"), dtype=np.int64)
+    lens = logit_lens(tiny_model, ids)
+    assert interpret_views.top_tokens(tiny_model, lens, 3) == top_tokens(tiny_model, lens, 3)
+    with pytest.raises(ValueError, match=r"expected lens of shape \(layers \+ 1, T, vocab\)"):
+        top_tokens(tiny_model, lens[0], 1)
+
+
+def test_lens_table_gives_a_cell_the_width_of_its_tokens():
+    from rich.console import Console
+
+    from attnkit.viz.interpret_views import lens_table
+
+    top = [[["Paris", " capital", " France"], [" the", " located", " known"]]] * 3  # 3 rows, 2 positions
+    console = Console(width=120, record=True, no_color=True)
+    for table in lens_table(["The", " capital"], top, width=120, color=False):
+        console.print(table)
+    lines = console.export_text().splitlines()
+    assert len(lines) == 4 and "Paris capital France the located known" in lines[1], lines  # header + 3 rows, no wrapping
+
+
+def test_lens_rows_stay_one_line_where_the_terminal_has_room(tiny):
+    """--top 3 at 120 columns: each layer is one line (cells as wide as their tokens, not cut
+    at a fixed 14 and wrapped); at 40 columns the positions go on in blocks, never cut."""
+    wide = cli("lens", "the cat sat on", "--model", tiny, "--top", "3", width=120)
+    assert wide.exit_code == 0, wide.output
+    lines = wide.output.splitlines()
+    names = [line.split()[0] for line in lines if re.match(r"^(embed|L\d+) ", line)]
+    start = next(i for i, line in enumerate(lines) if line.startswith("embed "))
+    assert names == ["embed", "L0", "L1"]  # one table
+    assert [line.split()[0] for line in lines[start: start + 3]] == names  # no continuation lines
+    assert all(len(line) <= 120 for line in lines)
+    narrow = cli("lens", "the cat sat on", "--model", tiny, "--top", "3", width=40)
+    assert narrow.exit_code == 0 and "…" not in narrow.output
+    assert all(len(line) <= 40 for line in narrow.output.splitlines() if not line.startswith(("Logit", "rows")))
+
+
 # ----------------------------------------------------------------------------- show
 
 

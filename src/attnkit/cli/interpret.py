@@ -423,7 +423,8 @@ def lens(
 ) -> None:
     """The logit lens on TEXT: what each layer's residual stream would predict next, at each position."""
     from attnkit.interpret import logit_lens
-    from attnkit.viz.interpret_views import lens_table, render_lens_html, top_tokens
+    from attnkit.interpret import top_tokens
+    from attnkit.viz.interpret_views import lens_table, render_lens_html
 
     _check_text("TEXT", text)
     check_int("--top", top, 1, 5)

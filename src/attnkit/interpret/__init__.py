@@ -15,7 +15,7 @@ indexed ``[layer, head]`` unless stated. See docs/interpret.md for the formulas.
 - The residual stream: `logit_lens(model, ids)` (`top_tokens(model, lens, k)` decodes its best
   tokens), `direct_logit_attribution(model, ids, answer)`.
 - Maps: `value_weighted(model, ids)` (Kobayashi et al.'s norms), `rollout(weights)` and
-  `attention_flow(weights)` (Abnar & Zuidema), and `query_key_contributions(model, ids, layer,
+  `attention_flow(weights)` (Abnar & Zuidema; or `rollout(model, ids)`: the model's attention), and `query_key_contributions(model, ids, layer,
   head, query, key)` (each dimension's part of one score).
 
 Every name loads on first use: `import attnkit.interpret` imports nothing heavy.

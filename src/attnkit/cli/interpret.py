@@ -159,8 +159,8 @@ def _heads_progress(total: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    columns = (TextColumn("ablating each head"), BarColumn(), MofNCompleteColumn(), TextColumn("heads"),
-               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn())
+    columns = (TextColumn("ablating each head"), BarColumn(), MofNCompleteColumn(), TextColumn("heads ·"),
+               TimeElapsedColumn(), TextColumn("elapsed · about"), TimeRemainingColumn(), TextColumn("left"))
     with Progress(*columns, console=err_console, transient=True, redirect_stdout=False,
                   redirect_stderr=False) as bar:
         task = bar.add_task("ablate", total=total)

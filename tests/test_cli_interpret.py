@@ -183,6 +183,41 @@ def test_patch_prints_what_patch_heads_computes(tiny, tiny_model):
                                                      for i in order]
 
 
+def test_patch_names_each_token_and_warns_about_a_missing_space(tiny, tiny_model):
+    """Each answer is named as the token it became; an answer without its leading space is
+    flagged when the spaced form is one token too and likelier after the clean text."""
+    model = tiny_model
+    clean = "the cat sat"
+    logits = model.forward(model.tokenizer.encode(clean))[-1]
+    likelier, not_likelier = [], []
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        plain = model.tokenizer.encode(letter, add_special_tokens=False)
+        spaced = model.tokenizer.encode(" " + letter, add_special_tokens=False)
+        if len(plain) == 1 and len(spaced) == 1 and plain != spaced:
+            (likelier if logits[spaced[0]] > logits[plain[0]] else not_likelier).append(letter)
+    assert likelier and not_likelier  # both branches run
+    for letter, warned in ((likelier[0], True), (not_likelier[0], False)):
+        result = cli("patch", "--clean", clean, "--corrupt", "the hat sat", "--answer", letter, "--model", tiny,
+                     "--top", "0")
+        assert result.exit_code == 0, result.output
+        token = model.tokenizer.encode(letter, add_special_tokens=False)[0]
+        assert f"--answer {letter!r} is the token {letter!r} (id {token})" in result.output
+        assert (f"did you mean --answer {' ' + letter!r}?" in result.output) is warned, result.output
+
+
+def test_patch_warns_when_the_clean_run_gets_the_answer_wrong(tiny, tiny_model):
+    """Of an answer and its swap, the clean run prefers one: the other is warned about."""
+    model = tiny_model
+    logits = model.forward(model.tokenizer.encode("the cat sat"))[-1].astype(np.float64)
+    a, t = (model.tokenizer.encode(x, add_special_tokens=False)[0] for x in "at")
+    preferred = "a" if logits[a] > logits[t] else "t"
+    for answer, wrong in (("a", "t"), ("t", "a")):
+        result = cli("patch", "--clean", "the cat sat", "--corrupt", "the hat sat", "--answer", answer,
+                     "--wrong", wrong, "--model", tiny, "--top", "0")
+        assert result.exit_code == 0, result.output
+        assert ("the clean run does not prefer" in result.output) is (answer != preferred), result.output
+
+
 def test_patch_refuses_what_it_cannot_patch(tiny):
     longer = cli("patch", "--clean", "the cat sat", "--corrupt", "the big hat sat", "--answer", "a", "--model", tiny)
     assert longer.exit_code == 1 and "same number of tokens" in longer.output and longer.output.count("\n") == 1
@@ -213,6 +248,46 @@ def test_lens_last_row_is_the_models_prediction(tiny, tiny_model, tmp_path):
     assert cli("lens", "x", "--model", tiny, "--top", "6").exit_code == 2
 
 
+def test_top_tokens_lives_in_interpret_and_the_views_keep_it(tiny_model):
+    from attnkit.interpret import logit_lens, top_tokens
+    from attnkit.viz import interpret_views
+
+    ids = np.asarray(tiny_model.tokenizer.encode("the cat sat"), dtype=np.int64)
+    lens = logit_lens(tiny_model, ids)
+    assert interpret_views.top_tokens(tiny_model, lens, 3) == top_tokens(tiny_model, lens, 3)
+    with pytest.raises(ValueError, match=r"expected lens of shape \(layers \+ 1, T, vocab\)"):
+        top_tokens(tiny_model, lens[0], 1)
+
+
+def test_lens_table_gives_a_cell_the_width_of_its_tokens():
+    from rich.console import Console
+
+    from attnkit.viz.interpret_views import lens_table
+
+    top = [[["Paris", " capital", " France"], [" the", " located", " known"]]] * 3  # 3 rows, 2 positions
+    console = Console(width=120, record=True, no_color=True)
+    for table in lens_table(["The", " capital"], top, width=120, color=False):
+        console.print(table)
+    lines = console.export_text().splitlines()
+    assert len(lines) == 4 and "Paris capital France the located known" in lines[1], lines  # header + 3 rows, no wrapping
+
+
+def test_lens_rows_stay_one_line_where_the_terminal_has_room(tiny):
+    """--top 3 at 120 columns: each layer is one line (cells as wide as their tokens, not cut
+    at a fixed 14 and wrapped); at 40 columns the positions go on in blocks, never cut."""
+    wide = cli("lens", "the cat sat on", "--model", tiny, "--top", "3", width=120)
+    assert wide.exit_code == 0, wide.output
+    lines = wide.output.splitlines()
+    names = [line.split()[0] for line in lines if re.match(r"^(embed|L\d+) ", line)]
+    start = next(i for i, line in enumerate(lines) if line.startswith("embed "))
+    assert names == ["embed", "L0", "L1"]  # one table
+    assert [line.split()[0] for line in lines[start: start + 3]] == names  # no continuation lines
+    assert all(len(line) <= 120 for line in lines)
+    narrow = cli("lens", "the cat sat on", "--model", tiny, "--top", "3", width=40)
+    assert narrow.exit_code == 0 and "…" not in narrow.output
+    assert all(len(line) <= 40 for line in narrow.output.splitlines() if not line.startswith(("Logit", "rows")))
+
+
 # ----------------------------------------------------------------------------- show
 
 
@@ -229,10 +304,24 @@ def test_show_rollout_and_flow_in_every_file_view(tmp_path):
         result = cli("show", "the cat sat on the mat", "--model", "random", flag, "--layer", "1",
                      "--png", png, "--html", page, width=50)
         assert result.exit_code == 0, result.output
-        assert f"random ({flag[2:]}): layer 1, head 0" in result.output
+        assert f"random ({flag[2:]}): layer 1, all heads" in result.output
         assert "…" not in result.output
         assert png.exists() and (tmp_path / f"{flag[2:]}-grid.png").exists()
         assert f'"model":"random ({flag[2:]})"' in page.read_text(encoding="utf-8")
+
+
+def test_show_rollout_and_flow_default_to_the_last_layer():
+    """Rollout and flow accumulate through the layers: the default map is the last layer's
+    (layer 0's is nearly the identity); plain attention still opens at layer 0."""
+    from attnkit.viz.providers import get_provider
+
+    layers = get_provider("random").attention("the cat sat").num_layers
+    for flag in ("--rollout", "--flow"):
+        result = cli("show", "the cat sat", "--model", "random", flag)
+        assert result.exit_code == 0, result.output
+        assert f"random ({flag[2:]}): layer {layers - 1}, all heads" in result.output
+    plain = cli("show", "the cat sat", "--model", "random", "--no-summary")
+    assert plain.exit_code == 0 and "random: layer 0, head 0" in plain.output
 
 
 def test_show_value_weighted_matches_the_library(tiny):

@@ -26,6 +26,10 @@ class MissingExtraError(ImportError):
     """An optional package is not installed. The message names the pip extra that installs it."""
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+"""PyTorch's index of CPU-only wheels (PyPI's Linux torch bundles CUDA: about 3 GB)."""
+
+
 def require(module: str, extra: str, purpose: str) -> ModuleType:
     """Import the optional package `module`, or say which extra installs it.
 
@@ -41,8 +45,13 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as error:
+        missing = error.name or module
+        hint = ""
+        if missing.split(".")[0] == "torch":  # PyPI's Linux torch is the CUDA build, about 3 GB
+            hint = (" (no GPU? install the CPU build first, far smaller: "
+                    f"pip install torch --index-url {TORCH_CPU_INDEX})")
         raise MissingExtraError(
-            f"{purpose} needs the package {error.name or module!r}, which is not installed; "
-            f"install it with: pip install 'attnkit[{extra}]'",
-            name=error.name or module,
+            f"{purpose} needs the package {missing!r}, which is not installed; "
+            f"install it with: pip install 'attnkit[{extra}]'{hint}",
+            name=missing,
         ) from None

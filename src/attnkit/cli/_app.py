@@ -46,8 +46,36 @@ except ImportError:  # pragma: no cover - older typer on click
 # `note`, `say`) are soft-wrapped: a line is never broken in the middle of a path or a
 # command to copy, whatever the width of the terminal, a pipe or a log (rich would
 # otherwise wrap at 80 columns when the output is not a terminal).
-console = Console(highlight=False, emoji=False)
+class _Stdout:
+    """sys.stdout as it is at each write (tests swap it), remembering whether the last text
+    written ended a line: a note on stderr then starts on its own line (`_own_line`) instead
+    of landing after streamed text when both reach one terminal (`generate ... | cat`)."""
+
+    mid_line = False
+
+    def write(self, text: str) -> int:
+        if text:
+            _Stdout.mid_line = not text.endswith("\n")
+        return sys.stdout.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stdout, name)
+
+
+console = Console(file=_Stdout(), highlight=False, emoji=False)
 err_console = Console(stderr=True, highlight=False, emoji=False)
+
+
+def _own_line() -> None:
+    """Before a line on stderr: if stdout was left in the middle of a line, flush it and
+    end that line on stderr, so the message starts a line of its own."""
+    if _Stdout.mid_line:
+        _Stdout.mid_line = False
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        err_console.file.write("\n")
 
 USAGE = 2
 """Exit code of a usage error (the command line is wrong), as click uses."""
@@ -59,6 +87,7 @@ def print_error(message: str) -> None:
     """`error: message` as one line on stderr: control characters escaped, never wrapped."""
     line = Text("error:", style="bold red")
     line.append(" " + printable(message))
+    _own_line()
     err_console.print(line, soft_wrap=True)
 
 
@@ -66,11 +95,14 @@ def warn(message: str) -> None:
     """`warning: message` as one line on stderr."""
     line = Text("warning:", style="yellow")
     line.append(" " + printable(message))
+    _own_line()
     err_console.print(line, soft_wrap=True)
 
 
 def note(message: str, *, style: str = "dim") -> None:
-    """A one-line message on stderr (status, hints, timings): plain text, never wrapped."""
+    """A one-line message on stderr (status, hints, timings): plain text, never wrapped, on a
+    line of its own."""
+    _own_line()
     err_console.print(Text(printable(message), style=style), soft_wrap=True)
 
 

@@ -220,6 +220,9 @@ def generate(
     """Continue PROMPT, printing the text as it is generated, then tokens/s.
 
     PROMPT '-' reads the prompt from stdin: `echo "The capital of France is" | attnkit generate -`.
+
+    The embedded SmolLM2-135M is a small model: fluent, but often wrong on facts and
+    questions (a real decoder to watch, not an assistant).
     """
     check_text("PROMPT", prompt)
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty)

@@ -14,6 +14,7 @@ and writes its files only when the work succeeded (cli/_output.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -142,45 +143,28 @@ def _fit_columns(table_columns: list[tuple[str, int]], width: int, keep: int) ->
 # ----------------------------------------------------------------------------- heads
 
 
-def ablation_losses(model: Any, ids: np.ndarray) -> tuple[float, np.ndarray]:
+def ablation_losses(model: Any, ids: np.ndarray, progress=None) -> tuple[float, np.ndarray]:
     """The model's loss on `ids` (mean next-token cross-entropy), and the loss with each head
-    alone set to zero: (loss, (layers, heads)).
+    alone set to zero: (loss, (layers, heads)); `attnkit.interpret.head_importance`."""
+    from attnkit.interpret import head_importance
 
-    The layers below a head run once; the heads of one layer run as one batch from that
-    layer up (row b with head b off), through the decoder's seams (`embed_inputs`,
-    `run_layers`, `final_norm`, `unembed`) and `attnkit.nn.interface.intervene`.
-    """
-    from attnkit.functional import log_softmax
-    from attnkit.nn.interface import intervene
+    result = head_importance(model, ids, progress=progress)
+    return result.loss, result.ablated
 
-    T = len(ids)
-    targets = ids[1:]
 
-    def losses(x: np.ndarray, layer: int, edits: dict) -> np.ndarray:
-        B = x.shape[0]
-        where = np.broadcast_to(np.arange(T), (B, T))
-        with intervene(edits):
-            out = model.run_layers(x, where, model.new_cache(B, T), layer)
-        logp = log_softmax(model.unembed(model.final_norm(out))[:, :-1].astype(np.float64), axis=-1)
-        return -logp[:, np.arange(T - 1), targets].mean(axis=-1)  # (B,)
+@contextlib.contextmanager
+def _heads_progress(total: int):
+    """A transient progress bar on stderr for `total` head ablations: yields its `advance`
+    (n/total, elapsed, an estimate of what is left)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
 
-    where = np.arange(T)[None]
-    cache = model.new_cache(1, T)
-    x = model.embed_inputs(ids[None], where)  # (1, T, d)
-    base = float(losses(x, 0, {})[0])
-    modules = [block.attn for block in model.layers]
-    result = np.full((len(modules), max(int(m.num_heads) for m in modules)), np.nan)
-    for layer, module in enumerate(modules):
-        H = int(module.num_heads)
-
-        def edit(call, H=H):
-            out = call.output.copy()  # (H, H, T, E): row b turns head b off
-            out[np.arange(H), np.arange(H)] = 0.0
-            return out
-
-        result[layer, :H] = losses(np.repeat(x, H, axis=0), layer, {module: edit})
-        x = model.run_layers(x, where, cache, layer, layer + 1)
-    return base, result
+    columns = (TextColumn("ablating each head"), BarColumn(), MofNCompleteColumn(), TextColumn("heads ·"),
+               TimeElapsedColumn(), TextColumn("elapsed · about"), TimeRemainingColumn(), TextColumn("left"))
+    with Progress(*columns, console=err_console, transient=True, redirect_stdout=False,
+                  redirect_stderr=False) as bar:
+        task = bar.add_task("ablate", total=total)
+        yield lambda done: bar.advance(task, done)
 
 
 @app.command()
@@ -190,7 +174,8 @@ def heads(
     threshold: float = typer.Option(0.4, "--threshold", help="A head's role is its highest detector score "
                                     "when at least this (0..1]; below it the role is '-'."),
     importance: bool = typer.Option(True, "--importance/--no-importance",
-                                    help="Ablate each head and measure the loss increase (one batched run per layer)."),
+                                    help="Ablate each head and measure the loss increase (every head in one batched "
+                                    "sweep; --no-importance: detectors only, in a second)."),
     top: int = typer.Option(0, "--top", help="Show only the first N rows (0: every head)."),
     png: Optional[str] = typer.Option(None, "--png", metavar="FILE.png",
                                       help="Also draw a layers x heads grid of each score as FILE.png."),
@@ -218,8 +203,8 @@ def heads(
     grids = {ROLES[name]: values for name, values in scores.items()}
     loss_up = None
     if importance and decoder:
-        with err_console.status(f"ablating each of {weights.shape[0] * weights.shape[1]} heads..."):
-            base, ablated = ablation_losses(loaded, ids)
+        with _heads_progress(weights.shape[0] * weights.shape[1]) as advance:
+            base, ablated = ablation_losses(loaded, ids, advance)
         loss_up = ablated - base
         grids = {"loss increase when ablated": loss_up, **grids}
     elif importance:
@@ -311,6 +296,41 @@ def _one_token(model: Any, option: str, text: str) -> int:
     return int(ids[0])
 
 
+def _name_tokens(model: Any, logits: np.ndarray, options: list[tuple[str, Optional[str], Optional[int]]]) -> None:
+    """Say which token each of --answer / --wrong became; warn when the text has no leading
+    space but its space-prefixed form is one token too and likelier after the clean text
+    (the word that follows another usually carries its space: ' Mary', not 'Mary')."""
+    for option, text, token in options:
+        if text is None or token is None:
+            continue
+        note(f"{option} {text!r} is the token {model.tokenizer.decode([token])!r} (id {token})")
+        if text.startswith(" "):
+            continue
+        spaced = list(model.tokenizer.encode(" " + text, add_special_tokens=False))
+        if len(spaced) == 1 and spaced[0] != token and logits[spaced[0]] > logits[token]:
+            warn(f"{option} {text!r} has no leading space, but {' ' + text!r} is a token too and likelier after "
+                 f"the clean text (logit {logits[spaced[0]]:.2f} against {logits[token]:.2f}); "
+                 f"did you mean {option} {' ' + text!r}?")
+
+
+def _check_clean_run(model: Any, logits: np.ndarray, answer: str, wrong: Optional[str], answer_id: int,
+                     clean_value: float, corrupt_value: float) -> None:
+    """Warn when the model does not get the clean prompt right: patching then measures how
+    heads move a wrong answer, and the share recovered can be any number (not 0..1)."""
+    if wrong is not None and clean_value <= 0:
+        warn(f"the clean run does not prefer {answer!r} to {wrong!r} (logit difference {clean_value:.3f}): the model "
+             "gets this prompt wrong, so the shares recovered below are hard to read; choose a prompt the model "
+             "answers correctly")
+    elif wrong is None and int(np.argmax(logits)) != answer_id:
+        rank = int(np.sum(logits > logits[answer_id])) + 1
+        top = model.tokenizer.decode([int(np.argmax(logits))])
+        warn(f"{answer!r} is not the clean run's most likely next token (rank {rank}; the top one is {top!r}): "
+             "choose a prompt the model answers correctly, or give --wrong to compare two answers")
+    if clean_value <= corrupt_value:
+        warn(f"the clean run scores the answer no higher than the corrupt one (clean {clean_value:.3f}, corrupt "
+             f"{corrupt_value:.3f}): the corrupt text does not take the answer away, so 'recovered' is not a share")
+
+
 @app.command()
 def patch(
     clean: str = typer.Option(..., "--clean", help="The text whose run gives the answer."),
@@ -347,8 +367,11 @@ def patch(
         last = logits[-1].astype(np.float64)
         return float(last[answer_id] - (last[wrong_id] if wrong_id is not None else 0.0))
 
-    clean_value = metric(loaded.forward(clean_ids))
+    clean_logits = loaded.forward(clean_ids)[-1].astype(np.float64)  # (vocab,) at the last position
+    _name_tokens(loaded, clean_logits, [("--answer", answer, answer_id), ("--wrong", wrong, wrong_id)])
+    clean_value = metric(clean_logits[None])
     corrupt_value = metric(loaded.forward(corrupt_ids))
+    _check_clean_run(loaded, clean_logits, answer, wrong, answer_id, clean_value, corrupt_value)
     heads_ = int(max(block.attn.num_heads for block in loaded.layers))
     with err_console.status(f"patching each of {len(loaded.layers) * heads_} heads..."):
         try:
@@ -400,7 +423,8 @@ def lens(
 ) -> None:
     """The logit lens on TEXT: what each layer's residual stream would predict next, at each position."""
     from attnkit.interpret import logit_lens
-    from attnkit.viz.interpret_views import lens_table, render_lens_html, top_tokens
+    from attnkit.interpret import top_tokens
+    from attnkit.viz.interpret_views import lens_table, render_lens_html
 
     _check_text("TEXT", text)
     check_int("--top", top, 1, 5)

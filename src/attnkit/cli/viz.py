@@ -147,7 +147,10 @@ def _derive(maps, kind: str, model: str):
 def show(
     text: str = typer.Argument(..., help="The sentence to look at."),
     model: str = typer.Option("minilm", "--model", "-m", help=_MODEL_HELP),
-    layer: int = typer.Option(0, "--layer", "-l", help="Layer to show (0-based; negative counts from the end)."),
+    layer: Optional[int] = typer.Option(
+        None, "--layer", "-l", help="Layer to show (0-based; negative counts from the end). Default: 0; with "
+        "--rollout or --flow the last layer (they accumulate through the layers)."
+    ),
     head: int = typer.Option(0, "--head", help="Head to show (0-based)."),
     mean: bool = typer.Option(False, "--mean", help="Show the mean of the layer's heads instead of one head."),
     png: Optional[str] = typer.Option(
@@ -180,6 +183,8 @@ def show(
     model_option(model, ANY, "show")
     outputs = _plan_views(png, html)
     maps = _derive(_compute(text, model, max_tokens, backend), kind, model)
+    if layer is None:
+        layer = -1 if kind in ("rollout", "flow") else 0
     layer, chosen = _selection(maps, layer, 0 if kind in ("rollout", "flow") else head, mean)
     color = use_color(no_color)
     shown = maps.hide_special() if hide_special else maps

@@ -23,7 +23,8 @@ from attnkit.models.causal_lm import CausalLM
 from attnkit.nn.interface import AttentionModule, record_attention
 
 __all__ = [
-    "attention_maps", "decoder", "encoder", "head_modules", "hf_decoder", "layer_modules", "run", "token_ids",
+    "attention_maps", "decoder", "encoder", "head_modules", "hf_decoder", "is_model", "layer_modules", "run",
+    "token_ids",
     "vocab_size",
 ]
 
@@ -53,6 +54,12 @@ def decoder(model: Any, what: str) -> CausalLM:
             f"with attn_implementation='attnkit'), got {_describe(model)}"
         )
     return model
+
+
+def is_model(model: Any) -> bool:
+    """Whether `model` is one `attnkit.interpret` runs: an attnkit decoder or encoder, or a
+    transformers model."""
+    return isinstance(model, CausalLM) or encoder(model) is not None or is_transformers_model(model)
 
 
 def _check_model(model: Any) -> None:

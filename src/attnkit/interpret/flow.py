@@ -71,6 +71,9 @@ def _stack(weights: Any) -> np.ndarray:
         stacked = np.stack(layers)  # (layers, H, T, T)
     else:
         stacked = _as_array(weights)
+    if stacked.ndim == 0 and stacked.dtype == object:
+        raise TypeError(f"expected attention weights (layers, heads, T, T), got a {type(weights).__name__}; "
+                        "for a model's attention over a text, pass both: rollout(model, text)")
     if stacked.ndim != 4 or stacked.shape[-1] != stacked.shape[-2]:
         raise ValueError(f"expected weights of shape (layers, heads, T, T), got {stacked.shape}")
     if 0 in stacked.shape:
@@ -78,6 +81,30 @@ def _stack(weights: Any) -> np.ndarray:
     if not np.issubdtype(stacked.dtype, np.floating):
         raise TypeError(f"expected floating-point attention weights, got {stacked.dtype}")
     return stacked
+
+
+def _weights_and_residual(what: str, weights: Any, rest: tuple, residual: Any) -> tuple[Any, Any]:
+    """`what(weights[, residual])` or `what(model, text_or_ids[, residual])`: the weights
+    (the model's attention over the text, `attention_maps`, in that case) and the residual."""
+    from attnkit.interpret._model import attention_maps, is_model
+
+    if is_model(weights):
+        if not rest:
+            raise TypeError(f"{what}(model, ...) needs the text or token ids to run: {what}(model, text)")
+        if len(rest) > 2:
+            raise TypeError(f"expected {what}(model, text[, residual]), got {2 + len(rest) - 1} arguments")
+        if len(rest) == 2:
+            residual = rest[1]
+        return attention_maps(weights, rest[0]), residual
+    if len(rest) > 1:
+        raise TypeError(f"expected {what}(weights[, residual]) or {what}(model, text[, residual]), "
+                        f"got {1 + len(rest)} arguments")
+    if rest:
+        if isinstance(rest[0], str):
+            raise TypeError(f"{what} takes attention weights, or a model and a text ({what}(model, text)); "
+                            f"got a text after {type(weights).__name__}")
+        residual = rest[0]
+    return weights, residual
 
 
 def _check_residual(residual: float) -> float:
@@ -116,14 +143,16 @@ def residual_attention(weights: Any, residual: float = 0.5) -> np.ndarray:
 # ----------------------------------------------------------------------------- rollout
 
 
-def rollout(weights: Any, residual: float = 0.5) -> np.ndarray:
+def rollout(weights: Any, *args: Any, residual: float = 0.5) -> np.ndarray:
     """Attention rollout (Abnar & Zuidema 2020): the residual-augmented maps multiplied
-    through the layers.
+    through the layers. `rollout(weights[, residual])`, or `rollout(model, text[, residual])`.
 
     Arguments:
         weights: per-layer attention, (layers, heads, T, T), or a list or tuple of one
             (H, T, T) or (1, H, T, T) array per layer (transformers' `outputs.attentions`,
-            `attnkit.record_attention`'s maps). The heads of a layer are averaged.
+            `attnkit.record_attention`'s maps). The heads of a layer are averaged. Or a
+            model (attnkit's, or transformers'), followed by a text or (T,) token ids: its
+            attention over them.
         residual: the identity's share in each layer's map (`residual_attention`), in [0, 1].
 
     Returns:
@@ -138,6 +167,7 @@ def rollout(weights: Any, residual: float = 0.5) -> np.ndarray:
         array([[0.625, 0.375],
                [0.375, 0.625]])
     """
+    weights, residual = _weights_and_residual("rollout", weights, args, residual)
     layers = residual_attention(weights, residual)  # (layers, T, T)
     result = np.empty_like(layers)
     current = layers[0]
@@ -151,12 +181,14 @@ def rollout(weights: Any, residual: float = 0.5) -> np.ndarray:
 # ----------------------------------------------------------------------------- flow
 
 
-def attention_flow(weights: Any, residual: float = 0.5) -> np.ndarray:
+def attention_flow(weights: Any, *args: Any, residual: float = 0.5) -> np.ndarray:
     """Attention flow (Abnar & Zuidema 2020): the maximum flow from each output token
-    down to each input token through the layer graph.
+    down to each input token through the layer graph. `attention_flow(weights[, residual])`,
+    or `attention_flow(model, text[, residual])`.
 
     Arguments:
-        weights: per-layer attention as for `rollout`; the heads of a layer are averaged.
+        weights: per-layer attention as for `rollout` (or a model, then a text or token
+            ids); the heads of a layer are averaged.
         residual: the identity's share in each layer's map, in [0, 1].
 
     Returns:
@@ -173,6 +205,7 @@ def attention_flow(weights: Any, residual: float = 0.5) -> np.ndarray:
         array([[1.  , 0.  ],
                [0.25, 0.75]])
     """
+    weights, residual = _weights_and_residual("attention_flow", weights, args, residual)
     stacked = _stack(weights)
     dtype = np.float64 if stacked.dtype == np.float64 else np.float32
     capacity = residual_attention(stacked.astype(np.float64), residual)  # (layers, T, T)

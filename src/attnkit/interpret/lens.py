@@ -29,7 +29,7 @@ from attnkit.interpret._stream import residuals
 from attnkit.nn.decoder_layers import RMSNorm
 from attnkit.nn.layers import LayerNorm
 
-__all__ = ["LogitAttribution", "direct_logit_attribution", "logit_lens"]
+__all__ = ["LogitAttribution", "direct_logit_attribution", "logit_lens", "top_tokens"]
 
 
 def logit_lens(model: Any, ids: Any) -> np.ndarray:
@@ -194,3 +194,29 @@ def _hf_attribution(model: Any, ids: Any, answer: Any, wrong: Any) -> LogitAttri
     return _attribute(stream, [calls[0] for calls in found], [_hf.out_projection(m) for m in modules], final, W,
                       difference, float(head_bias[0] - head_bias[1] if difference else head_bias[0]))
 
+
+def top_tokens(model: Any, lens: Any, k: int = 1) -> list[list[list[str]]]:
+    """The k most likely tokens at each layer and position of a logit lens, decoded.
+
+    Arguments:
+        model: the model whose tokenizer decodes the ids (an attnkit decoder, or any object
+            with `tokenizer.decode(ids)`).
+        lens: (layers + 1, T, vocab) logits, as `logit_lens` returns.
+        k: how many tokens per cell (1 .. vocab), best first.
+
+    Returns:
+        [layer][position] -> k token strings, best first (ties in id order).
+    """
+    lens = np.asarray(lens)
+    if lens.ndim != 3:
+        raise ValueError(f"expected lens of shape (layers + 1, T, vocab) as logit_lens returns, got {lens.shape}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"expected k to be an int >= 1, got {k!r}")
+    decode = getattr(getattr(model, "tokenizer", None), "decode", None)
+    if decode is None:
+        raise TypeError(f"expected a model with a tokenizer to decode the tokens, got {type(model).__name__}")
+    k = min(int(k), lens.shape[-1])
+    some = np.argpartition(-lens, k - 1, axis=-1)[..., :k]  # (layers + 1, T, k), unordered
+    order = np.argsort(-np.take_along_axis(lens, some, axis=-1), axis=-1, kind="stable")
+    best = np.take_along_axis(some, order, axis=-1)  # best first
+    return [[[decode([int(i)]) for i in cell] for cell in row] for row in best]

@@ -15,7 +15,9 @@ Importing this module imports torch; `import attnkit` never does.
 
 from __future__ import annotations
 
-import torch  # noqa: F401  (this subpackage is the torch side; fail here if it is missing)
+from attnkit.runtime import require
+
+require("torch", "torch", "attnkit.torch")  # the torch side: without torch, say which pip command brings it
 
 from attnkit.torch.flash import FlashAttentionFunction, FlashOutput, flash_attention
 from attnkit.torch.attention import AttentionResult, MultiHeadAttention

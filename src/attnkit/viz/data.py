@@ -114,8 +114,11 @@ class AttentionMaps:
         return self.weights[layer, self.check_head(head)]
 
     def label(self, layer: int, head: int | None) -> str:
-        """A short title such as 'layer 2, head 5' or 'layer 2, mean of 12 heads'."""
+        """A short title such as 'layer 2, head 5' or 'layer 2, mean of 12 heads' (a rollout or
+        flow map, which folds in every head: 'layer 2, all heads')."""
         layer = self.check_layer(layer)
+        if self.meta.get("kind") in ("rollout", "flow"):  # one map per layer, through every head
+            return f"{self._layer_label(layer)}, all heads"
         if head is None:
             return f"{self._layer_label(layer)}, mean of {self.num_heads} heads"
         return f"{self._layer_label(layer)}, head {self.check_head(head)}"

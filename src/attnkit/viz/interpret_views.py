@@ -132,21 +132,30 @@ def lens_table(tokens: Sequence[str], top: Sequence[Sequence[Sequence[str]]], *,
     Returns:
         The tables to print, in order.
     """
+    from rich.cells import cell_len
+
     T = len(tokens)
     words = [[" ".join(token_label(t) for t in cell) for cell in row] for row in top]
-    longest = max([len(token_label(t)) for t in tokens] + [len(w) for row in words for w in row] + [3])
-    cell = min(longest, 14)
+    headers = [f"{p}:{token_label(tokens[p])}" for p in range(T)]
     label = len("embed")
-    per = max(1, min(T, (width - label) // (cell + 1)))
+    room = max(4, width - label - 1)  # the most one column can take beside the row labels
+    # each position as wide as its widest cell (header included), up to the room there is;
+    # positions go side by side while they fit, the rest in further tables below
+    natural = [min(room, max([cell_len(headers[p]), 3] + [cell_len(row[p]) for row in words])) for p in range(T)]
+    blocks, used = [[]], label
+    for p in range(T):
+        if blocks[-1] and used + 1 + natural[p] > width:
+            blocks.append([])
+            used = label
+        blocks[-1].append(p)
+        used += 1 + natural[p]
     tables = []
-    for first in range(0, T, per):
-        shown = range(first, min(first + per, T))
+    for shown in blocks:
         table = Table(box=None, padding=(0, 1), pad_edge=False, collapse_padding=True, show_edge=False,
                       header_style="bold" if color else "")
         table.add_column("", no_wrap=True)
         for p in shown:
-            table.add_column(Text(f"{p}:{token_label(tokens[p])}"), overflow="fold", min_width=min(cell, 4),
-                             max_width=cell)
+            table.add_column(Text(headers[p]), overflow="fold", min_width=natural[p], max_width=natural[p])
         for layer, row in enumerate(words):
             name = "embed" if layer == 0 else f"L{layer - 1}"
             table.add_row(Text(name, style="dim" if color else ""), *(Text(row[p]) for p in shown))
@@ -306,11 +315,7 @@ def lens_view(tokens: Sequence[str], top: Sequence[Sequence[Sequence[str]]], *, 
 
 
 def top_tokens(model: Any, lens: np.ndarray, k: int = 1) -> list[list[list[str]]]:
-    """The k most likely tokens of each layer and position of a logit lens (layers + 1, T, vocab),
-    decoded with the model's tokenizer: [layer][position] -> k token strings."""
-    k = max(1, min(int(k), lens.shape[-1]))
-    some = np.argpartition(-lens, k - 1, axis=-1)[..., :k]  # (layers + 1, T, k), unordered
-    order = np.argsort(-np.take_along_axis(lens, some, axis=-1), axis=-1, kind="stable")
-    best = np.take_along_axis(some, order, axis=-1)  # best first
-    decode = model.tokenizer.decode
-    return [[[decode([int(i)]) for i in cell] for cell in row] for row in best]
+    """`attnkit.interpret.top_tokens` (its home; this name stays for the views' callers)."""
+    from attnkit.interpret.lens import top_tokens as top
+
+    return top(model, lens, k)

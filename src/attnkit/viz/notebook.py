@@ -184,6 +184,11 @@ def _bertviz_view(
         raise ValueError(f"expected html_action 'view' or 'return', got {html_action!r}")
     if attention is None:
         raise ValueError("expected attention (the first argument), got None")
+    if isinstance(tokens, str):
+        if not isinstance(attention, str):
+            raise TypeError(f"expected tokens as a list of the T token strings of the weights, got a text "
+                            f"{tokens!r}; a text goes first, alone: {show}_view(text, model=...)")
+        attention, tokens = [attention, tokens], None  # two sentences: {show}_view([A, B]), compared
     if tokens is not None:  # bertviz's order: attention, tokens
         tokens = [str(t) for t in tokens]
         maps: Any = AttentionMaps(tuple(_prettify(t) for t in tokens) if prettify_tokens else tuple(tokens),

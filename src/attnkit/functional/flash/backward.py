@@ -126,6 +126,14 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
             dv[mine] += dv_part
             ds = scratch_tile("ds", r, n, cd)
             np.matmul(do_a[b, h, rows], va[cols_k].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            whole = plan.rows_within(q0, q1, c0, c1)
+            if whole is not None:
+                # rows held whole by this piece: D = rowsum(P dP) of these very products
+                # (see _row_terms); P = p * f here, and ds holds dP - D_O
+                d_o = -do_a[b, h, q0 + whole, Ev].astype(np.float64)  # (w,)
+                pf = p[whole] * f[whole]  # (w, n)
+                shift = np.einsum("ij,ij->i", pf, ds[whole], dtype=np.float64) + d_o * (pf.sum(1, dtype=np.float64) - 1)
+                ds[whole] -= shift.astype(cd)[:, None]  # dP - D with the rows' own D
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             # A dominant key's dP - D cancels to the rounding of two dot products (D
             # comes from O, not from this tile): its dS is left out here and made
@@ -217,7 +225,12 @@ def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _K
             # forward: P = softmax(s)  ->  dS = P * (dP - D); a dominant key's dS left
             # out (see _backward_key_block) and recorded
             top, ds_sums = top_buf[:r], sums_buf[:r]
-            if compiled.grad_scores_tile(ds, p, inputs.d[b, h, rows], weight, PEAK, top, ds_sums):
+            d = inputs.d[b, h, rows]
+            whole = plan.rows_within(q0, q1, c0, c1)
+            if whole is not None:  # rows held whole by this piece: D = rowsum(P dP) of these products (_row_terms)
+                d = d.copy()
+                d[whole] = np.einsum("ij,ij->i", p[whole], ds[whole], dtype=np.float64)
+            if compiled.grad_scores_tile(ds, p, d, weight, PEAK, top, ds_sums):
                 found = np.flatnonzero(top >= 0)
                 inputs.top[b, h, q0 + found] = c0 + top[found]
             # forward: s = (q * scale) k^T  ->  dQ += dS (K * scale), dK += dS^T (q * scale)

@@ -205,6 +205,18 @@ class FlashPlan:
     def hi(self) -> int | None:
         return self.band.hi
 
+    def rows_within(self, q0: int, q1: int, c0: int, c1: int) -> np.ndarray | None:
+        """Offsets (in [0, q1 - q0)) of the rows of [q0, q1) whose every key the band
+        allows lies in [c0, c1): a piece over those columns holds their whole row
+        (the backward takes their D from it). None when there is none."""
+        rows = np.arange(q0, q1)
+        start = rows if self.band.lo is None else rows + self.band.lo
+        start = np.maximum(start, 0) if self.band.lo is not None else np.zeros_like(rows)
+        stop = np.full_like(rows, self.shapes.S) if self.band.hi is None else np.minimum(rows + self.band.hi + 1,
+                                                                                         self.shapes.S)
+        inside = np.flatnonzero((start >= c0) & (stop <= c1) & (stop > start))
+        return inside if inside.size else None
+
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys any query in [q0, q1) may see: the band's reach, clipped to [0, S)."""
         return self.band.kv_range(q0, q1, self.shapes.S)

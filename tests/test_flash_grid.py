@@ -214,3 +214,20 @@ def _causal_grid():
 @pytest.mark.parametrize("L, S, d, window", _causal_grid())
 def test_flash_attn_causal_grid(torch, L, S, d, window):
     check_case(L, S, d, causal=True, window=window, heads=(9, 9), grad_factor=2.0)
+
+
+@pytest.mark.parametrize("band", [(None, 0), (-40, 0), (-9, 30), (-3, -1), (5, 20)], ids=str)
+def test_rows_within_are_the_rows_a_piece_holds_whole(band):
+    """FlashPlan.rows_within: exactly the rows whose every allowed key lies in the columns."""
+    from test_flash import _plan_with_band
+
+    L, S = 70, 90
+    plan, allowed = _plan_with_band(L, S, 16, 24, band, 128)
+    for q0, q1, c0, c1 in [(0, 16, 0, 24), (16, 40, 0, 90), (30, 50, 20, 60), (60, 70, 50, 90), (0, 70, 0, 90),
+                           (5, 9, 40, 41)]:
+        rows = np.arange(q0, q1)
+        whole = [i - q0 for i in rows if allowed[i].any() and not allowed[i, :c0].any() and not allowed[i, c1:].any()]
+        got = plan.rows_within(q0, q1, c0, c1)
+        got = [] if got is None else list(range(*got))
+        # a row with no key at all may count as held whole (its D is 0 either way)
+        assert [i for i in got if allowed[q0 + i].any()] == whole, (q0, q1, c0, c1)

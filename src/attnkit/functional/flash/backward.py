@@ -129,11 +129,16 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
             whole = plan.rows_within(q0, q1, c0, c1)
             if whole is not None:
                 # rows held whole by this piece: D = rowsum(P dP) of these very products
-                # (see _row_terms); P = p * f here, and ds holds dP - D_O
-                d_o = -do_a[b, h, q0 + whole, Ev].astype(np.float64)  # (w,)
-                pf = p[whole] * f[whole]  # (w, n)
-                shift = np.einsum("ij,ij->i", pf, ds[whole], dtype=np.float64) + d_o * (pf.sum(1, dtype=np.float64) - 1)
-                ds[whole] -= shift.astype(cd)[:, None]  # dP - D with the rows' own D
+                # (see flash_attention_backward); P = p * f here, and ds holds dP - D_O
+                a, z = whole
+                d_o = -do_a[b, h, q0 + a:q0 + z, Ev].astype(np.float64)  # (w,) D_O, the forward's
+                # D - D_O = f sum_j p (dP - D_O) + D_O (f sum_j p - 1) per row, the row
+                # terms in float64 (f sum_j p - 1 is a few ulps: float32 would lose it)
+                moved = np.add.reduce(p[a:z] * ds[a:z], axis=1, dtype=np.float64)  # pairwise
+                moved += d_o * np.add.reduce(p[a:z], axis=1, dtype=np.float64)
+                moved *= f[a:z, 0]
+                moved -= d_o
+                ds[a:z] -= moved.astype(cd)[:, None]  # dP - D with the rows' own D
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             # A dominant key's dP - D cancels to the rounding of two dot products (D
             # comes from O, not from this tile): its dS is left out here and made
@@ -227,9 +232,10 @@ def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _K
             top, ds_sums = top_buf[:r], sums_buf[:r]
             d = inputs.d[b, h, rows]
             whole = plan.rows_within(q0, q1, c0, c1)
-            if whole is not None:  # rows held whole by this piece: D = rowsum(P dP) of these products (_row_terms)
+            if whole is not None:  # rows held whole by this piece: D = rowsum(P dP) of these products
+                a, z = whole
                 d = d.copy()
-                d[whole] = np.einsum("ij,ij->i", p[whole], ds[whole], dtype=np.float64)
+                d[a:z] = np.einsum("ij,ij->i", p[a:z], ds[a:z])
             if compiled.grad_scores_tile(ds, p, d, weight, PEAK, top, ds_sums):
                 found = np.flatnonzero(top >= 0)
                 inputs.top[b, h, q0 + found] = c0 + top[found]

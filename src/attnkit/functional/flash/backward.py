@@ -291,6 +291,12 @@ def flash_attention_backward(
     (B, Hq, L, E) buffer, summed at the end: extra memory O(threads * L + S),
     never (L, S).
 
+    Rows that one piece of the tile grid holds whole (every key the band allows
+    them lies in it: a window, the first rows of a causal mask) take D =
+    rowsum(P dP) from that piece's own products instead, as the plain path
+    does: their dS errors then cancel over the row as the plain path's, where
+    D from O left dK at twice its error on narrow windows (docs/flash.md).
+
     Peaked rows: D is summed in float64, but dP - D for a row's dominant key
     (weight above 3/4) cancels to the rounding of two different dot products,
     which dQ and dK then multiply by the scaled keys and queries. So that key's

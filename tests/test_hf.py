@@ -207,12 +207,16 @@ def test_unknown_keywords_with_values_are_refused_by_name():
             function(module, q, kv, kv, None, mystery=3)
 
 
-def test_tiled_refuses_sinks_naming_the_architecture():
+def test_tiled_and_flash_take_sinks_as_the_exact_route_does():
+    """s_aux (attention sinks) on attnkit_tiled and attnkit_flash: the exact route's output
+    (they were refused before; tests/test_sinks.py checks them against eager gpt-oss)."""
     module = _llama("attnkit_tiled").model.layers[0].self_attn
-    q, kv = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match=r"'attnkit_tiled' cannot compute attention sinks \(s_aux\), which llama "
-                                         r"\(LlamaAttention\) uses"):
-        hf_attention.attnkit_tiled_attention(module, q, kv, kv, None, s_aux=torch.zeros(4))
+    q, kv = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)
+    exact, _ = hf_attention.attnkit_attention(module, q, kv, kv, None, s_aux=sinks)
+    for function in (hf_attention.attnkit_tiled_attention, hf_attention.attnkit_flash_attention):
+        output, _ = function(module, q, kv, kv, None, s_aux=sinks)
+        torch.testing.assert_close(output, exact, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("implementation", ["attnkit_tiled", "attnkit_flash"])
@@ -335,15 +339,12 @@ def test_flash_reseats_after_another_flash_implementation_was_loaded():
 def test_flash_refuses_what_the_flash_interface_cannot_carry():
     module = _llama("attnkit_flash").model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match=r"'attnkit_flash' cannot compute attention sinks \(s_aux\), which llama "
-                                         r"\(LlamaAttention\) uses; use attn_implementation='attnkit_tiled'"):
-        hf_attention.attnkit_flash_attention(module, q, kv, kv, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match=r"'attnkit_flash' cannot compute a position bias, which llama"):
         hf_attention.attnkit_flash_attention(module, q, kv, kv, None, position_bias=torch.zeros(1, 4, 5, 5))
     with pytest.raises(ValueError, match=r"cannot compute the keyword argument\(s\) block_table, which llama"):
         hf_attention.attnkit_flash_attention(module, q, kv, kv, None, block_table=torch.zeros(1, 1))
     qf, kvf = q.transpose(1, 2), kv.transpose(1, 2)
-    for keyword, value in (("alibi_slopes", torch.zeros(4)), ("return_attn_probs", True), ("s_aux", torch.zeros(4))):
+    for keyword, value in (("alibi_slopes", torch.zeros(4)), ("return_attn_probs", True)):
         with pytest.raises(ValueError, match="attnkit's flash_attn functions cannot compute"):
             flash_api.flash_attn_func(qf, kvf, kvf, **{keyword: value})
     with pytest.raises(ValueError, match=r"expected q of shape \(B, L, H, E\), got \(5, 4, 8\)"):

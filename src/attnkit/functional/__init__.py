@@ -51,6 +51,7 @@ from attnkit.functional.attention import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from attnkit.functional.sinks import AttentionSinkGrads
 from attnkit.functional.softmax import log_softmax, logsumexp, softmax
 from attnkit.functional import mods
 from attnkit.functional.flash import (
@@ -214,6 +215,7 @@ __all__ = [
     "supports",
     "BACKEND_KEYWORDS",
     "AttentionGrads",
+    "AttentionSinkGrads",
     "AttentionOutput",
     "AttentionState",
     "VarlenOutput",

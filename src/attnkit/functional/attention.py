@@ -37,6 +37,9 @@ Semantics follow torch's `F.scaled_dot_product_attention`:
   an empty input (a batch, head or length of 0) gives an empty result.
 - float16 inputs compute in float32; the output has the input dtype.
 - NaN in an input propagates to the rows it touches, as in torch.
+- `sinks` (Hq,), gpt-oss's learned attention sinks: one logit per query head
+  joins every row's softmax denominator and takes no value
+  (`attnkit.functional.sinks`); a row with no key then gives output 0.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from attnkit.functional._checks import (
 from attnkit.functional.band import Band
 from attnkit.functional.mods import DifferentiableScoreMod, bound, create_mask
 from attnkit.functional.precision import all_finite, needs_float64, start_dtype
+from attnkit.functional.sinks import AttentionSinkGrads, check_sinks, sink_factors, sink_grad
 from attnkit.kernels import elementwise as compiled
 
 
@@ -174,11 +178,13 @@ def _softmax_inplace(scores: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, n
     return scores, lse
 
 
-def _weights(query, key, shapes, scale, attn_mask, score_mod):
+def _weights(query, key, shapes, scale, attn_mask, score_mod, sinks=None):
     """(weights, lse, dtype): the softmax weights in the compute dtype, or in
     float64 when the compute dtype cannot hold the scores (a scale below
     TINY_SCALE, or scores beyond float32's range: then the result is torch's
-    math backend's in float64). Finite inputs never give NaN this way."""
+    math backend's in float64). Finite inputs never give NaN this way. With
+    `sinks` (float64 (Hq,)) each row is scaled by its sink factor and lse holds
+    the sink (`attnkit.functional.sinks`)."""
     dtype = start_dtype(shapes.compute_dtype, scale)
     # an overflow is redone below; log(0) is a fully masked row's lse, -inf
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -187,6 +193,11 @@ def _weights(query, key, shapes, scale, attn_mask, score_mod):
         dtype = np.dtype(np.float64)
         with np.errstate(divide="ignore"):
             weights, lse = _attention_weights(query, key, shapes, scale, attn_mask, score_mod, dtype)
+    if sinks is not None:
+        # forward: p'_ij = p_ij * w_i, w_i = exp(lse_i - logaddexp(lse_i, s_h))
+        w, lse = sink_factors(lse, sinks)  # float64 (..., Hq, L)
+        weights *= w[..., None].astype(dtype)
+        lse = lse.astype(dtype)
     return weights, lse, dtype
 
 
@@ -249,6 +260,7 @@ def scaled_dot_product_attention(
     rng: np.random.Generator | int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray | AttentionOutput:
     """softmax(score_mod(query @ key^T * scale) + mask) @ value, with torch SDPA's
     semantics and the keywords of every attnkit attention backend.
@@ -282,7 +294,12 @@ def scaled_dot_product_attention(
         rng: numpy Generator or integer seed for dropout (a fresh unseeded
             Generator if None).
         return_weights: also return the (..., Hq, L, S) weights.
-        return_lse: also return the (..., Hq, L) logsumexp of each score row.
+        return_lse: also return the (..., Hq, L) logsumexp of each score row
+            (with the sink's logit in it when `sinks` is given).
+        sinks: (Hq,) real, learned attention sinks (gpt-oss): head h's logit
+            s_h joins each row's softmax denominator, p_ij = exp(x_ij) /
+            (exp(s_h) + sum_j exp(x_ij)), and takes no value. See
+            `attnkit.functional.sinks`.
 
     Returns:
         The output (..., Hq, L, Ev) in query's dtype, or, when return_weights or
@@ -291,7 +308,7 @@ def scaled_dot_product_attention(
         output 0, weights 0 and lse -inf.
     """
     if (attn_mask is None and window is None and key_padding_mask is None and score_mod is None
-            and mask_mod is None and rng is None and not return_weights and not return_lse):
+            and mask_mod is None and rng is None and not return_weights and not return_lse and sinks is None):
         out = _unmasked(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_align)
         if out is not None:
             return out
@@ -302,13 +319,16 @@ def scaled_dot_product_attention(
         query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window, key_padding_mask,
         score_mod, mask_mod,
     )
+    sinks = check_sinks(sinks, shapes.q_heads)
 
     if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
         weights = np.zeros(shapes.scores_shape, dtype=shapes.dtype)
         lse = np.full(shapes.scores_shape[:-1], -np.inf, dtype=shapes.dtype)
+        if sinks is not None:  # the sink alone: lse = s_h
+            lse = sink_factors(lse, sinks)[1].astype(shapes.dtype)
         out = np.zeros((*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev), dtype=shapes.dtype)
     else:
-        weights, lse, cd = _weights(q, k, shapes, scale, mask, score_mod)  # (..., Hq, L, S)
+        weights, lse, cd = _weights(q, k, shapes, scale, mask, score_mod, sinks)  # (..., Hq, L, S)
         if dropout_p > 0.0:
             rng = check_rng(rng)
             keep = rng.random(weights.shape) >= dropout_p
@@ -397,7 +417,8 @@ def scaled_dot_product_attention_backward(
     key_padding_mask: np.ndarray | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
-) -> AttentionGrads:
+    sinks: np.ndarray | None = None,
+) -> AttentionGrads | AttentionSinkGrads:
     """Gradients of `scaled_dot_product_attention` (without dropout).
 
     Takes the forward's arguments and grad_output = dLoss/doutput, shaped
@@ -421,14 +442,21 @@ def scaled_dot_product_attention_backward(
     contributes exactly zero. Where the compute dtype cannot hold the scores or
     a gradient on the way, the whole backward runs in float64, as the forward.
 
+    With `sinks` (Hq,) the weights are the sink-scaled p' (their rows sum to
+    1 - p_sink), dS = p' (dP - rowsum(p' dP)) as above, and the sinks get
+    dL/ds_h = -sum over batch and rows of p_sink * rowsum(p' dP)
+    (`attnkit.functional.sinks`).
+
     Returns:
         AttentionGrads(grad_query, grad_key, grad_value), each in its input's
-        shape and dtype.
+        shape and dtype; with `sinks`, AttentionSinkGrads(grad_query, grad_key,
+        grad_value, grad_sinks) with grad_sinks (Hq,) in the inputs' dtype.
     """
     q, k, v, shapes, scale, mask, score_mod, drop = _validate(
         query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align, window, key_padding_mask,
         score_mod, mask_mod,
     )
+    sinks = check_sinks(sinks, shapes.q_heads)
     if score_mod is not None and not isinstance(score_mod, DifferentiableScoreMod):
         raise TypeError(
             "scaled_dot_product_attention_backward needs the derivative of score_mod: wrap it as "
@@ -443,23 +471,35 @@ def scaled_dot_product_attention_backward(
         )
     d_out = grad_output.reshape(expected)
     if shapes.nothing_to_do:  # an empty result, or no key at all: zero gradients
-        return AttentionGrads(*(np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)))
+        zeros = [np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)]
+        if sinks is None:
+            return AttentionGrads(*zeros)
+        return AttentionSinkGrads(*zeros, np.zeros(shapes.q_heads, dtype=shapes.dtype))
 
-    P, _, dtype = _weights(q, k, shapes, scale, mask, score_mod)  # (..., Hq, L, S)
+    P, lse, dtype = _weights(q, k, shapes, scale, mask, score_mod, sinks)  # (..., Hq, L, S)
+    rows = []  # receives D = rowsum(P * dP), (..., Hq, L)
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
         mod_grad = _mod_grad(score_mod, q, k, shapes, scale, dtype)  # (..., Hq, L, S) or None
-        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad)
+        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad, rows)
     if dtype != np.float64 and not all_finite(*grads) and all_finite(q, k, v, d_out):
         # a gradient beyond the compute dtype's range on the way: torch's float64 answer
         wide = np.dtype(np.float64)
         with np.errstate(divide="ignore"):
-            P, _ = _attention_weights(q, k, shapes, scale, mask, score_mod, wide)
+            P, lse = _attention_weights(q, k, shapes, scale, mask, score_mod, wide)
+        if sinks is not None:
+            w, lse = sink_factors(lse, sinks)
+            P *= w[..., None]
         mod_grad = _mod_grad(score_mod, q, k, shapes, scale, wide)
-        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, wide, mod_grad)
+        rows.clear()
+        grads = _attention_grads(P, d_out, q, k, v, shapes, scale, wide, mod_grad, rows)
 
     # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
-    grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
-    return AttentionGrads(*(g.astype(shapes.dtype, copy=False) for g in grads))
+    grads = [sum_to_shape(grad, np.shape(x)).astype(shapes.dtype, copy=False)
+             for grad, x in zip(grads, (query, key, value))]
+    if sinks is None:
+        return AttentionGrads(*grads)
+    # forward: the sink's weight exp(s_h - lse') -> dL/ds_h = -sum exp(s_h - lse') D
+    return AttentionSinkGrads(*grads, sink_grad(sinks, lse, rows[0]).astype(shapes.dtype))
 
 
 def _mod_grad(score_mod, q, k, shapes, scale, dtype):
@@ -471,9 +511,10 @@ def _mod_grad(score_mod, q, k, shapes, scale, dtype):
     return _per_head(score_mod.grad, raw, shapes, out=np.empty_like(raw))
 
 
-def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad=None):
+def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad=None, rows=None):
     """(grad_query, grad_key, grad_value) in `dtype` from the weights P (..., Hq, L, S),
-    and mod_grad (..., Hq, L, S), the score_mod's derivative, or None."""
+    and mod_grad (..., Hq, L, S), the score_mod's derivative, or None. `rows`, a
+    list if given, receives D = rowsum(P * dP) (..., Hq, L)."""
     q, k, v, d_out = (x.astype(dtype, copy=False) for x in (q, k, v, d_out))
     P = _group_queries(P, shapes)  # (..., Hkv, g*L, S)
     d_out = _group_queries(d_out, shapes)  # (..., Hkv, g*L, Ev)
@@ -482,7 +523,10 @@ def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad=None):
     grad_value = np.matmul(np.swapaxes(P, -1, -2), d_out)  # (..., Hkv, S, Ev)
     grad_P = np.matmul(d_out, np.swapaxes(v, -1, -2))  # (..., Hkv, g*L, S)
     # forward: P = softmax(scores)
-    grad_P -= np.sum(P * grad_P, axis=-1, keepdims=True)
+    row_d = np.sum(P * grad_P, axis=-1, keepdims=True)  # (..., Hkv, g*L, 1)
+    grad_P -= row_d
+    if rows is not None:
+        rows.append(_ungroup_queries(row_d, shapes)[..., 0])  # (..., Hq, L)
     grad_scores = P * grad_P
     if mod_grad is not None:  # forward: scores = score_mod(raw)
         grad_scores *= _group_queries(mod_grad, shapes)

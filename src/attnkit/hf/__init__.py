@@ -16,7 +16,7 @@ the mask function each needs to its `AttentionMaskInterface`:
   into varlen, windows and softcap are flash keywords; no 4-D mask is built);
 - "attnkit_tiled": the same kernel through transformers' 4-D masks, for the
   architectures whose class does not support flash attention (T5) or that need
-  what the flash interface cannot carry (position bias, attention sinks).
+  what the flash interface cannot carry (position bias).
 
 See `attnkit.hf.attention` for what each takes and refuses, and docs/hf.md.
 Importing this module imports torch but not transformers; `register()` does.

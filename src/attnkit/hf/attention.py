@@ -15,13 +15,13 @@ with query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev).
   O(L + S) extra memory, a recomputing backward, no weights (with
   `output_attentions=True` it and "attnkit_flash" warn once, as transformers' sdpa
   does, and return None for them: the model's `attentions` come back empty);
-  dropout draws each tile's keep mask from a seed and draws it again in the backward. It cannot add
-  attention sinks; those calls are refused. It reads the 4-D masks transformers builds.
+  dropout draws each tile's keep mask from a seed and draws it again in the backward. Attention
+  sinks (`s_aux`) go to the kernel's `sinks`. It reads the 4-D masks transformers builds.
 - "attnkit_flash" (`attnkit_flash_attention`): the same kernel through transformers'
   FlashAttention route: the mask is None or the (B, S) padding mask, and transformers
   calls `attnkit.hf.flash_api`'s flash_attn_func / flash_attn_varlen_func (unpadded),
-  seated where it keeps a loaded flash kernel (`seat_flash_functions`). Refuses what
-  the flash interface cannot carry (position bias, attention sinks, paged attention).
+  seated where it keeps a loaded flash kernel (`seat_flash_functions`); sinks travel as
+  their `s_aux`. Refuses what the flash interface cannot carry (position bias, paged attention).
 
 "attnkit" and "attnkit_tiled" read the same arguments (`_read_call`) and differ only in the kernel.
 
@@ -289,12 +289,10 @@ def attnkit_tiled_attention(
         _record(module, weights)
         output = _apply_edits(module, query, key, value, output, call)
         return output.transpose(1, 2).contiguous(), None
-    if call.sinks is not None:
-        raise refusal("attnkit_tiled", module, "attention sinks (s_aux)", "use attn_implementation='attnkit'")
     output = flash_attention(
         query, key, value, attn_mask=call.mask, is_causal=call.is_causal, scale=call.scale,
         enable_gqa=query.shape[1] != key.shape[1], softcap=call.softcap,
-        dropout_p=call.dropout if module.training else 0.0,
+        dropout_p=call.dropout if module.training else 0.0, sinks=call.sinks,
     )  # (B, Hq, L, Ev)
     return output.transpose(1, 2).contiguous(), None
 
@@ -345,7 +343,8 @@ def attnkit_flash_attention(
     gives: None (plain causal or full) or the (B, S) padding mask, which transformers unpads
     into `flash_attn_varlen_func`. Windows and softcap travel as flash keywords. A 4-D mask (an
     architecture building its own) runs through "attnkit_tiled" instead, the same kernel.
-    Refused: attention sinks (s_aux) and position bias (T5), which the flash interface cannot carry.
+    Attention sinks (s_aux, gpt-oss) travel as the flash functions' `s_aux`. Refused: position
+    bias (T5), which the flash interface cannot carry.
     Returns (output (B, L, Hq, Ev), None); with `output_attentions=True` it warns once that
     the weights are not formed (`_warn_no_weights`).
     """
@@ -354,9 +353,8 @@ def attnkit_flash_attention(
     if active_recorders(module) or active_edits(module) or four_d:
         kwargs = {name: value for name, value in kwargs.items() if name != "output_attentions"}  # warned above
         return attnkit_tiled_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    for name, feature in (("s_aux", "attention sinks (s_aux)"), ("position_bias", "a position bias")):
-        if kwargs.get(name) is not None:
-            raise refusal(FLASH_NAME, module, feature, "use attn_implementation='attnkit_tiled' (or 'attnkit')")
+    if kwargs.get("position_bias") is not None:
+        raise refusal(FLASH_NAME, module, "a position bias", "use attn_implementation='attnkit_tiled' (or 'attnkit')")
     unknown = sorted(name for name, value in kwargs.items()
                      if value is not None and name not in BOOKKEEPING_KWARGS | _FLASH_ROUTE_KWARGS)
     if unknown:
@@ -374,7 +372,7 @@ def attnkit_flash_attention(
     # which GPT-2's Conv1D layers are not): attnkit computes float32 as it comes
     is_causal = kwargs.pop("is_causal", None)
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    for name in ("position_bias", "s_aux", "target_dtype", "attn_implementation"):
+    for name in ("position_bias", "target_dtype", "attn_implementation"):  # s_aux (sinks) travels on
         kwargs.pop(name, None)
     output = _flash_attention_forward(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,

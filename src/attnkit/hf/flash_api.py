@@ -25,8 +25,11 @@ trainable, the (L, S) weights never formed. The conventions are FlashAttention's
 - varlen runs sequence by sequence over `cu_seqlens` (one host sync to read them).
 - GQA: query head h reads key/value head h // (Hq // Hkv).
 
+- `s_aux` (gpt-oss's attention sinks, (Hq,)): one logit per head joins every row's
+  softmax denominator (`attnkit.functional.sinks`), differentiable.
+
 What attnkit cannot compute is refused (ValueError), never dropped: ALiBi slopes,
-attention sinks (`s_aux`), `return_attn_probs`.
+`return_attn_probs`.
 """
 
 from __future__ import annotations
@@ -38,9 +41,8 @@ from attnkit.torch.flash import flash_attention
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 
-def _refuse(alibi_slopes, return_attn_probs, s_aux) -> None:
-    for name, given in (("alibi_slopes", alibi_slopes is not None), ("s_aux (attention sinks)", s_aux is not None),
-                        ("return_attn_probs=True", bool(return_attn_probs))):
+def _refuse(alibi_slopes, return_attn_probs) -> None:
+    for name, given in (("alibi_slopes", alibi_slopes is not None), ("return_attn_probs=True", bool(return_attn_probs))):
         if given:
             raise ValueError(f"attnkit's flash_attn functions cannot compute {name}; expected it unset, got a value")
 
@@ -59,11 +61,12 @@ def _window(window_size) -> tuple[int | None, int | None] | None:
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
-def _attend(q, k, v, *, causal: bool, window, scale: float | None, softcap, dropout_p: float):
+def _attend(q, k, v, *, causal: bool, window, scale: float | None, softcap, dropout_p: float, sinks=None):
     """q (..., Hq, L, E), k and v (..., Hkv, S, E): FlashAttention's causal and window semantics,
     bottom-right aligned, on attnkit.torch.flash_attention. Returns (..., Hq, L, Ev)."""
     return flash_attention(q, k, v, is_causal=causal, causal_align="bottom_right", window=window, scale=scale,
-                           enable_gqa=q.shape[-3] != k.shape[-3], softcap=softcap or None, dropout_p=dropout_p)
+                           enable_gqa=q.shape[-3] != k.shape[-3], softcap=softcap or None, dropout_p=dropout_p,
+                           sinks=sinks)
 
 
 def flash_attn_func(
@@ -82,13 +85,14 @@ def flash_attn_func(
 ) -> torch.Tensor:
     """flash_attn.flash_attn_func on attnkit's tiled kernel: q (B, L, Hq, E), k, v (B, S, Hkv, E)
     -> (B, L, Hq, Ev). `deterministic` is accepted and changes nothing (attnkit's backward always is)."""
-    _refuse(alibi_slopes, return_attn_probs, s_aux)
+    _refuse(alibi_slopes, return_attn_probs)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"expected {name} of shape (B, L, H, E), got {shape}")
     out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=bool(causal),
-                  window=_window(window_size), scale=softmax_scale, softcap=softcap, dropout_p=float(dropout_p))
+                  window=_window(window_size), scale=softmax_scale, softcap=softcap, dropout_p=float(dropout_p),
+                  sinks=s_aux)
     return out.transpose(1, 2)
 
 
@@ -114,7 +118,7 @@ def flash_attn_varlen_func(
     q (total_q, Hq, E), k, v (total_k, Hkv, E), cu_seqlens_* (N + 1,) int offsets -> (total_q, Hq, Ev).
     Sequence n's queries q[cu_seqlens_q[n]:cu_seqlens_q[n+1]] see only its keys; max_seqlen_* are
     not needed (accepted for the interface)."""
-    _refuse(alibi_slopes, return_attn_probs, s_aux)
+    _refuse(alibi_slopes, return_attn_probs)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -137,7 +141,7 @@ def flash_attn_varlen_func(
         (q0, q1), (k0, k1) = starts_q[n : n + 2], starts_k[n : n + 2]
         out = _attend(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
                       causal=bool(causal), window=window, scale=softmax_scale, softcap=softcap,
-                      dropout_p=float(dropout_p))  # (Hq, Lq, Ev)
+                      dropout_p=float(dropout_p), sinks=s_aux)  # (Hq, Lq, Ev)
         outputs.append(out.transpose(0, 1))
     if not outputs:
         return q.new_zeros(0, q.shape[1], v.shape[-1])

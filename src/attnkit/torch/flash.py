@@ -234,17 +234,23 @@ def _forward_tiles(q, k, v, mask, tiling: _Tiling, peaked: torch.Tensor | None =
     return out, lse
 
 
-def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad: bool, peaked=None):
+def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad: bool, peaked=None,
+                    sink_weight=None):
     """FlashAttention-2's backward in q's dtype; q already scaled. Returns dq, dk
     and dv (key/value summed over the G query heads that share them) and the
     gradient of a float mask (..., Hkv, G, L, S) when asked for, else None.
     `peaked` (..., Hkv, G, L), from the forward, says which rows may have a
-    dominant key (None: look in every row); see `_add_dominant_keys`."""
+    dominant key (None: look in every row); see `_add_dominant_keys`. With sinks,
+    lse and out hold them and sink_weight (..., Hkv, G, L) float64 is each row's
+    sink weight exp(s_h - lse): a row's dS then sums to sink_weight * D over its
+    keys, not 0. Returns also that sum (None without sinks)."""
     block_q, block_k, band = tiling.block_q, tiling.block_k, tiling.band
     L, S = q.shape[-2], k.shape[-2]
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term,
     # summed in float64 and rounded once.
-    delta = (do.double() * out.double()).sum(dim=-1).to(q.dtype)  # (..., Hkv, G, L)
+    delta64 = (do.double() * out.double()).sum(dim=-1)  # (..., Hkv, G, L)
+    delta = delta64.to(q.dtype)
+    row_sums = None if sink_weight is None else sink_weight * delta64  # sum_j dS_ij with sinks
     lse_hi, lse_lo = _lse_parts(lse, q.dtype)  # (..., Hkv, G, L); fully masked rows: scores -inf, P = 0
     k_scaled = k * tiling.scale  # dQ = dS (K * scale): no product of two small numbers underflows first
     dq = torch.zeros_like(q)
@@ -313,9 +319,11 @@ def _backward_tiles(q, k, v, mask, out, lse, do, tiling: _Tiling, want_mask_grad
         dk[..., j0:j1, :] = dk_tile
         dv[..., j0:j1, :] = dv_tile
 
+    if row_sums is not None:  # the dominant key's dS is the row's sum less the rest
+        ds_rest -= row_sums.to(q.dtype)
     _add_dominant_keys(q, k_scaled, top, ds_rest, top_cap, dq, dk, dmask)
     # key/value were broadcast over the G query heads that share them: sum back.
-    return dq, dk.sum(dim=-3, keepdim=True), dv.sum(dim=-3, keepdim=True), dmask
+    return dq, dk.sum(dim=-3, keepdim=True), dv.sum(dim=-3, keepdim=True), dmask, row_sums
 
 
 def _add_dominant_keys(q, k_scaled, top, ds_rest, top_cap, dq, dk, dmask) -> None:
@@ -359,7 +367,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, band, scale, block_q, block_k, softcap=None, dropout=0.0, seed=0):
+    def forward(ctx, query, key, value, attn_mask, band, scale, block_q, block_k, softcap=None, dropout=0.0, seed=0,
+                sinks=None):
         tiling = _Tiling(band, block_q, block_k, scale, softcap, dropout, seed)
         acc_dtype = _accumulator_dtype(query.dtype)
         q = query.to(acc_dtype) * scale  # scaled once, before the product: every tile's scores are q k^T
@@ -374,8 +383,10 @@ class FlashAttentionFunction(torch.autograd.Function):
             q = query.double() * scale
             k, v, mask = _as_dtype(q.dtype, key, value, attn_mask)
             out, lse = _forward_tiles(q, k, v, mask, tiling, peaked)
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks)
 
-        ctx.save_for_backward(q, k, v, mask, out, lse, peaked)
+        ctx.save_for_backward(q, k, v, mask, out, lse, peaked, sinks)
         ctx.attn_mask_dtype = None if attn_mask is None else attn_mask.dtype
         ctx.tiling = tiling
         ctx.input_dtypes = (query.dtype, key.dtype, value.dtype)
@@ -385,17 +396,28 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output, grad_lse):
-        q, k, v, mask, out, lse, peaked = ctx.saved_tensors
+        q, k, v, mask, out, lse, peaked, sinks = ctx.saved_tensors
         want_mask_grad = ctx.needs_input_grad[3]
         do = grad_output.to(q.dtype)  # (..., Hkv, G, L, Ev)
-        dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad, peaked)
+        weight = None if sinks is None else torch.exp(sinks.double() - lse)  # the sink's, (..., L)
+        dq, dk, dv, dmask, row_sums = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad,
+                                                      peaked, weight)
         if q.dtype != torch.float64 and not _all_finite(dq, dk, dv) and _all_finite(q, k, v, do, out):
             # a gradient beyond float32 on the way (dP = dO V^T, say): float64 from the
             # forward on, so that exp(s - lse) sees the scores lse came from
             q, k, v, mask, do = (None if x is None else x.double() if x.is_floating_point() else x
                                  for x in (q, k, v, mask, do))
             out, lse = _forward_tiles(q, k, v, mask, ctx.tiling, peaked)
-            dq, dk, dv, dmask = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad, peaked)
+            if sinks is not None:
+                out, lse = _with_sinks(out, lse, sinks)
+                weight = torch.exp(sinks.double() - lse)
+            dq, dk, dv, dmask, row_sums = _backward_tiles(q, k, v, mask, out, lse, do, ctx.tiling, want_mask_grad,
+                                                          peaked, weight)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[11]:
+            # forward: the sink's weight exp(s_h - lse) -> dL/ds_h = -sum over batch and rows of it times D
+            grad_sinks = -row_sums.sum(dim=-1)  # (..., Hkv, G)
+            grad_sinks = grad_sinks.reshape(-1, *sinks.shape[:-1]).sum(dim=0).reshape(sinks.shape).to(sinks.dtype)
         q_dtype, k_dtype, v_dtype = ctx.input_dtypes
         grad_mask = None
         if dmask is not None:
@@ -403,7 +425,16 @@ class FlashAttentionFunction(torch.autograd.Function):
             # gradient back to the caller's broadcast shape.
             grad_mask = dmask.to(ctx.attn_mask_dtype)
         return (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), grad_mask,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, grad_sinks)
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out', lse'): the sinks (Hkv, G, 1) joined to each row's denominator, as
+    `attnkit.functional.sinks` writes it: lse' = logaddexp(lse, s_h) (float64) and
+    out' = out * exp(lse - lse'); a row with no key (lse -inf) keeps output 0."""
+    with_sink = torch.logaddexp(lse, sinks.double())  # (..., Hkv, G, L)
+    w = torch.exp(lse - with_sink)  # 0 on a row with no key
+    return out * w.to(out.dtype)[..., None], with_sink
 
 
 def _as_dtype(dtype, key, value, mask):
@@ -438,6 +469,7 @@ def flash_attention(
     return_lse: bool = False,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | FlashOutput:
     """Tiled attention in O(L + S) extra memory, differentiable (recomputing backward).
 
@@ -466,6 +498,10 @@ def flash_attention(
             probability and the rest scaled by 1 / (1 - dropout_p); the masks are drawn
             from a seed taken from torch's default generator (torch.manual_seed repeats
             them) and drawn again, tile by tile, in the backward. lse stays undropped.
+        sinks: (Hq,) floating tensor, learned attention sinks (gpt-oss): head h's
+            logit s_h joins every row's softmax denominator and takes no value
+            (`attnkit.functional.sinks`); differentiable. lse then includes it, and
+            a row with no key gives output 0.
 
     Returns:
         output (..., Hq, L, Ev) in the input dtype, or FlashOutput(output, lse).
@@ -513,6 +549,15 @@ def flash_attention(
     if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
         raise ValueError(f"expected dropout_p in [0, 1), got {dropout_p!r}")
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    grouped_sinks = None
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            got = type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else f"a tensor of {sinks.dtype}"
+            raise TypeError(f"expected sinks to be a floating-point torch.Tensor of shape ({num_heads},), got {got}")
+        if tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"expected sinks of shape ({num_heads},), one logit per query head, "
+                             f"got {tuple(sinks.shape)}")
+        grouped_sinks = sinks.reshape(num_kv_heads, groups, 1)  # (Hkv, G, 1): broadcasts over (..., Hkv, G, L)
 
     grouped_mask = None
     if attn_mask is not None:
@@ -536,7 +581,7 @@ def flash_attention(
     v = value.unsqueeze(-3)  # (..., Hkv, 1, S, Ev)
     out, lse = FlashAttentionFunction.apply(
         q, k, v, grouped_mask, band, float(scale), block_q, block_k,
-        None if softcap is None else float(softcap), float(dropout_p), seed,
+        None if softcap is None else float(softcap), float(dropout_p), seed, grouped_sinks,
     )
     out = out.flatten(-4, -3)  # (..., Hq, L, Ev)
     if return_lse:

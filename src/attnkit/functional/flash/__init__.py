@@ -8,7 +8,8 @@ by exp(m_old - m_new) whenever the reference moves (the online softmax). At the
 end output = acc / l and lse = m + log(l). Extra memory is O(block_q * block_k)
 per thread plus O(L + S) per head; results equal the plain path to rounding.
 
-The backward is FlashAttention-2's: with D = rowsum(dO * O) (summed in float64)
+The backward is FlashAttention-2's: with D = rowsum(dO * O) (summed in float64;
+rows a tile holds whole take rowsum(P dP) from it, as the plain path)
 it recomputes each tile's weights P = exp(s - lse) from the saved lse and
 accumulates dV, dK and dQ tile by tile, never holding an (L, S) array either.
 A row's dominant key (weight above 3/4) gets its dS as minus the sum of the

@@ -16,11 +16,12 @@ import numpy as np
 
 from attnkit.functional._checks import output_ndim, require_float_tensor, shape_str, sum_to_shape
 from attnkit.functional.attention import AttentionGrads
-from attnkit.functional.flash.forward import _flash_forward, _shifted_exp_tile, _tile_scores
+from attnkit.functional.flash.forward import _flash_forward, _shifted_exp_tile, _tile_scores, with_sinks
 from attnkit.functional.flash.plan import FlashPlan, _check_block, _check_inputs, _flat, _Tile, _with_ones
 from attnkit.functional.flash.state import AttentionState
 from attnkit.functional.mods import DifferentiableScoreMod
 from attnkit.functional.precision import all_finite, scores_may_overflow, start_dtype
+from attnkit.functional.sinks import AttentionSinkGrads
 from attnkit.kernels import flash as compiled
 from attnkit.runtime import run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
 
@@ -49,6 +50,9 @@ class _BackwardInputs(NamedTuple):
     # and do_f is dO), and per row:
     shift: np.ndarray | None = None  # (B, Hq, L) the forward's shift c, as its tiles subtracted it
     d: np.ndarray | None = None  # (B, Hq, L) D = rowsum(dO * O)
+    # With sinks: (B, Hq, L) the sum of each row's dS over its keys, exp(s_h - lse) D
+    # (0 without: the dominant key's dS is minus the rest of its row)
+    row_sums: np.ndarray | None = None
 
 
 @lru_cache(maxsize=64)
@@ -122,6 +126,19 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
             dv[mine] += dv_part
             ds = scratch_tile("ds", r, n, cd)
             np.matmul(do_a[b, h, rows], va[cols_k].T, out=ds)  # dP - D via the [dO, -D] . [V, 1] column
+            whole = plan.rows_within(q0, q1, c0, c1)
+            if whole is not None:
+                # rows held whole by this piece: D = rowsum(P dP) of these very products
+                # (see flash_attention_backward); P = p * f here, and ds holds dP - D_O
+                a, z = whole
+                d_o = -do_a[b, h, q0 + a:q0 + z, Ev].astype(np.float64)  # (w,) D_O, the forward's
+                # D - D_O = f sum_j p (dP - D_O) + D_O (f sum_j p - 1) per row, the row
+                # terms in float64 (f sum_j p - 1 is a few ulps: float32 would lose it)
+                moved = np.add.reduce(p[a:z] * ds[a:z], axis=1, dtype=np.float64)  # pairwise
+                moved += d_o * np.add.reduce(p[a:z], axis=1, dtype=np.float64)
+                moved *= f[a:z, 0]
+                moved -= d_o
+                ds[a:z] -= moved.astype(cd)[:, None]  # dP - D with the rows' own D
             # forward: P = softmax(s)  ->  dS = P * (dP - D)   (times f, applied to the rows below)
             # A dominant key's dP - D cancels to the rounding of two dot products (D
             # comes from O, not from this tile): its dS is left out here and made
@@ -213,7 +230,13 @@ def _backward_key_block_fused(plan: FlashPlan, inputs: _BackwardInputs, task: _K
             # forward: P = softmax(s)  ->  dS = P * (dP - D); a dominant key's dS left
             # out (see _backward_key_block) and recorded
             top, ds_sums = top_buf[:r], sums_buf[:r]
-            if compiled._grad_scores_tile(ds, p, inputs.d[b, h, rows], weight, PEAK, top, ds_sums):
+            d = inputs.d[b, h, rows]
+            whole = plan.rows_within(q0, q1, c0, c1)
+            if whole is not None:  # rows held whole by this piece: D = rowsum(P dP) of these products
+                a, z = whole
+                d = d.copy()
+                d[a:z] = np.einsum("ij,ij->i", p[a:z], ds[a:z])
+            if compiled._grad_scores_tile(ds, p, d, weight, PEAK, top, ds_sums):
                 found = np.flatnonzero(top >= 0)
                 inputs.top[b, h, q0 + found] = c0 + top[found]
             # forward: s = (q * scale) k^T  ->  dQ += dS (K * scale), dK += dS^T (q * scale)
@@ -244,7 +267,7 @@ def flash_attention_backward(
     attn_mask: np.ndarray | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
-) -> AttentionGrads:
+) -> AttentionGrads | AttentionSinkGrads:
     """Gradients of `flash_attention`, FlashAttention-2 style, tile by tile.
 
     Takes the forward's inputs, its `output`, the `state` that
@@ -268,6 +291,12 @@ def flash_attention_backward(
     (B, Hq, L, E) buffer, summed at the end: extra memory O(threads * L + S),
     never (L, S).
 
+    Rows that one piece of the tile grid holds whole (every key the band allows
+    them lies in it: a window, the first rows of a causal mask) take D =
+    rowsum(P dP) from that piece's own products instead, as the plain path
+    does: their dS errors then cancel over the row as the plain path's, where
+    D from O left dK at twice its error on narrow windows (docs/flash.md).
+
     Peaked rows: D is summed in float64, but dP - D for a row's dominant key
     (weight above 3/4) cancels to the rounding of two different dot products,
     which dQ and dK then multiply by the scaled keys and queries. So that key's
@@ -284,9 +313,17 @@ def flash_attention_backward(
     `mods.ScoreMod(fn, grad)`, where grad=None declares it additive
     (derivative 1, as for ALiBi or any bias that ignores the score).
 
+    Sinks: a state made with `sinks` holds them in its lse, so exp(s - lse)
+    rebuilds the sink-scaled weights and D = rowsum(dO * O) is the sink-scaled
+    row term; a row's dS then sums to exp(s_h - lse) D over its keys (not 0),
+    which the dominant key's dS takes into account, and the sinks get
+    dL/ds_h = -sum over batch and rows of exp(s_h - lse) D.
+
     Returns:
         AttentionGrads(grad_query, grad_key, grad_value) in the inputs' shapes
-        and dtype. Rows with no key allowed give zero gradients.
+        and dtype; for a state with sinks, AttentionSinkGrads(grad_query,
+        grad_key, grad_value, grad_sinks (Hq,)). Rows with no key allowed give
+        zero gradients.
     """
     if not isinstance(state, AttentionState) or state.plan is None:
         got = "a merged state without a plan" if isinstance(state, AttentionState) else type(state).__name__
@@ -338,8 +375,15 @@ def flash_attention_backward(
             "flash_attention_backward needs the derivative of score_mod: wrap it as "
             "attnkit.functional.mods.ScoreMod(fn, grad) (grad=None if the mod only adds a bias)"
         )
+    sinks = state.sinks
     if shapes.nothing_to_do:  # an empty result, or no key at all: zero gradients
-        return AttentionGrads(*(np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)))
+        zeros = [np.zeros(np.shape(x), dtype=shapes.dtype) for x in (query, key, value)]
+        if sinks is None:
+            return AttentionGrads(*zeros)
+        return AttentionSinkGrads(*zeros, np.zeros(Hq, dtype=shapes.dtype))
+    # the sinks' weight in each row, exp(s_h - lse) (lse holds the sink), float64 (B, Hq, L)
+    sink_weight = None if sinks is None else np.exp(
+        sinks[:, None] - np.asarray(state.lse, dtype=np.float64).reshape(-1, Hq, L))
     wide = np.dtype(np.float64)
     ran_in = state.run_dtype
     if ran_in is None:  # a state that does not say (made by hand): float64 wherever the scores may not fit
@@ -351,28 +395,40 @@ def flash_attention_backward(
     grads = None
     if reuse:  # the forward's own scores, in the dtype it ran in
         with np.errstate(over="ignore", invalid="ignore"):
-            grads = _flash_backward(plan, q, k, v, grad_output, output, shift, shifted_lse, ran_in)
-        if ran_in != wide and not all_finite(*grads) and all_finite(q, k, v, grad_output, output):
+            grads = _flash_backward(plan, q, k, v, grad_output, output, shift, shifted_lse, ran_in, sink_weight)
+        if ran_in != wide and not all_finite(*grads[:3]) and all_finite(q, k, v, grad_output, output):
             grads = None
     if grads is None:
         # a gradient beyond float32 on the way: float64 from the forward on (torch's
         # float64 answer). The weights exp(s - lse) are rebuilt from an lse of the
         # same float64 scores, never from float32 ones.
-        out64, _, shift64, shifted64 = _flash_forward(plan, q, k, v, wide)
-        grads = _flash_backward(plan, q, k, v, grad_output, out64, shift64, shifted64, wide)
+        out64, lse64, shift64, shifted64 = _flash_forward(plan, q, k, v, wide)
+        if sinks is not None:
+            out64, lse64, shifted64 = with_sinks(out64.reshape(-1, Hq, L, Ev), lse64.reshape(-1, Hq, L),
+                                                 shifted64.reshape(-1, Hq, L), sinks)
+            sink_weight = np.exp(sinks[:, None] - lse64)
+        grads = _flash_backward(plan, q, k, v, grad_output, out64, shift64, shifted64, wide, sink_weight)
+    grads, sink_rows = grads[:3], grads[3]
     grads = (
         grads[0].reshape(*shapes.batch, Hq, L, E),
         grads[1].reshape(*shapes.batch, Hkv, S, E),
         grads[2].reshape(*shapes.batch, Hkv, S, Ev),
     )
     # Inputs that were broadcast (smaller rank, a dim of 1) sum their gradient back.
-    grads = (sum_to_shape(grad, np.shape(x)) for grad, x in zip(grads, (query, key, value)))
-    return AttentionGrads(*(x.astype(shapes.dtype, copy=False) for x in grads))
+    grads = [sum_to_shape(grad, np.shape(x)).astype(shapes.dtype, copy=False)
+             for grad, x in zip(grads, (query, key, value))]
+    if sinks is None:
+        return AttentionGrads(*grads)
+    # forward: the sink's weight exp(s_h - lse)  ->  dL/ds_h = -sum over batch and rows of exp(s_h - lse) D
+    return AttentionSinkGrads(*grads, -sink_rows.sum(axis=(0, 2)).astype(shapes.dtype))
 
 
-def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifted_lse, cd: np.dtype):
+def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifted_lse, cd: np.dtype,
+                    sink_weight: np.ndarray | None = None):
     """The tiled backward in dtype `cd`: (dQ (B, Hq, L, E), dK (B, Hkv, S, E),
-    dV (B, Hkv, S, Ev)) in cd, B the flattened batch dims."""
+    dV (B, Hkv, S, Ev), sink_rows) in cd, B the flattened batch dims; sink_rows
+    (B, Hq, L) float64 is exp(s_h - lse) D, each row's share of the sinks'
+    gradient, given sink_weight (B, Hq, L) exp(s_h - lse), else None."""
     shapes = plan.shapes
     B, Hq, Hkv = math.prod(shapes.batch), shapes.q_heads, shapes.kv_heads
     L, S, E, Ev = shapes.L, shapes.S, shapes.E, shapes.Ev
@@ -405,6 +461,7 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifte
     o = np.asarray(output, dtype=cd).reshape(B, Hq, L, Ev)
     # D = rowsum(dO * O), summed in float64: rounded once, to the compute dtype
     d = np.einsum("bhle,bhle->bhl", d_out, o, dtype=np.float64)
+    sink_rows = None if sink_weight is None else sink_weight * d  # (B, Hq, L): sum_j dS_ij over the keys
     if fused:
         va, do_a, d = _flat(v, shapes, Hkv, cd), d_out, d.astype(cd)  # (B, Hkv, S, Ev), (B, Hq, L, Ev), (B, Hq, L)
     else:
@@ -437,7 +494,8 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifte
     top = np.full((B, Hq, L), -1, dtype=np.intp)
     with_grad = plan.score_mod is not None and plan.score_mod.grad is not None
     top_grad = np.ones((B, Hq, L), dtype=cd) if with_grad else None
-    inputs = _BackwardInputs(qs, qa, qs_f, k, ka, ks, va, do_a, do_f, lse_hi, row_f, top, top_grad, shift, d)
+    inputs = _BackwardInputs(qs, qa, qs_f, k, ka, ks, va, do_a, do_f, lse_hi, row_f, top, top_grad, shift, d,
+                             None if sink_rows is None else sink_rows.astype(cd))
     block = _backward_key_block_fused if fused else _backward_key_block
 
     # [dQ, the rows' sums of dS]: one (B, Hq, L, E + 1) array, or on the fused tiles dQ
@@ -473,7 +531,7 @@ def _flash_backward(plan: FlashPlan, q, k, v, grad_output, output, shift, shifte
         elif not fused and buf is not grad_q:
             grad_q += buf
     _add_dominant_keys(inputs, grad_q[..., :E], ds_sums, grad_k, shapes.group)
-    return grad_q[..., :E], grad_k, grad_v
+    return grad_q[..., :E], grad_k, grad_v, sink_rows
 
 
 def _add_dominant_keys(inputs: _BackwardInputs, grad_q, ds_sums, grad_k, group: int) -> None:
@@ -481,6 +539,8 @@ def _add_dominant_keys(inputs: _BackwardInputs, grad_q, ds_sums, grad_k, group: 
 
         forward: P = softmax(s)  ->  sum_j dS_ij = 0,  so  dS_ij = -sum_{k != j} dS_ik
 
+    (with sinks the row's keys' dS sum to inputs.row_sums, not 0: dS_ij is that
+    less the rest)
     (then times score_mod's derivative there), added to dQ_i (dS_ij k_j * scale)
     and dK_j (dS_ij q_i * scale). grad_q is (B, Hq, L, E); ds_sums (B, Hq, L)
     holds the sum of every other dS of each row. A one-hot row's other weights
@@ -492,6 +552,8 @@ def _add_dominant_keys(inputs: _BackwardInputs, grad_q, ds_sums, grad_k, group: 
     b, h, i = np.unravel_index(rows, inputs.top.shape)
     j = inputs.top.reshape(-1)[rows]
     ds = -ds_sums[b, h, i]  # (n,)
+    if inputs.row_sums is not None:
+        ds += inputs.row_sums[b, h, i]
     if inputs.top_grad is not None:
         ds *= inputs.top_grad[b, h, i]
     h_kv = h // group

@@ -14,6 +14,7 @@ from attnkit.functional._checks import output_ndim
 from attnkit.functional.flash.plan import FlashPlan, _Columns, _Tile, _flat, _make_plan, _with_ones
 from attnkit.functional.flash.state import AttentionState, merge_attention_states
 from attnkit.functional.precision import all_finite, needs_float64, start_dtype
+from attnkit.functional.sinks import check_sinks, sink_factors
 from attnkit.kernels import flash as compiled
 from attnkit.runtime import l2_cache_bytes, run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
 
@@ -310,6 +311,7 @@ def flash_attention(
     block_k: int | None = None,
     return_lse: bool = False,
     num_threads: int | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray | AttentionState:
     """Exact attention computed tile by tile: `scaled_dot_product_attention`'s
     results without ever holding the (L, S) scores.
@@ -341,6 +343,12 @@ def flash_attention(
         return_lse: also return the logsumexp of each score row, in the state
             the backward takes.
         num_threads: worker threads (default: the CPUs this process may use).
+        sinks: (Hq,) real, learned attention sinks (gpt-oss): head h's logit
+            s_h joins each row's softmax denominator and takes no value. The
+            tiles run as without it; each row is then scaled by
+            exp(lse - logaddexp(lse, s_h)), and the state's lse holds the sink,
+            so the backward's exp(s - lse) rebuilds the sink-scaled weights
+            (`attnkit.functional.sinks`). A row with no key gives output 0.
 
     Returns:
         The output (..., Hq, L, Ev) in query's dtype, or with return_lse
@@ -356,6 +364,7 @@ def flash_attention(
         block_q=block_q, block_k=block_k, num_threads=num_threads,
     )
     shapes = plan.shapes
+    sinks = check_sinks(sinks, shapes.q_heads)
     out_shape = (*shapes.batch, shapes.q_heads, shapes.L, shapes.Ev)
     if shapes.nothing_to_do:  # an empty result, or no key at all: zeros, as torch gives
         out = np.zeros(out_shape, dtype=shapes.dtype)
@@ -370,11 +379,27 @@ def flash_attention(
             # scores (or a running sum of values) beyond float32: torch's float64 answer
             dtype = np.dtype(np.float64)
             out, lse, shift, shifted_lse = _flash_forward(plan, q, k, v, dtype)
-        out = out.reshape(out_shape).astype(shapes.dtype, copy=False)
+        out = out.reshape(out_shape)
         lse, shift, shifted_lse = (x.reshape(out_shape[:-1]) for x in (lse, shift, shifted_lse))
+    if sinks is not None:
+        out, lse, shifted_lse = with_sinks(out, lse, shifted_lse, sinks)
+    out = out.astype(shapes.dtype, copy=False)
     if drop:
         out, lse, shift, shifted_lse = out[0], lse[0], shift[0], shifted_lse[0]
-    return AttentionState(out, lse, plan, shift, shifted_lse, dtype) if return_lse else out
+    return AttentionState(out, lse, plan, shift, shifted_lse, dtype, sinks) if return_lse else out
+
+
+def with_sinks(out: np.ndarray, lse: np.ndarray, shifted_lse: np.ndarray, sinks: np.ndarray):
+    """(out', lse', shifted_lse'): a forward's results with the sinks (float64 (Hq,))
+    joined to each row's denominator: out (..., Hq, L, Ev) times w = exp(lse - lse'),
+    lse' = logaddexp(lse, s_h), and lse' - shift (shifted_lse, float64) grown by
+    log(1 + exp(s_h - lse)), computed as such. A row with no key keeps output 0
+    and its shifted lse -inf (its tiles are masked: the backward's weights are 0)."""
+    w, lse_with_sink = sink_factors(lse, sinks)  # float64 (..., Hq, L)
+    out = out * w[..., None].astype(out.dtype)
+    with np.errstate(invalid="ignore"):  # -inf rows: -inf + inf, replaced below
+        grown = shifted_lse + np.logaddexp(0.0, sinks[:, None] - np.asarray(lse, dtype=np.float64))
+    return out, lse_with_sink, np.where(np.isneginf(lse), shifted_lse, grown)
 
 
 def _heads_per_task(plan: FlashPlan, n_blocks: int, B: int, itemsize: int, threads: int, fused: bool = False) -> int:

@@ -205,6 +205,22 @@ class FlashPlan:
     def hi(self) -> int | None:
         return self.band.hi
 
+    def rows_within(self, q0: int, q1: int, c0: int, c1: int) -> tuple[int, int] | None:
+        """(a, b): the rows q0 + a .. q0 + b - 1 of [q0, q1) whose every key the band
+        allows lies in [c0, c1), so that a piece over those columns holds their whole
+        row (the backward takes their D from it); None when there is none. The
+        band's first and last keys grow with the row, so such rows are one run."""
+        lo, hi, S, start = self.band.lo, self.band.hi, self.shapes.S, q0
+        if c0 > 0:  # the row's first key, max(0, i + lo), must be >= c0
+            if lo is None:
+                return None
+            q0 = max(q0, c0 - lo)
+        if c1 < S:  # its last, min(S, i + hi + 1) - 1, must be < c1
+            if hi is None:
+                return None
+            q1 = min(q1, c1 - hi)
+        return (q0 - start, q1 - start) if q1 > q0 else None
+
     def kv_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys any query in [q0, q1) may see: the band's reach, clipped to [0, S)."""
         return self.band.kv_range(q0, q1, self.shapes.S)

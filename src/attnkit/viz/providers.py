@@ -148,7 +148,7 @@ _cache_lock = threading.Lock()
 
 
 def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS, backend: str = "naive") -> Provider:
-    """The provider for `name` (minilm, smollm2, random, or a path), loaded once per backend.
+    """The provider for `name` (minilm, smollm2, gemma3, random, or a path), loaded once per backend.
 
     Arguments:
         name: the model.

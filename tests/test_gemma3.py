@@ -161,6 +161,23 @@ def test_gemma3_logits_within_budget(torch, gemma3_transformers, gemma3_model):
 
 
 @pytest.mark.slow
+def test_gemma3_logits_past_the_window_within_budget(torch, gemma3_transformers, gemma3_model):
+    """A prompt of 700+ tokens: the local layers' last query no longer sees the first keys."""
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(60))
+    ids = gemma3_model.tokenizer.encode(text)
+    assert len(ids) > 700
+
+    def last(model):
+        with torch.no_grad():
+            return model(torch.tensor([ids]), logits_to_keep=1).logits[0].double().numpy()
+
+    truth = last(float64_truth(torch, gemma3_transformers))
+    theirs = last(gemma3_transformers)
+    ours = gemma3_model.forward(np.array(ids), last_only=True)
+    assert_within_budget(ours, theirs, truth, what=f"gemma3 270M last logits after {len(ids)} tokens")
+
+
+@pytest.mark.slow
 def test_gemma3_greedy_equals_transformers(torch, gemma3_transformers, gemma3_model):
     tokenizer = gemma3_model.tokenizer
     for prompt in (CAPITAL, "def fibonacci(n):", "Once upon a time"):

@@ -115,3 +115,25 @@ def test_gemma3_tokenizer_matches_transformers(transformers, gemma3_file):
         assert got == expected, f"{text!r}: {got} != {expected}"
         assert ours.decode(got) == theirs.decode(expected), text
     assert ours.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+
+
+def test_merges_are_cached_by_the_pieces(tmp_path, monkeypatch):
+    import numpy as np
+
+    from attnkit.models import gguf_sentencepiece as sp
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "\n", "a\nb"]
+    expected = sentencepiece_merges(tokens)
+    assert sp.cached_merges(tokens) == expected  # derived, then stored
+    stored = list((tmp_path / "attnkit" / "sentencepiece").glob("merges-*.npy"))
+    assert len(stored) == 1 and not list(stored[0].parent.glob("*.partial*"))
+    monkeypatch.setattr(sp, "_merge_ids", lambda tokens: pytest.fail("derived again despite the cache"))
+    assert sp.cached_merges(tokens) == expected  # read back
+    assert sp._merges_cache(["a", "b\nc"]) != sp._merges_cache(["a\nb", "c"])  # pieces, not their text
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    np.save(stored[0], np.array([[0, 99]], dtype=np.int32))  # an id outside the vocabulary: derived again
+    assert sp.cached_merges(tokens) == expected
+    stored[0].write_bytes(b"not an array")
+    assert sp.cached_merges(tokens) == expected

@@ -243,3 +243,22 @@ def test_gemma3_stamp_skips_the_hash_and_a_changed_file_is_hashed_again(gemma3_f
     monkeypatch.setattr(package, "default_output_path", lambda base_dir=None: target)
     with pytest.raises(ModelPackageNotFoundError, match="sha256"):
         gemma3_gguf_path()
+
+
+def test_gemma3_is_served_as_a_text_generator():
+    from attnkit.serve.openai_models import GENERATION, model_kind
+
+    assert model_kind("gemma3") == GENERATION
+
+
+@pytest.mark.slow
+def test_gemma3_through_the_openai_api(gemma3_file):
+    """`attnkit serve --model gemma3`: a completion through the OpenAI-shaped pool."""
+    from attnkit.serve.openai_models import ModelPool, complete
+
+    pool = ModelPool(["gemma3"])
+    model = pool.get("gemma3")
+    ids = model.tokenizer.encode(CAPITAL)
+    pieces = list(complete(model, ids, max_tokens=8, temperature=0.0))
+    text = "".join(p for p in pieces if isinstance(p, str))
+    assert text.startswith(" the capital of the country of France"), text

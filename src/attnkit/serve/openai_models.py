@@ -2,7 +2,7 @@
 
 A `ModelPool` knows, without loading anything, what each name it serves is: an
 encoder (embeddings: "minilm", a BERT folder) or a decoder (completions and chat:
-"smollm2", a `.gguf` file, a Llama/Qwen2/Mistral/GPT-2 folder). It loads a model
+"smollm2", "gemma3", a `.gguf` file, a Llama/Qwen2/Mistral/Gemma 3/GPT-2 folder). It loads a model
 on the first request that names it (or all at once with `load_all`), once, and
 keeps one lock per model: the requests of one model run one after another (its
 weights are shared and a generation holds a KV cache of its own, but NumPy work
@@ -42,7 +42,7 @@ def model_kind(name: str) -> str | None:
     architecture, a path that holds no model)."""
     if name == "minilm":
         return EMBEDDINGS
-    if name == "smollm2":
+    if name in ("smollm2", "gemma3"):  # the embedded decoders
         return GENERATION
     if name == "random":
         return None

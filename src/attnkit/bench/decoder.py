@@ -156,9 +156,9 @@ if which == "attnkit":
     from attnkit import kernels
     route = ""
     if kernels.enabled():  # the compiled kernels' code: the native libraries (numba's runtime without them)
-        from attnkit.kernels import quant
         from attnkit.models.llama import step
-        route = quant._entries().route
+        from attnkit.quant.compiled import entries
+        route = entries().route
         step._entries()
         runtime = rss() - before
     start = time.perf_counter()

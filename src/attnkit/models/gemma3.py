@@ -58,7 +58,7 @@ from attnkit.models.checkpoint import (
     read_safetensors,
 )
 from attnkit.models.gguf import GGUFFile, check_metadata_keys, tokenizer_from_gguf
-from attnkit.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, quantized_types
+from attnkit.quant.layers import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, quantized_types
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import RMSNorm, RotaryEmbedding
 from attnkit.nn.interface import AttentionModule
@@ -608,7 +608,7 @@ def _gguf_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 
 def _runs_quantized(gguf_file: GGUFFile) -> bool:
-    from attnkit.kernels.quant import compiled_available
+    from attnkit.quant import compiled_available
 
     runs = set(quantized_types())
     return compiled_available() and all(

@@ -217,16 +217,21 @@ def test_unknown_keyword_and_bad_key_padding_mask_are_refused(backend):
 
 
 def test_every_backend_has_the_one_signature():
+    from attnkit.functional.backends import supports
+
     for name, fn in ATTENTION_BACKENDS.items():
         params = inspect.signature(fn).parameters
         positional = [p.name for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
         assert positional == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                               "enable_gqa"], name
         keyword_only = [p.name for p in params.values() if p.kind is p.KEYWORD_ONLY]
-        assert set(keyword_only) == set(BACKEND_KEYWORDS) - set(positional), name
+        # a backend with the table's `sinks` capability takes that one keyword more
+        sinks = {"sinks"} if supports(name, "sinks") else set()
+        assert set(keyword_only) == set(BACKEND_KEYWORDS) - set(positional) | sinks, name
         defaults = {p.name: p.default for p in params.values() if p.kind is p.KEYWORD_ONLY}
         assert defaults == dict(causal_align="top_left", window=None, key_padding_mask=None, score_mod=None,
-                                mask_mod=None, rng=None, return_weights=False, return_lse=False), name
+                                mask_mod=None, rng=None, return_weights=False, return_lse=False,
+                                **dict.fromkeys(sinks)), name
 
 
 @pytest.fixture

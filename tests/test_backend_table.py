@@ -19,8 +19,9 @@ from tiny_checkpoints import tiny_llama, write_tiny_llama_folder  # noqa: E402
 
 
 def test_the_builtin_backends_capabilities():
-    assert backend_capabilities("naive") == BackendCapabilities(reference=True, exact=True, varlen=True, dropout=True)
-    assert backend_capabilities("flash") == BackendCapabilities(exact=True, weightless=True, varlen=True)
+    assert backend_capabilities("naive") == BackendCapabilities(reference=True, exact=True, varlen=True, dropout=True,
+                                                                        sinks=True)
+    assert backend_capabilities("flash") == BackendCapabilities(exact=True, weightless=True, varlen=True, sinks=True)
     assert supports("flash", "weightless") and not supports("naive", "weightless")
 
 
@@ -138,3 +139,30 @@ def test_show_takes_backend():
     assert flash.stdout == naive.stdout  # flash forms no weights: its maps are recorded through naive
     bad = runner.invoke(app, ["show", "The cat", "--backend", "fast"])
     assert bad.exit_code == 2 and "expected --backend to be one of flash, naive, got 'fast'" in bad.output
+
+
+def test_every_backend_with_sinks_takes_them_as_the_float64_reference_does():
+    """A backend with the `sinks` capability computes gpt-oss's softmax: each head's sink
+    logit joins every row's denominator and takes no value (float64, causal, GQA, L > 1
+    for flash's tiles and L = 1 for its decode-step route)."""
+    import numpy as np
+
+    from attnkit.functional import ATTENTION_BACKENDS
+
+    rng = np.random.default_rng(7)
+    for L, S in ((9, 9), (1, 13)):
+        q = rng.standard_normal((2, 4, L, 16))
+        k, v = rng.standard_normal((2, 2, S, 16)), rng.standard_normal((2, 2, S, 16))
+        sinks = rng.standard_normal(4) * 2
+        scores = np.einsum("bhle,bhse->bhls", q, np.repeat(k, 2, axis=1)) / 4.0
+        allowed = np.tril(np.ones((L, S), bool), S - L)  # bottom-right when L < S
+        scores = np.where(allowed, scores, -np.inf)
+        m = np.maximum(scores.max(-1, keepdims=True), sinks[:, None, None])
+        e = np.exp(scores - m)
+        weights = e / (e.sum(-1, keepdims=True) + np.exp(sinks[:, None, None] - m))
+        expected = weights @ np.repeat(v, 2, axis=1)
+        for name in ATTENTION_BACKENDS:
+            if supports(name, "sinks"):
+                out = ATTENTION_BACKENDS[name](q, k, v, np.broadcast_to(allowed, (L, S)) if L == S else allowed,
+                                               enable_gqa=True, sinks=sinks)
+                np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12, err_msg=name)

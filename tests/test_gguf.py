@@ -267,7 +267,7 @@ def test_truncated_gguf_file(tmp_path, gguf):
 def test_unsupported_architecture(tmp_path, gguf, torch, transformers):
     path = tmp_path / "other.gguf"
     write_llama_gguf(path, _tiny_hf_llama(), arch="falcon")
-    with pytest.raises(ValueError, match="architecture 'llama' or 'qwen2', got 'falcon'"):
+    with pytest.raises(ValueError, match="architecture 'llama' or 'qwen2' or 'gemma3', got 'falcon'"):
         AutoCausalLM.from_pretrained(path)
 
 

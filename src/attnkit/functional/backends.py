@@ -13,6 +13,8 @@ everywhere). Where code must know more than that, it asks this table:
 | `weightless`| never forms the (L, S) weights: a recording runs "naive" instead | no    | yes   |
 | `varlen`    | `varlen_attention` runs it on packed sequences                   | yes   | yes   |
 | `dropout`   | takes dropout_p > 0                                              | yes   | no    |
+| `sinks`     | takes `sinks=` (Hq,), learned logits in each row's denominator   | yes   | yes   |
+|             | (gpt-oss); a backend without it is never passed the keyword      |       |       |
 
     supports("flash", "weightless")       # True
     backend_capabilities("naive").exact   # True
@@ -38,14 +40,15 @@ class BackendCapabilities(NamedTuple):
     weightless: bool = False
     varlen: bool = False
     dropout: bool = False
+    sinks: bool = False
 
 
 CAPABILITIES = BackendCapabilities._fields
 """The capability names `supports` takes."""
 
 BACKEND_CAPABILITIES: dict[str, BackendCapabilities] = {
-    "naive": BackendCapabilities(reference=True, exact=True, varlen=True, dropout=True),
-    "flash": BackendCapabilities(exact=True, weightless=True, varlen=True),
+    "naive": BackendCapabilities(reference=True, exact=True, varlen=True, dropout=True, sinks=True),
+    "flash": BackendCapabilities(exact=True, weightless=True, varlen=True, sinks=True),
 }
 """Backend name -> its capabilities; `register_attention` adds an entry for each backend it registers."""
 

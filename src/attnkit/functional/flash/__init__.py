@@ -119,6 +119,7 @@ def flash_backend(
     rng: np.random.Generator | int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray | AttentionOutput:
     """`flash_attention` behind the one backend signature (registered as
     ATTENTION_BACKENDS["flash"]; see `attnkit.functional`).
@@ -133,6 +134,9 @@ def flash_backend(
     scores of O(S) already: it runs the plain kernel (`scaled_dot_product_attention`,
     same arguments), whose one product per head group beats the tile loop.
 
+    `sinks` (Hq,): learned per-head logits that join each row's softmax denominator
+    (the backend table's `sinks` capability; `flash_attention` documents them).
+
     The flash backend never forms the weights, so dropout and return_weights
     are refused."""
     if dropout_p:
@@ -143,7 +147,7 @@ def flash_backend(
         return scaled_dot_product_attention(
             query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
             causal_align=causal_align, window=window, key_padding_mask=key_padding_mask,
-            score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse,
+            score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse, sinks=sinks,
         )
     if key_padding_mask is not None:
         shapes = check_qkv(query, key, value, enable_gqa)[3]
@@ -157,7 +161,8 @@ def flash_backend(
             mask_mod = key_padding if mask_mod is None else and_mods(mask_mod, key_padding)
     # flash_attention looked up here, in the package, at call time (what a test's spy replaces)
     res = flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align=causal_align,
-                          window=window, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+                          window=window, score_mod=score_mod, mask_mod=mask_mod, return_lse=True,
+                          sinks=sinks)
     if not return_lse:
         return res.output
     return AttentionOutput(output=res.output, weights=None, lse=res.lse.astype(res.output.dtype, copy=False))

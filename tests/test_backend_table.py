@@ -124,6 +124,7 @@ def test_the_decoder_loader_takes_backend(tmp_path):
         AutoCausalLM.from_pretrained(tmp_path / "tiny", backend=None)
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_show_takes_backend():
     from typer.testing import CliRunner
 

@@ -415,6 +415,7 @@ def _page_map(w: Watched) -> np.ndarray:
     return values.reshape(T, T)
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_served_page_draws_rollout_flow_and_value_weighted_maps(browser, small_server_url, minilm_folder):
     from attnkit.viz.derived import DESCRIPTIONS, derive
     from attnkit.viz.providers import get_provider

@@ -110,6 +110,7 @@ def test_dims_not_a_multiple_of_the_block_are_refused(tmp_path, tiny_gguf_file):
         AutoCausalLM.from_pretrained(damaged)
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_smollm2_moved_offset_is_refused(tmp_path, gguf):
     """The issue's case on the real file: token_embd's data moved by +64 (aligned, in the file)."""
     from attnkit.models.embedded import smollm2_gguf_path

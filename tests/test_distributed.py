@@ -193,6 +193,7 @@ def two_ranks():
     return [outcome.value for outcome in outcomes]
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_ring_and_ulysses_match_one_process_on_two_ranks(two_ranks):
     """W = 2: causal and not, both layouts, GQA, a sliding window, a document mask,
     ALiBi, lengths that divide and lengths that don't."""

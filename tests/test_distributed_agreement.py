@@ -47,6 +47,7 @@ def _agreement(rank, world):
     return messages
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_ranks_that_disagree_on_scale_or_deep_batch_dims_all_raise():
     outcomes = D.run_on_ranks(_agreement, 2, timeout_s=60)
     for rank, outcome in enumerate(outcomes):

@@ -65,6 +65,7 @@ def _mask_mod_cases(L, S, rng):
 
 
 @given(st.sampled_from([1, 4, 11, 16]), st.sampled_from([1, 6, 11, 19]), st.integers(0, 2**16))
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_every_mask_mod_equals_its_dense_mask_through_the_plain_path(L, S, seed):
     rng = np.random.default_rng(seed)
     q, k, v, d_out = _inputs(L, S, seed)

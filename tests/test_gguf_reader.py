@@ -60,6 +60,7 @@ def test_ggml_types_are_the_packages(gguf):
         assert gguf.GGMLQuantizationType(number).name == kind.name
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_embedded_smollm2(smollm2_file, gguf):
     layout = assert_same_as_package(smollm2_file)
     assert len(layout.metadata["tokenizer.ggml.tokens"]) == 49152

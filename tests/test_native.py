@@ -144,6 +144,7 @@ def test_a_process_on_the_library_never_imports_numba(tiny_gguf):
     assert report["tokens"] == in_process["tokens"]
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_without_a_compiler_the_callbacks_run(tiny_gguf, tmp_path):
     """A failed build (no working C compiler) says so in one line and runs numba's
     callbacks: same tokens."""
@@ -252,6 +253,7 @@ def test_the_step_refuses_what_it_cannot_read(tiny_gguf):
     assert np.isfinite(decode.decode_step(1, 0, frame, cos, sin, keys, values)).all()
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_a_build_removes_libraries_unused_for_a_week(tiny_gguf, tmp_path):
     """Building this version's library removes the other folders under the cache's native/
     that no process loaded for a week, and keeps the recent ones."""
@@ -273,6 +275,7 @@ def test_a_build_removes_libraries_unused_for_a_week(tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "digest file lost", "digest file garbage"])
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_a_damaged_library_is_rebuilt(tiny_gguf, tmp_path, damage):
     """A library whose bytes are not the ones built (a flipped byte, a truncated file), or
     whose digest file is lost or unreadable, is rebuilt with one line saying why; the

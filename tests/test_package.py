@@ -73,6 +73,7 @@ def test_models_viz_and_bench_stay_light():
     assert not heavy, f"importing models / viz / bench pulled in {heavy}"
 
 
+@pytest.mark.slow  # measured > 2 s in the quick loop
 def test_torch_modules_load_context_parallelism_only_when_asked():
     """`import attnkit.torch` and its modules (MultiHeadAttention, TransformerBlock) leave
     attnkit.torch.distributed (and run_on_ranks' module) unloaded until a module is given

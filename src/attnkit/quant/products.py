@@ -228,6 +228,8 @@ def _tiled_products(run, x: np.ndarray, parts, columns: int, out: np.ndarray) ->
     start = 0
     for raw, kind in parts:
         raw, rows = np.ascontiguousarray(raw), raw.shape[0]
+        if rows == 0:  # a part of no rows adds no output columns
+            continue
         count = -(-rows // max(2, TILE_VALUES // columns))  # tiles of at most TILE_VALUES weights
         count = -(-count // workers) * workers  # as many for each thread: 576 rows as 455 + 121 kept one waiting
         step = max(2, -(-rows // count))

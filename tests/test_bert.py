@@ -279,9 +279,9 @@ def test_embeddings_with_compiled_kernels_match_sentence_transformers(encoder, s
     elementwise.load()
     expected, truth = st_embeddings
     calls = []
-    real = elementwise.attention_softmax
+    real = elementwise._attention_softmax
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(elementwise, "attention_softmax", lambda s, scale: (calls.append(s.shape), real(s, scale)))
+        m.setattr(elementwise, "_attention_softmax", lambda s, scale: (calls.append(s.shape), real(s, scale)))
         got = encoder.encode(SENTENCES, batch_size=7)
     assert calls, "the compiled packed attention did not run"
     assert got.shape == (len(SENTENCES), 384) and got.dtype == np.float32

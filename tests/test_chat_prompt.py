@@ -154,7 +154,7 @@ def test_a_line_ending_in_a_backslash_continues_the_message(folder, monkeypatch)
     monkeypatch.setattr(CausalLM, "stream", spy)
     result = chat(folder, "-n", "2", input="line one\\\nline two\n")
     assert result.exit_code == 0 and result.stdout.count("model> ") == 1
-    assert "user\nline one\nline two<|im_end|>" in seen[0]
+    assert "user\nline one\nline two<|im_end|>" in seen[-1]  # (the first call may be the kernels' one-time warm-up)
 
 
 # ----------------------------------------------------------------------------- a real terminal

@@ -105,14 +105,17 @@ def apart(written: tuple, *others: tuple) -> None:
             raise ValueError(f"expected {name} not to share memory with {other}, got overlapping arrays")
 
 
-def real(name: str, value, *, positive: bool = False) -> float:
-    """A finite real number (a positive one with `positive`), as float."""
+def real(name: str, value, *, positive: bool = False, infinite: bool = False) -> float:
+    """A finite real number (a positive one with `positive`; +-inf allowed too with
+    `infinite`, never NaN), as float."""
     if type(value) is float:
         if math.isfinite(value) and (value > 0 or not positive):
             return value
     elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"expected {name} as a real number, got {type(value).__name__}")
     value = float(value)
+    if infinite and math.isinf(value) and (value > 0 or not positive):
+        return value
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"expected {name} as a finite{' positive' if positive else ''} number, got {value}")
     return value

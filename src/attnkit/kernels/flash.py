@@ -238,7 +238,7 @@ def grad_scores_tile(ds: np.ndarray, p: np.ndarray, d: np.ndarray, weight: np.nd
         ds, p: (rows, cols) C-contiguous float32.
         d, weight: (rows,) real numbers in any layout (converted to float32): D and the
             rows' weight sums.
-        peak: a finite number.
+        peak: a number, not NaN (inf: no row has a dominant key).
         top: (rows,) C-contiguous int64, written. ds_sums: (rows,) C-contiguous float32, written.
         (ds, top and ds_sums share no memory with each other or with the other arguments.)
 
@@ -249,7 +249,7 @@ def grad_scores_tile(ds: np.ndarray, p: np.ndarray, d: np.ndarray, weight: np.nd
     rows = ds.shape[:1]
     p = array("p", p, ds.shape)
     d, weight = converted("d", d, rows), converted("weight", weight, rows)
-    peak = real("peak", peak)
+    peak = real("peak", peak, infinite=True)
     top = array("top", top, rows, written=True, dtype=INT64)
     ds_sums = array("ds_sums", ds_sums, rows, written=True)
     apart(("ds", ds), ("p", p), ("d", d), ("weight", weight), ("top", top), ("ds_sums", ds_sums))

@@ -213,7 +213,7 @@ def test_int8_steps_follow_the_int8_products(tiny_gguf, calls):
     """With `activations("int8")` the compiled step runs the 8-bit products: its error from
     the float64 model is of the module path's int8 size (within 2x of it, plus the float32
     rule), and far above the float32 path's on this model (so the setting reached it)."""
-    from attnkit.kernels import quant
+    from attnkit import quant
     from attnkit.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
@@ -235,7 +235,7 @@ def test_cli_generate_int8(tiny_gguf, monkeypatch):
 
     from attnkit import kernels as kernels_module
     from attnkit.cli import app
-    from attnkit.kernels import quant
+    from attnkit import quant
     from attnkit.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_gguf(tiny_gguf)

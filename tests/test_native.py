@@ -65,14 +65,16 @@ def test_parts_give_the_same_bits(tiny_gguf):
 def test_library_and_in_process_callbacks_agree(tiny_gguf, monkeypatch):
     """The library's entries (emitted by llvmlite, linked by the C compiler) compute what
     numba's in-process callbacks compute, bit for bit: the decode step and the products."""
-    from attnkit.kernels import native, quant
+    from attnkit.kernels import native
+    from attnkit import quant
+    from attnkit.quant import compiled as quant_compiled
     from attnkit.models.llama import step as decode
     from attnkit.models.llama import LlamaForCausalLM
 
     if native.compiler() is None:
-        assert quant._entries().route == "in-process"
+        assert quant_compiled.entries().route == "in-process"
         pytest.skip("no C compiler here: the callbacks are all there is to compare")
-    assert quant._entries().route == "library" and decode._entries().route == "library"
+    assert quant_compiled.entries().route == "library" and decode._entries().route == "library"
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
     on_library = _steps(model, IDS, parts=2)
     tensor = model.layers[0].mlp.gate_proj.quantized
@@ -80,9 +82,9 @@ def test_library_and_in_process_callbacks_agree(tiny_gguf, monkeypatch):
     product_library = quant.matmul(x, tensor.raw, tensor.kind, tensor.columns)
     prefill_library = quant.matmul(np.repeat(x, 4, axis=0), tensor.raw, tensor.kind, tensor.columns)
 
-    callbacks = native.in_process(quant._entry_sources), native.in_process(decode._entry_sources)
+    callbacks = native.in_process(lambda: quant_compiled.compiled().entries), native.in_process(decode._entry_sources)
     assert callbacks[0].route == callbacks[1].route == "in-process"
-    monkeypatch.setattr(quant, "_entries", lambda: callbacks[0])
+    monkeypatch.setattr(quant_compiled, "entries", lambda: callbacks[0])
     monkeypatch.setattr(decode, "_entries", lambda: callbacks[1])
     np.testing.assert_array_equal(_steps(model, IDS, parts=2), on_library)
     np.testing.assert_array_equal(quant.matmul(x, tensor.raw, tensor.kind, tensor.columns), product_library)
@@ -103,7 +105,8 @@ class Watch:  # where numba is first imported, for the assertion's message
 
 sys.meta_path.insert(0, Watch())
 import numpy as np
-from attnkit.kernels import native, quant
+from attnkit.kernels import native
+from attnkit.quant import compiled as quant_compiled
 from attnkit.models.llama import step as decode
 from attnkit.models.llama import LlamaForCausalLM
 
@@ -115,7 +118,7 @@ def report(event):  # what the command line shows of a build
 model = LlamaForCausalLM.from_gguf(sys.argv[1], quantized=True)
 with native.reporting(report):
     tokens = model.generate(np.array([1, 5, 40]), 6, stop=())
-routes = {quant._entries().route, decode._entries().route}
+routes = {quant_compiled.entries().route, decode._entries().route}
 print(json.dumps({"route": " ".join(sorted(routes)), "numba": "numba" in sys.modules, "llvmlite": "llvmlite" in sys.modules,
                   "tokens": np.asarray(tokens).tolist(), "where": first_import}))
 """
@@ -131,10 +134,10 @@ def _child(path, **env) -> tuple[dict, str]:
 def test_a_process_on_the_library_never_imports_numba(tiny_gguf):
     """Once built, the library is all a quantized model's generate needs: numba and llvmlite
     stay out of the process (no LLVM, no compiler), and the tokens are the callbacks'."""
-    from attnkit.kernels import quant
+    from attnkit.quant import compiled as quant_compiled
     from attnkit.models.llama import step as decode
 
-    if quant._entries().route != "library" or decode._entries().route != "library":  # built here if not yet
+    if quant_compiled.entries().route != "library" or decode._entries().route != "library":  # built here if not yet
         pytest.skip("no C compiler here: no library to load")
     report, _ = _child(tiny_gguf)
     assert report["route"] == "library"
@@ -160,9 +163,10 @@ def test_the_reshape_helper_views_what_numpy_views():
     """`numba_attempt_nocopy_reshape` of the library's C runtime: for sliced (non-contiguous)
     arrays and every way of regrouping their dimensions, it succeeds exactly when NumPy can
     view the data in the new shape, with NumPy's strides."""
-    from attnkit.kernels import native, quant
+    from attnkit.kernels import native
+    from attnkit.quant import compiled as quant_compiled
 
-    if quant._entries().route != "library":
+    if quant_compiled.entries().route != "library":
         pytest.skip("no C compiler here: the helper is numba's own")
     helper = ctypes.CDLL(str(native.library_path("quant"))).numba_attempt_nocopy_reshape
     helper.restype = ctypes.c_int
@@ -280,9 +284,10 @@ def test_a_damaged_library_is_rebuilt(tiny_gguf, tmp_path, damage):
     """A library whose bytes are not the ones built (a flipped byte, a truncated file), or
     whose digest file is lost or unreadable, is rebuilt with one line saying why; the
     process runs on the rebuilt library with the same tokens."""
-    from attnkit.kernels import native, quant
+    from attnkit.kernels import native
+    from attnkit.quant import compiled as quant_compiled
 
-    if native.compiler() is None or quant._entries().route != "library":
+    if native.compiler() is None or quant_compiled.entries().route != "library":
         pytest.skip("no C compiler here: nothing is built")
     numba_cache = os.environ.get("NUMBA_CACHE_DIR") or kernels.numba().config.CACHE_DIR
     env = dict(XDG_CACHE_HOME=str(tmp_path), NUMBA_CACHE_DIR=numba_cache)

@@ -1,4 +1,4 @@
-"""Products on GGUF blocks (attnkit.kernels.quant, attnkit.models.quantized) against their oracles.
+"""Products on GGUF blocks (attnkit.quant and its layers) against their oracles.
 
 - The NumPy reference `dequantize` against the gguf package's `gguf.quants.dequantize`,
   value for value, for every type, on random blocks and adversarial ones (zero, huge, tiny,
@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 from attnkit import kernels
-from attnkit.kernels import quant
+from attnkit import quant
+from attnkit.quant import compiled as quant_compiled, ir as quant_ir
+from attnkit.quant.reference import TILE_VALUES
 from attnkit.runtime import blas_threads
 
-TYPES = list(quant.QUANT_TYPES)
+TYPES = [kind.name for kind in quant.GGMLType]
 SCALE_BYTES = {  # where each block keeps its float16 scales (and minimums)
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
     "Q6_K": [208],
@@ -43,7 +45,7 @@ def random_blocks(kind: str, rows: int, columns: int, rng, scales=None) -> np.nd
         bits = rng.standard_normal((rows, columns)).astype(np.float32).view(np.uint32) >> 16
         return bits.astype(np.uint16).view(np.uint8)
     raw = rng.integers(0, 256, (rows, quant.row_bytes(kind, columns)), dtype=np.uint8)
-    size = quant.QUANT_TYPES[kind].type_size
+    size = quant.GGMLType[kind].type_size
     blocks = raw.reshape(rows, -1, size)
     for at in SCALE_BYTES[kind]:
         values = (scales or (lambda shape: rng.standard_normal(shape) * 0.01))(blocks.shape[:2])
@@ -59,7 +61,7 @@ def oracle(raw: np.ndarray, kind: str, columns: int) -> np.ndarray:
 
 
 def columns_of(kind: str) -> int:
-    return 512 if quant.QUANT_TYPES[kind].block_size == 256 else 96  # two K-quant blocks, three small ones
+    return 512 if quant.GGMLType[kind].block_size == 256 else 96  # two K-quant blocks, three small ones
 
 
 def compiled_or_skip() -> None:
@@ -192,7 +194,7 @@ def test_prefill_tiles_claimed_by_worker_threads(kind, gguf, monkeypatch):
     compiled_or_skip()
     rng = np.random.default_rng(5)
     K = columns_of(kind) * 2
-    raw = random_blocks(kind, quant._TILE_VALUES // K * 3 + 5, K, rng)  # 4 tiles at one thread
+    raw = random_blocks(kind, TILE_VALUES // K * 3 + 5, K, rng)  # 4 tiles at one thread
     x = rng.standard_normal((quant.DECODE_ROWS + 5, K)).astype(np.float32)
     calls = []
     claimed = runtime.run_claimed
@@ -297,7 +299,7 @@ def test_quantize_activations_reference_and_compiled():
     np.testing.assert_array_equal(xs, sums)  # the 8-bit values' block sums (llama.cpp's Q8_1 s)
     if kernels.enabled():
         out = (np.empty_like(q), np.empty_like(dx), np.empty_like(xs), np.empty(dx.shape, np.int32))
-        quant._compiled()["quantize_x"](x, x.view(np.uint32), *out)
+        quant_compiled.compiled().loops["_quantize_x"](x, x.view(np.uint32), *out)
         np.testing.assert_array_equal(out[0], q)
         np.testing.assert_array_equal(out[1], dx)
         np.testing.assert_array_equal(out[3], q.reshape(3, -1, 32).astype(np.int32).sum(axis=2))
@@ -339,8 +341,8 @@ def test_int8_block_dots_on_every_instruction_set(gguf):
     float64 `matmul_int8_reference` (another CPU takes another branch: all are checked here)."""
     compiled_or_skip()
     nb = kernels.numba()
-    available = ["generic"] + [dot for dot in ("avx2", "vnni") if dot == quant._dot_instructions()
-                               or (dot == "avx2" and quant._dot_instructions() == "vnni")]
+    available = ["generic"] + [dot for dot in ("avx2", "vnni") if dot == quant_ir.dot_instructions()
+                               or (dot == "avx2" and quant_ir.dot_instructions() == "vnni")]
     rng = np.random.default_rng(9)
     K = 32 * 6
     for kind in quant.INT8_TYPES:
@@ -352,7 +354,7 @@ def test_int8_block_dots_on_every_instruction_set(gguf):
         size = ((np.abs(x) + 1) @ (np.abs(oracle(raw, kind, K).astype(np.float64)) + minimums(raw, kind, K)).T)[0]
         sums = {}
         for dot in available:
-            rows4 = quant._rows4_intrinsic(kind.lower(), dot)
+            rows4 = quant_ir.rows4_intrinsic(quant.GGMLType[kind.upper()], dot)
 
             @nb.njit
             def run(raw, q, dx, xs, qsum, rows4=rows4):

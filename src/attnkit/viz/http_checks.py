@@ -1,5 +1,6 @@
 """Moved to `attnkit.serve.http_checks`; this path works until attnkit 0.3.0 (see CHANGELOG.md)."""
 
+import importlib
 import warnings
 from typing import Any
 
@@ -11,6 +12,4 @@ warnings.warn(
 
 
 def __getattr__(name: str) -> Any:
-    from attnkit.serve import http_checks
-
-    return getattr(http_checks, name)
+    return getattr(importlib.import_module("attnkit.serve.http_checks"), name)  # by name: serve sits above viz

@@ -1,5 +1,6 @@
 """Moved to `attnkit.serve.openai_api`; this path works until attnkit 0.3.0 (see CHANGELOG.md)."""
 
+import importlib
 import warnings
 from typing import Any
 
@@ -11,6 +12,4 @@ warnings.warn(
 
 
 def __getattr__(name: str) -> Any:
-    from attnkit.serve import openai_api
-
-    return getattr(openai_api, name)
+    return getattr(importlib.import_module("attnkit.serve.openai_api"), name)  # by name: serve sits above viz

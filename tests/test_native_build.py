@@ -97,6 +97,36 @@ def test_broken_numba_falls_back_to_the_reference_with_one_line(tiny_gguf, tmp_p
     assert "internal error" not in result.stderr and "built" not in result.stderr
 
 
+_ONE_TOKEN = r"""
+import json, sys, warnings
+import numpy as np
+from attnkit.models.llama import LlamaForCausalLM
+warnings.simplefilter("ignore")
+model = LlamaForCausalLM.from_gguf(sys.argv[1], quantized=True)
+print(json.dumps(np.asarray(model.generate(np.array([1]), 4, stop=())).tolist()))
+"""
+
+
+def test_broken_numba_a_one_token_prompt_from_the_library_runs_on_the_reference(tiny_gguf, tmp_path):
+    """numba failing to import, empty cache, the library called directly (no command line to
+    try numba first) on a one-token prompt, whose first forward is a decode step: the step
+    falls back to the modules and the tokens are those of the NumPy reference."""
+    fake = tmp_path / "fake"
+    (fake / "numba").mkdir(parents=True)
+    (fake / "numba" / "__init__.py").write_text('raise ImportError("numba is broken here (a test)")\n')
+    runs = {}
+    for name, extra in (("broken", dict(PYTHONPATH=str(fake))), ("numpy", dict(ATTNKIT_KERNELS="numpy"))):
+        env = _env(XDG_CACHE_HOME=str(tmp_path / f"cache-{name}"), **extra)
+        env.pop("NUMBA_CACHE_DIR", None)
+        if name == "broken":
+            env.pop("ATTNKIT_KERNELS", None)
+        result = subprocess.run([sys.executable, "-c", _ONE_TOKEN, str(tiny_gguf)], capture_output=True, text=True,
+                                timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        runs[name] = result.stdout
+    assert runs["broken"] == runs["numpy"]
+
+
 @pytest.mark.slow
 def test_a_first_generate_says_what_it_builds_before_it_starts(tiny_gguf, tmp_path):
     """An empty cache: the first stderr line says the native kernels are about to be built

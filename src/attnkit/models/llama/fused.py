@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from attnkit import kernels
+from attnkit.kernels import native
 from attnkit.quant.layers import QuantizedCausalSelfAttention, QuantizedEmbedding, QuantizedLinear, \
     QuantizedSwiGLU
 from attnkit.nn.cache import KVCache
@@ -296,7 +297,10 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
     cos, sin = model.rotary.at(slot)
     keys, values = cache.stores
     parts = max(1, min(runtime.blas_thread_count() if parts is None else parts, runtime.cpu_count()))
-    logits = step.decode_step(int(ids[0, 0]), slot, found.frame, cos, sin, keys[:, 0], values[:, 0],
-                              int8=current_activations() == "int8", parts=parts)
+    try:
+        logits = step.decode_step(int(ids[0, 0]), slot, found.frame, cos, sin, keys[:, 0], values[:, 0],
+                                  int8=current_activations() == "int8", parts=parts)
+    except native.Unavailable:  # no library and numba does not import: the modules run the step
+        return None
     cache.advance(1)
     return logits[None, None]

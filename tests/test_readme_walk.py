@@ -23,7 +23,7 @@ FENCE = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
 
 SKIPPED = {
     "serve": "a server that runs until stopped (tests/test_serve*.py run it)",
-    "chat": "an interactive prompt (tests/test_chat_cli.py drives it)",
+    "chat": "an interactive prompt (tests/cli/test_chat_cli.py drives it)",
     "bench": "a benchmark, minutes on a busy machine (tests/test_bench*.py run its suites)",
     "train": "trains a model for minutes (tests/test_torch_train*.py run it)",
 }

@@ -6,7 +6,7 @@ the word being written (and the spaces before it) until the word is complete, th
 writes it on the current line if it fits, or starts a new line for it. It keeps the
 text's own line breaks, and breaks only a word longer than a whole line. The result
 is what `textwrap.fill(text, width, break_on_hyphens=False)` gives for text of words
-separated by single spaces (tests/test_chat_cli.py checks it against textwrap).
+separated by single spaces (tests/cli/test_chat_cli.py checks it against textwrap).
 
 Widths are counted in terminal cells (`rich.cells.cell_len`: a CJK character takes two).
 """

@@ -20,7 +20,7 @@ The rule (docs/conventions.md, tests/conftest.py `assert_within_budget`):
 attnkit's float32 error against the float64 truth <= 2x eager float32's for the
 forward (logits, loss), 3x for gradients, + 8 float32 ulps of the largest truth
 (for a gradient, the largest gradient of the step: `budget_scale`).
-`tests/test_hf.py` runs these cases under pytest; `scripts/hf_conformance.py`
+`tests/hf/test_hf.py` runs these cases under pytest; `scripts/hf_conformance.py`
 writes the table in docs/hf.md from the same runs.
 """
 

@@ -12,7 +12,7 @@ keep a batch near `TOKEN_ROWS` token rows), each group's variants finishing with
 so the memory is bounded and `progress` hears of heads as they finish.
 
 The result equals `with ablate(model, [(layer, head)]): loss(model(ids))` for each head
-(tests/test_interpret_importance.py checks it in float64).
+(tests/interpret/test_interpret_importance.py checks it in float64).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ shift, the row sum and scaling) go row by row:
 
 Multiplying by `scale` after the shift is exact algebra for scale > 0
 (max(scale * s) = scale * max(s)); in float32 it rounds once where the reference
-(q * scale) k^T rounds the scaled query, within the budget of tests/test_elementwise_kernels.py.
+(q * scale) k^T rounds the scaled query, within the budget of tests/kernels/test_elementwise_kernels.py.
 
 exp32 is inlined from attnkit.kernels._loops (the compiled-code cache is keyed on a digest
 of every file of `attnkit.kernels`, so a change there recompiles these loops).

@@ -284,7 +284,7 @@ class DecoderTokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         # add_bos_token / add_eos_token in tokenizer_config.json are not read: transformers 5
         # builds its tokenizer from tokenizer.json, whose post-processor alone decides (measured
-        # with every combination in tests/test_checkpoint_decoders.py), and so does attnkit.
+        # with every combination in tests/models/test_checkpoint_decoders.py), and so does attnkit.
         return cls(
             tokenizer,
             bos_token=text_of(config.get("bos_token")),

@@ -21,7 +21,7 @@ exact int32 sum; `matmul_int8_reference` is what they compute, in float64.
 What runs: the compiled loops when `attnkit.kernels.enabled()`, else the NumPy reference
 (`attnkit.quant.reference`), tile by tile.
 
-Error budget (tests/test_quant_kernels.py): against the float64 product of the dequantized
+Error budget (tests/quant/test_quant_kernels.py): against the float64 product of the dequantized
 weights, the kernel's error is at most twice the float32 reference product's plus one
 float32 rounding of |W| @ |x|: both sum K float32 products, in different orders, and the
 kernel applies each block's scale once per block instead of once per weight.

@@ -12,7 +12,7 @@ single-process loss (the sum over its predictable positions divided by the
 count over the whole batch); the gradients are summed over the ranks with one
 all-reduce, then every rank takes the same clipped AdamW step as
 `train_induction`. The loss curve is the single-process one up to float32
-rounding (tests/test_distributed.py checks 50 steps).
+rounding (tests/torch/test_distributed.py checks 50 steps).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 from attnkit.models.gguf import GGUFFile
 from attnkit.models.gguf_layout import GGML_TYPES, read_layout
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 from tiny_checkpoints import write_tiny_llama_gguf  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from attnkit import kernels
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="the native kernels are built by numba")
 

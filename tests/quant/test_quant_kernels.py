@@ -418,7 +418,7 @@ def tiny_gguf(tmp_path_factory, gguf):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
     from tiny_checkpoints import write_tiny_llama_gguf
 
     path = tmp_path_factory.mktemp("quant") / "tiny.gguf"

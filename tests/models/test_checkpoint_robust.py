@@ -24,7 +24,7 @@ from conftest import optional
 from attnkit.models.auto import AutoCausalLM
 from attnkit.models.checkpoint import CheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 from tiny_checkpoints import (  # noqa: E402
     tensor_entry_offsets,
     tiny_llama,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _env(extra_path: str | None = None, **variables) -> dict:

@@ -217,7 +217,7 @@ def test_explainer_prompt_is_shipped_once():
     text = load_prompt("attention-explainer")
     for word in ("query", "key", "value", "softmax", "database"):
         assert word in text.lower()
-    docs = Path(__file__).resolve().parents[1] / "docs" / "prompts" / "attention-explainer.md"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "prompts" / "attention-explainer.md"
     assert docs.read_text(encoding="utf-8") == text  # the docs copy is the shipped prompt
     with pytest.raises(ValueError, match="unknown name"):
         load_prompt("nope")

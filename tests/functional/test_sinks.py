@@ -79,7 +79,7 @@ def _truth_and_oracle(q, k, v, sinks, d_out, allowed):
 
 
 def _natural_sizes(q, k, v, d_out):
-    """The problem's sizes at which the budgets count their ulps (see tests/test_flash.py)."""
+    """The problem's sizes at which the budgets count their ulps (see tests/functional/test_flash.py)."""
     group = q.shape[1] // k.shape[1]
     cond = score_conditioning(q, k, None, group)
     vv = np.repeat(np.abs(v).astype(np.float64), group, axis=1)

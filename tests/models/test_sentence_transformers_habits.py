@@ -2,7 +2,7 @@
 
 sentence-transformers' documented usage (its README's first example) runs with attnkit swapped
 in, and every call that shares a name gives sentence-transformers' shapes, dtypes and
-types, and values within the float64-grounded budget of tests/test_bert.py: attnkit's
+types, and values within the float64-grounded budget of tests/models/test_bert.py: attnkit's
 float32 error against the model run in float64 is at most twice sentence-transformers'
 own float32 error (conftest.assert_within_budget).
 """

@@ -23,7 +23,7 @@ from attnkit import kernels
 pytestmark = [pytest.mark.skipif(not kernels.enabled(), reason="the compiled step needs the kernels (numba)"),
               pytest.mark.slow]
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/: the shared helpers
 
 _CHILD = r"""
 import hashlib, json, sys, threading

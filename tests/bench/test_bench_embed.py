@@ -40,7 +40,7 @@ def test_encoder_suite_quick_run():
     # The suite's fidelity check on unit-norm 384-d embeddings (entries about 0.05): a
     # wrong weight, mask or pooling moves entries by 1e-2 or more, float32 rounding by
     # about 1e-7 on any BLAS kernel; 1e-4 fails on the first and never on the second.
-    # (tests/test_bert.py holds the float64-grounded fidelity budget.)
+    # (tests/models/test_bert.py holds the float64-grounded fidelity budget.)
     assert result["max_abs_diff"] <= 1e-4
     # the row is the two timed contenders as sentences per second, and their ratio
     n = result["sentences"]

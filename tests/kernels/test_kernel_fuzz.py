@@ -5,7 +5,7 @@ TypeError, or the NumPy reference's result.
 Each array is cut from a larger buffer whose margins hold a known byte pattern, so a
 write past either end shows as a changed margin; a read past the end shows as a result
 other than the reference's, or, with luck, a crash. The cases run in a child process
-(`python tests/test_kernel_fuzz.py ENTRIES SEED COUNT`), one line printed before each, so
+(`python tests/kernels/test_kernel_fuzz.py ENTRIES SEED COUNT`), one line printed before each, so
 a crash fails the test and names its case instead of taking the test run with it.
 
 The quick tests run a few hundred cases per group; the slow-marked test many more. The
@@ -530,7 +530,7 @@ def _fuzz(groups: str, seed: int, count: int, timeout: float = 600, wrong_errors
     """Run the cases in a child; fails on a crash, a write outside an array, a result other
     than the reference's, a valid input refused, and (unless `wrong_errors`) an error other
     than ValueError/TypeError."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent / "src"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2] / "src"),
                                                                       os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, __file__, groups, str(seed), str(count)], capture_output=True, text=True,
                           timeout=timeout, env=env)

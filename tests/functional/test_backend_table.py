@@ -14,7 +14,7 @@ from attnkit.functional import register_attention, scaled_dot_product_attention,
 from attnkit.functional.backends import BACKEND_CAPABILITIES
 from attnkit.nn import BackendCapabilities, backend_capabilities, supports
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 from tiny_checkpoints import tiny_llama, write_tiny_llama_folder  # noqa: E402
 
 

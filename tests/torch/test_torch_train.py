@@ -121,7 +121,7 @@ def test_train_cp_without_torchrun_says_in_one_line_how_to_start_it(monkeypatch,
 @pytest.mark.slow
 def test_train_cp_default_run_learns_to_copy(one_thread):
     """The torchrun example's default steps are enough to learn the task: its loss curve is
-    the one-process run's (tests/test_distributed.py), and that run reaches the bar."""
+    the one-process run's (tests/torch/test_distributed.py), and that run reaches the bar."""
     from attnkit.torch import train_cp
 
     result = train_induction(train_cp._example_config(), eval_batches=2)

@@ -20,7 +20,7 @@ prefix, type tag, count, integer value and the whole tensor table are.
 
 CI runs `FUZZ_CASES` (500) cases per format from fixed seeds 0-499 (about 8 s). A longer run:
 
-    ATTNKIT_FUZZ_CASES=5000 python -m pytest -q -n 0 tests/test_fuzz_readers.py
+    ATTNKIT_FUZZ_CASES=5000 python -m pytest -q -n 0 tests/models/test_fuzz_readers.py
 
 (docs/models.md records the last long run's count.) A hang is caught by
 `faulthandler.dump_traceback_later`, which prints every thread's stack and exits.
@@ -41,7 +41,7 @@ import pytest
 from attnkit.models.auto import AutoCausalLM
 from attnkit.models.checkpoint import CheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 from tiny_checkpoints import write_tiny_llama_folder, write_tiny_llama_gguf  # noqa: E402
 
 FUZZ_CASES = int(os.environ.get("ATTNKIT_FUZZ_CASES", "500"))

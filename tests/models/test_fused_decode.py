@@ -20,7 +20,7 @@ from attnkit import kernels
 from attnkit.nn.interface import intervene, record_attention
 from attnkit.runtime import blas_threads
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 
 U = float(np.finfo(np.float32).eps) / 2
 IDS = [1, 5, 40, 80, 120, 160, 200, 7, 9, 11, 13, 17, 19, 23, 29]

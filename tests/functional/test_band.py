@@ -1,7 +1,7 @@
 """attnkit.functional.band: the one causal / sliding-window band, and everything that reads it.
 
 Oracles: the band written out per pair in float64 positions, gradcheck for
-attnkit.torch.flash_attention's `window` (tests/test_torch_flash.py compares it
+attnkit.torch.flash_attention's `window` (tests/torch/test_torch_flash.py compares it
 with torch SDPA on the equivalent dense mask), and every entry point's errors
 against attnkit.functional's.
 """

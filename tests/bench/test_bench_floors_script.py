@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "floors.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "floors.py"
 
 
 @pytest.fixture(scope="module")

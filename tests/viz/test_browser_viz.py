@@ -22,7 +22,7 @@ from attnkit.serve.server import EXAMPLE
 pytestmark = pytest.mark.browser
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "viz"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "viz"
 EVIL = ["<script>alert(1)</script>", "<img src=x onerror=alert(1)>"]
 
 

@@ -3,7 +3,7 @@ attention refuse, on every rank together, a `scale` that differs between ranks a
 batch dims that differ past the sixth (the check's all-gather row holds six; the
 rest go in a second all-gather), and still run when every rank agrees.
 
-One gloo world of 2 processes (`run_on_ranks`), as tests/test_distributed.py.
+One gloo world of 2 processes (`run_on_ranks`), as tests/torch/test_distributed.py.
 """
 
 from __future__ import annotations

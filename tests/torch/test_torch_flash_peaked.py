@@ -66,7 +66,7 @@ def _torch_math(mask, gqa):
 
 
 def _natural_sizes(q, k, v, d_out, group):
-    """Each gradient's natural size (as tests/test_flash_peaked.py): dQ ~ dP K scale,
+    """Each gradient's natural size (as tests/functional/test_flash_peaked.py): dQ ~ dP K scale,
     dK ~ dP Q scale, dV ~ dO, times the conditioning of the float32 scores."""
     sc = 1.0 / np.sqrt(q.shape[-1])
     dp_abs = float((np.abs(d_out.astype(np.float64)) @ np.swapaxes(np.abs(np.repeat(v, group, -3)), -1, -2)).max())
@@ -100,7 +100,7 @@ def test_peaked_rows_get_torch_float32s_accuracy_and_exact_zeros(name, magnitude
         what = f"{name} x{magnitude:g} {what}"
         if np.isfinite(torch_f32).all():
             # the epsilon at the gradient's natural size: on ill-conditioned rows (x 50)
-            # the max error of a few rows is a noisy statistic, as in tests/test_flash.py
+            # the max error of a few rows is a noisy statistic, as in tests/functional/test_flash.py
             assert_within_budget(mine, torch_f32, true, what=f"{what} vs torch float32", factor=3.0, ulps=4.0,
                                  scale=size)
         # The sharp rule where the flaw was: a row whose true gradient is below float32's

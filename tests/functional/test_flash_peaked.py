@@ -78,7 +78,7 @@ def test_peaked_rows_get_gradients_within_the_budget_and_exact_zeros(torch, name
         what = f"{name} x{magnitude:g} {what}"
         assert mine.dtype == np.float32
         # FlashAttention's rule against torch float32, the epsilon at the gradient's
-        # natural size (as tests/test_flash.py: on ill-conditioned rows the max error
+        # natural size (as tests/functional/test_flash.py: on ill-conditioned rows the max error
         # of a few rows is a noisy statistic, and torch rounds the scores otherwise)
         if np.isfinite(torch_f32).all():
             assert_within_budget(mine, torch_f32, true, what=f"{what} vs torch float32", factor=3.0, ulps=4.0,
@@ -110,7 +110,7 @@ def test_peaked_rows_get_gradients_within_the_budget_and_exact_zeros(torch, name
 
 
 def _natural_sizes(q, k, v, d_out, group):
-    """Each gradient's natural size, as tests/test_flash.py derives it: dQ ~ dP K scale,
+    """Each gradient's natural size, as tests/functional/test_flash.py derives it: dQ ~ dP K scale,
     dK ~ dP Q scale, dV ~ dO, times the conditioning of the float32 scores."""
     sc = 1.0 / np.sqrt(q.shape[-1])
     dp_abs = float((np.abs(d_out.astype(np.float64)) @ np.swapaxes(np.abs(np.repeat(v, group, -3)), -1, -2)).max())

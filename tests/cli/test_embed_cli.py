@@ -2,7 +2,7 @@
 
 What the CLI prints is checked against the library's float32 results with the float64
 truth as judge: attnkit's BertModel in float64 (equal to transformers' float64 BertModel
-to 1e-14, tests/test_bert.py), mean-pooled and L2-normalized in float64.
+to 1e-14, tests/models/test_bert.py), mean-pooled and L2-normalized in float64.
 """
 
 from __future__ import annotations

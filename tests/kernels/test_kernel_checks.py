@@ -5,7 +5,7 @@ each a ValueError or TypeError that names the argument, what was expected and wh
 
 The checks run before the loops load, so these tests run with the kernels off too
 (ATTNKIT_KERNELS=numpy, or no numba). The random fuzz over every entry is
-tests/test_kernel_fuzz.py.
+tests/kernels/test_kernel_fuzz.py.
 """
 
 from __future__ import annotations

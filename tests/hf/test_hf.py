@@ -209,7 +209,7 @@ def test_unknown_keywords_with_values_are_refused_by_name():
 
 def test_tiled_and_flash_take_sinks_as_the_exact_route_does():
     """s_aux (attention sinks) on attnkit_tiled and attnkit_flash: the exact route's output
-    (they were refused before; tests/test_sinks.py checks them against eager gpt-oss)."""
+    (they were refused before; tests/functional/test_sinks.py checks them against eager gpt-oss)."""
     module = _llama("attnkit_tiled").model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64)
     sinks = torch.randn(4, dtype=torch.float64)

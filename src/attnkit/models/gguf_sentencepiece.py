@@ -207,10 +207,24 @@ def sentencepiece_decoder_tokenizer(metadata: Mapping[str, Any], source: Any):
         CheckpointError (a ValueError): naming the file, as `sentencepiece_tokenizer`, or a special
             token id outside the vocabulary.
     """
-    from attnkit.models.chat import DecoderTokenizer
-
     tokenizer = sentencepiece_tokenizer(metadata, source)
     pieces = respell_spaces(metadata["tokenizer.ggml.tokens"])
+    return gguf_decoder_tokenizer(tokenizer, pieces, metadata, source, add_bos_default=True)
+
+
+def gguf_decoder_tokenizer(tokenizer: Any, pieces: Sequence[str], metadata: Mapping[str, Any], source: Any, *,
+                           add_bos_default: bool):
+    """`tokenizer` (a `tokenizers.Tokenizer` of the vocabulary `pieces`) with a GGUF file's
+    special tokens (`tokenizer.ggml.{bos,eos,padding}_token_id`), its BOS/EOS flags
+    (`add_bos_token` absent: `add_bos_default`) and chat template, as an
+    `attnkit.models.chat.DecoderTokenizer`; every GGUF tokenizer kind ends here.
+
+    Raises:
+        CheckpointError (a ValueError): naming the file: a special token id outside the
+            vocabulary, or a chat template that is not a string.
+    """
+    from attnkit.models.chat import DecoderTokenizer
+
     read = ConfigReader(metadata, source, prefix="tokenizer.ggml.")
 
     def token_of(key: str) -> str | None:
@@ -231,7 +245,7 @@ def sentencepiece_decoder_tokenizer(metadata: Mapping[str, Any], source: Any):
         bos_token=token_of("bos_token_id"),
         eos_token=token_of("eos_token_id"),
         pad_token=token_of("padding_token_id"),
-        add_bos_token=read.flag("add_bos_token", True),
+        add_bos_token=read.flag("add_bos_token", add_bos_default),
         add_eos_token=read.flag("add_eos_token", False),
         chat_template=template,
     )

@@ -60,7 +60,7 @@ def test_module_fallback_matches_forward_within_the_float64_rule(tiny):
     from tiny_checkpoints import tiny_llama
 
     step = BatchStep(tiny, new_cache(tiny, tokens=256, block_size=4))
-    assert not step.compiled and "blocks" in step.reason
+    assert not step.compiled and step.reason  # float weights (or the kernels off): the modules
     float64 = tiny_llama(seed=3).astype(np.float64)
     for chunk in (1, 3, 16):
         got, _ = feed(step, PROMPTS, chunk)

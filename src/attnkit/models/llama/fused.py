@@ -287,7 +287,6 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
     found = _ready(model, ids, positions, cache)
     if isinstance(found, str):
         return None
-    from attnkit import runtime
     from attnkit.quant import current_activations
     from attnkit.models.llama import step
 
@@ -296,10 +295,9 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
         raise ValueError(f"cache holds at most {cache.max_length} positions; {slot} are used and 1 more came")
     cos, sin = model.rotary.at(slot)
     keys, values = cache.stores
-    parts = max(1, min(runtime.blas_thread_count() if parts is None else parts, runtime.cpu_count()))
     try:
         logits = step.decode_step(int(ids[0, 0]), slot, found.frame, cos, sin, keys[:, 0], values[:, 0],
-                                  int8=current_activations() == "int8", parts=parts)
+                                  int8=current_activations() == "int8", parts=_parts(parts))
     except native.Unavailable:  # no library and numba does not import: the modules run the step
         return None
     cache.advance(1)
@@ -313,15 +311,39 @@ def batch_step_reason(model: Any, cache: Any) -> str | None:
     reason = _call_reason(None, None, None)
     if reason is None and cache.dtype != np.float32:
         reason = f"the step runs a float32 cache, got {cache.dtype}"
-    if reason is None:
-        found = _prepared(model)
-        reason = found.reason
-    if reason is None:
-        reason = "the batched compiled step is not built yet"
-    return reason
+    return _prepared(model).reason if reason is None else reason
+
+
+def _parts(threads: int | None) -> int:
+    from attnkit import runtime
+
+    return max(1, min(runtime.blas_thread_count() if threads is None else threads, runtime.cpu_count()))
 
 
 def batch_logits(model: Any, cache: Any, rows: list, runs: list, threads: int | None) -> np.ndarray | None:
-    """Logits (rows with logits, V) of a checked batched step through the compiled kernel, or
-    None when the modules must run it (a recording or an intervention opened since)."""
-    return None
+    """Logits (rows with logits, V) of a checked batched step (`BatchStep.run`: `runs` are
+    its (sequence, first row, stop row)) through the compiled kernel on `threads` threads
+    (None: the BLAS thread limit in force), or None when the modules must run it (a recording
+    or an intervention opened since, or no compiled code). The caller appends the tokens."""
+    found = _ready(model, None, None, None)
+    if isinstance(found, str):
+        return None
+    from attnkit.quant import current_activations
+    from attnkit.models.llama import step
+
+    n = len(rows)
+    slots = np.empty(n, np.int64)
+    width = max(len(cache.block_table(seq)) for seq, _, _ in runs)
+    tables = np.zeros((n, width), np.int32)
+    for seq, first, stop in runs:
+        table, length = cache.block_table(seq), cache.length(seq)
+        slots[first:stop] = np.arange(length, length + stop - first)
+        tables[first:stop, :len(table)] = table
+    tokens = np.array([row.token for row in rows], np.int64)
+    wanted = np.array([row.logits for row in rows], bool)
+    cos, sin = (np.ascontiguousarray(t, np.float32) for t in model.rotary.cos_sin(slots))
+    try:
+        return step.batch_step(tokens, slots, tables, wanted, found.frame, cos, sin, cache.keys, cache.values,
+                               int8=current_activations() == "int8", parts=_parts(threads))
+    except native.Unavailable:  # no library and numba does not import: the modules run the step
+        return None

@@ -129,13 +129,13 @@ def _check_caches(frame: Frame, keys: np.ndarray, values: np.ndarray) -> None:
 
 def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted: np.ndarray, frame: Frame,
                cos: np.ndarray, sin: np.ndarray, keys: np.ndarray, values: np.ndarray, *, int8: bool = False,
-               parts: int = 1) -> np.ndarray:
+               parts: int = 1, starts: np.ndarray | None = None) -> np.ndarray:
     """Logits (rows wanted, V) float32 of N token rows over a paged cache, in one call.
 
     Arguments:
-        tokens: (N,) the rows' tokens; slots: (N,) their positions (a row's key and value
-            are written at its slot; it attends to its sequence's positions 0 .. slot, so a
-            sequence's earlier rows in the step come first).
+        tokens: (N,) the rows' tokens; slots: (N,) their indices in their sequences' caches
+            (a row's key and value are written at its slot; it attends to its sequence's
+            cached keys starts .. slot, so a sequence's earlier rows in the step come first).
         tables: (N, width) int32, each row's sequence's block table (position p in block
             tables[i, p // block_size], at p % block_size).
         wanted: (N,) bool, the rows whose logits are computed, in row order.
@@ -144,6 +144,8 @@ def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted
         keys, values: (L, blocks, Hkv, block_size, E) float32 C-contiguous, the cache.
         int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
         parts: threads (the calling thread runs part 0, the frame's workers the others).
+        starts: (N,) the first cached key each row attends to (None: 0; a left-padded
+            sequence's first real token).
 
     Every (row, output) sum is computed by the same code in the same order whatever else
     is in the step and whichever part computes it: a row's logits do not depend on the
@@ -154,14 +156,17 @@ def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted
     slots = np.ascontiguousarray(slots, np.int64)
     tables = np.ascontiguousarray(tables, np.int32)
     wanted = np.asarray(wanted, bool)
+    starts = np.zeros_like(slots) if starts is None else np.ascontiguousarray(starts, np.int64)
     n, E, rows = tokens.shape[0], frame.field("head_dim"), frame.embed_rows
     if tokens.ndim != 1 or slots.shape != (n,) or wanted.shape != (n,) or tables.ndim != 2 or tables.shape[0] != n \
-            or n == 0:
+            or starts.shape != (n,) or n == 0:
         raise ValueError(f"expected N > 0 tokens, slots, wanted (N,) and tables (N, width), got {tokens.shape}, "
                          f"{slots.shape}, {wanted.shape} and {tables.shape}")
     size, blocks = keys.shape[3], keys.shape[1]
     if tokens.min() < 0 or tokens.max() >= rows:
         raise ValueError(f"expected tokens in [0, {rows}), got {tokens.min()}..{tokens.max()}")
+    if starts.min() < 0 or (starts > slots).any():
+        raise ValueError(f"expected starts in [0, slot] of each row, got {starts.min()}..{starts.max()}")
     if slots.min() < 0 or (slots // size).max() >= tables.shape[1] or tables.min() < 0 or tables.max() >= blocks:
         raise ValueError(f"expected slots within each row's block table and block ids in [0, {blocks}), got slots "
                          f"{slots.min()}..{slots.max()}, tables of width {tables.shape[1]}, ids "
@@ -179,6 +184,7 @@ def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted
         shared = frame.scratch(n)
         record = frame.record
         for name, value in (("rows", n), ("tokens", tokens.ctypes.data), ("slots", slots.ctypes.data),
+                            ("starts", starts.ctypes.data),
                             ("tables", tables.ctypes.data), ("width", tables.shape[1]),
                             ("outputs", outputs.ctypes.data), ("outputs_count", count), ("parts", parts),
                             ("int8", int(bool(int8))), ("cos", cos.ctypes.data), ("sin", sin.ctypes.data),

@@ -67,7 +67,8 @@ FRAME = np.dtype([
     # set by each step (`batch_step`)
     ("rows", np.int64),  # N, the step's token rows
     ("tokens", np.int64),  # (N,) int64: each row's token
-    ("slots", np.int64),  # (N,) int64: each row's position (its index in its sequence)
+    ("slots", np.int64),  # (N,) int64: each row's index in its sequence's cache
+    ("starts", np.int64),  # (N,) int64: the first cached key each row attends to (after left padding)
     ("tables", np.int64),  # (N, width) int32: each row's sequence's block table
     ("width", np.int64),
     ("outputs", np.int64),  # (N,) int64: the row of `logits` a row's logits go in, -1: none
@@ -97,6 +98,7 @@ class StepArrays(NamedTuple):
     floats: Any  # (2L + 2,) float64
     tokens: Any  # (N,) int64
     slots: Any  # (N,) int64
+    starts: Any  # (N,) int64
     tables: Any  # (N, width) int32
     outputs: Any  # (N,) int64
     cos: Any  # (N, E) float32
@@ -254,40 +256,44 @@ def _score(q, key, scale):  # pragma: no cover - compiled
 
 
 def _attend(i, h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragma: no cover - compiled
-    """Row i's head h (its query in `rotated[i]`) over its sequence's cached keys 0 .. slot
-    (its own and those of the step's earlier rows of its sequence were written before the
-    barrier), in the paged cache through the row's block table, in float32 as the module
-    path's attention: scores, their exps by a vectorized polynomial, the weighted values in
-    key order, one division by the exps' sum at the end. The same code and order whatever
-    else is in the step."""
+    """Row i's head h (its query in `rotated[i]`) over its sequence's cached keys
+    starts[i] .. slot (its own and those of the step's earlier rows of its sequence were
+    written before the barrier), in the paged cache through the row's block table, in
+    float32 as the module path's attention: scores, their exps by a vectorized polynomial,
+    the weighted values in key order, one division by the exps' sum at the end. The same
+    code and order whatever else is in the step."""
     heads, kv_heads, E, size = frame.heads, frame.kv_heads, frame.head_dim, frame.block_size
     keys, vals = arrays.keys, arrays.values
-    slot = arrays.slots[i]
+    first, count = arrays.starts[i], arrays.slots[i] + 1  # keys first .. count - 1
     table = arrays.tables[i]
     g = h // (heads // kv_heads)
     q = rotated[i, h * E: (h + 1) * E]
     scale32 = np.float32(arrays.floats[0])
     top = np.float32(-np.inf)
-    count = slot + 1
-    for b in range((count + size - 1) // size):  # key t = b * size + o, in order
-        block = table[b]
-        for o in range(min(size, count - b * size)):
-            t = b * size + o
-            scores[t] = _score(q, keys[layer, block, g, o], scale32)
-            top = max(top, scores[t])
-    _exp_shifted(scores, count, top)
+    t = first
+    while t < count:  # key t in block table[t // size] at t % size, in order
+        b = t // size
+        block, stop = table[b], min(count, (b + 1) * size)
+        for u in range(t, stop):
+            scores[u - first] = _score(q, keys[layer, block, g, u - b * size], scale32)
+            top = max(top, scores[u - first])
+        t = stop
+    _exp_shifted(scores, count - first, top)
     total = np.float32(0.0)
-    for t in range(count):
-        total += scores[t]
+    for u in range(count - first):
+        total += scores[u]
     for e in range(E):
         mixed[e] = np.float32(0.0)
-    for b in range((count + size - 1) // size):
-        block = table[b]
-        for o in range(min(size, count - b * size)):
-            w = scores[b * size + o]
-            value = vals[layer, block, g, o]
+    t = first
+    while t < count:
+        b = t // size
+        block, stop = table[b], min(count, (b + 1) * size)
+        for u in range(t, stop):
+            w = scores[u - first]
+            value = vals[layer, block, g, u - b * size]
             for e in range(E):
                 mixed[e] += w * value[e]
+        t = stop
     inverse = np.float32(1.0) / total
     for e in range(E):
         attended[i, h * E + e] = mixed[e] * inverse
@@ -417,6 +423,7 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
         carray(_f64(frame.floats), (2 * layers + 2,)),  # noqa: F821
         carray(_i64(frame.tokens), (n,)),  # noqa: F821
         carray(_i64(frame.slots), (n,)),  # noqa: F821
+        carray(_i64(frame.starts), (n,)),  # noqa: F821
         carray(_i32(frame.tables), (n, frame.width)),  # noqa: F821
         carray(_i64(frame.outputs), (n,)),  # noqa: F821
         carray(_f32(frame.cos), (n, E)),  # noqa: F821

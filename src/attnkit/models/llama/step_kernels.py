@@ -5,7 +5,7 @@ element-wise operations between them; run one by one from Python, the operations
 much as the products. `_step` runs the whole step inside one compiled function: the
 embedding row, and in every layer RMSNorm, the query/key/value products, rotary embedding,
 the new key and value written into the cache, attention of the one query over every cached
-key (grouped-query heads), the output product and residual, RMSNorm, gate and up products,
+key (grouped-query heads; a sliding layer's last `window` keys), the output product and residual, RMSNorm, gate and up products,
 SiLU(gate) * up, the down product and residual; then the final norm and the output head. It
 computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
 the sublayers in float32), so its logits agree with the module path's to float32 rounding.
@@ -65,6 +65,8 @@ FRAME = np.dtype([
     ("half", np.int64),  # (65536,) float32: every float16 bit pattern's value
     ("barrier", np.int64),  # (2,) int64: the parts' counter and generation
     ("shared", np.int64),  # float32 scratch the parts write their shares into (`shared_size`)
+    ("windows", np.int64),  # (L,) int64: each layer's sliding window (a query sees its last `window` keys,
+    #                         itself included), 0: none
     # set by each step (`decode_step`)
     ("token", np.int64),
     ("slot", np.int64),  # the token's index in the cache (the cached length before it)
@@ -96,6 +98,7 @@ class StepArrays(NamedTuple):
     half: Any  # (65536,) float32
     shared: Any  # float32 scratch
     logits: Any  # (V,) float32
+    windows: Any  # (L,) int64, 0: no window
 
 
 class Scratch(NamedTuple):
@@ -245,9 +248,15 @@ def _attend(h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragm
     """Head h's query (in `rotated`) over the cached keys of its group and its own new key
     (the cache's slot is written by part 0; every part reads the new key and value from its
     own `rotated`), in float32 as the module path's attention: scores, their exps by a
-    vectorized polynomial, the weighted values, one division by the exps' sum at the end."""
+    vectorized polynomial, the weighted values, one division by the exps' sum at the end.
+    A layer with a sliding window w attends over slots max(0, slot - w + 1) .. slot only
+    (the module path's band: key j is seen from position i when i - w < j <= i)."""
     heads, kv_heads, E, slot = frame.heads, frame.kv_heads, frame.head_dim, frame.slot
     keys, vals = arrays.keys, arrays.values
+    window = arrays.windows[layer]
+    first = max(0, slot - window + 1) if window > 0 else 0
+    scores = scores[: slot + 1 - first]  # scores[t - first]: slot t's score
+    seen = slot - first  # cached slots seen (the new key's score is scores[seen])
     g = h // (heads // kv_heads)
     scale = arrays.floats[0]
     q = rotated[h * E: (h + 1) * E]
@@ -255,20 +264,20 @@ def _attend(h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragm
     new_value = rotated[(heads + kv_heads + g) * E: (heads + kv_heads + g + 1) * E]
     scale32 = np.float32(scale)
     top = np.float32(-np.inf)
-    for t in range(slot):
-        scores[t] = _score(q, keys[layer, g, t], scale32)
+    for t in range(seen):
+        scores[t] = _score(q, keys[layer, g, first + t], scale32)
         top = max(top, scores[t])
-    scores[slot] = _score(q, new_key, scale32)
-    top = max(top, scores[slot])
-    _exp_shifted(scores, slot + 1, top)
+    scores[seen] = _score(q, new_key, scale32)
+    top = max(top, scores[seen])
+    _exp_shifted(scores, seen + 1, top)
     total = np.float32(0.0)
-    for t in range(slot + 1):
+    for t in range(seen + 1):
         total += scores[t]
     for e in range(E):
-        mixed[e] = scores[slot] * new_value[e]
-    for t in range(slot):
+        mixed[e] = scores[seen] * new_value[e]
+    for t in range(seen):
         w = scores[t]
-        value = vals[layer, g, t]
+        value = vals[layer, g, first + t]
         for e in range(E):
             mixed[e] += w * value[e]
     inverse = np.float32(1.0) / total
@@ -373,6 +382,7 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
         carray(_f32(frame.shared), ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS],)),  # noqa: F821
         carray(_f32(frame.logits), (frame.vocab,)),  # noqa: F821
+        carray(_i64(frame.windows), (layers,)),  # noqa: F821
     )
     _step(part, frame, arrays)
 

@@ -5,8 +5,9 @@ element-wise operations between them; run one by one from Python, the operations
 much as the products. `_step` runs the whole step inside one compiled function: the
 embedding row, and in every layer RMSNorm, the query/key/value products, rotary embedding,
 the new key and value written into the cache, attention of the one query over every cached
-key (grouped-query heads; a sliding layer's last `window` keys), the output product and residual, RMSNorm, gate and up products,
-SiLU(gate) * up, the down product and residual; then the final norm and the output head. It
+key (grouped-query heads; a sliding layer's last `window` keys), the output product and
+residual, RMSNorm, gate and up products, SiLU(gate) * up, the down product and residual;
+then the final norm and the output head. It
 computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
 the sublayers in float32), so its logits agree with the module path's to float32 rounding.
 

@@ -271,3 +271,89 @@ def test_compiled_step_reason_names_what_sends_a_step_to_the_modules(tiny_gguf):
     with record_attention(model):
         assert "watches the layers" in compiled_step_reason(model, one, at0)
     assert "GGUF's blocks" in compiled_step_reason(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False))
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+WINDOW = 4  # shorter than IDS (15 tokens): the band drops keys on the later steps
+
+
+def with_windows(model, layer_types):
+    """`model` (quantized) with a sliding window of WINDOW on the layers `layer_types` names
+    "sliding_attention" (a tiny Mistral, or a Qwen2 with sliding layers, on the same blocks)."""
+    from dataclasses import replace
+
+    from attnkit.models.llama import QuantizedSlidingWindowSelfAttention
+
+    for block, kind in zip(model.layers, layer_types):
+        if kind == "sliding_attention":
+            a = block.attn
+            block.attn = QuantizedSlidingWindowSelfAttention(
+                a.q_proj, a.k_proj, a.v_proj, a.out_proj, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim, window=WINDOW)
+    model.config = replace(model.config, sliding_window=WINDOW, layer_types=tuple(layer_types))
+    return model
+
+
+@pytest.mark.parametrize("layer_types", [("sliding_attention", "sliding_attention"),
+                                         ("sliding_attention", "full_attention")], ids=["mistral", "per-layer"])
+def test_sliding_windows_run_compiled(tiny_gguf, calls, layer_types):
+    """A model with sliding windows (every layer, as Mistral; or some, as Qwen2) decodes on
+    the compiled step: its logits within the float32 rule of the float64 windowed model, as
+    the module path's on the same blocks, and far from the same model without windows."""
+    from attnkit.models.llama import LlamaForCausalLM, compiled_step_reason
+
+    model = with_windows(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), layer_types)
+    assert compiled_step_reason(model, np.array([[IDS[0]]]), np.array([[0]]), model.new_cache(1, 4)) is None
+    float32 = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False)
+    windowed = LlamaForCausalLM(model.config, seed=0)
+    windowed.load_state_dict(float32.state_dict())
+    assert type(windowed.layers[0].attn).__name__ == "SlidingWindowSelfAttention"
+    truth = stepwise(windowed.astype(np.float64), IDS)
+    fused = stepwise(model, IDS)
+    assert calls[0] == len(IDS)
+    modules = stepwise(model, IDS, watched=True)
+    assert calls[0] == len(IDS)
+    reference_error = np.abs(stepwise(windowed, IDS) - truth).max()
+    budget = 2 * reference_error + U * np.abs(truth).max() * 64
+    for name, got in (("compiled", fused), ("modules", modules)):
+        error = np.abs(got - truth).max()
+        print(f"{name}: {error:.3g} (float32 reference {reference_error:.3g})")
+        assert error <= budget, (name, error, reference_error)
+    np.testing.assert_allclose(fused[:WINDOW], stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True),
+                                                        IDS[:WINDOW]), rtol=0, atol=budget)
+    unwindowed = stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), IDS)
+    assert np.abs(unwindowed[WINDOW:] - fused[WINDOW:]).max() > 100 * budget  # the window was applied
+
+
+def test_sliding_windows_greedy_and_threads(tiny_gguf, calls):
+    """`generate` past the window on the compiled step gives the module path's tokens, and
+    2 threads the bits of 1."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = with_windows(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), ("sliding_attention",) * 2)
+    fused = model.generate(np.array(IDS), 12, stop=())
+    assert calls[0] == 11
+    with intervene({}):
+        modules = model.generate(np.array(IDS), 12, stop=())
+    np.testing.assert_array_equal(fused, modules)
+    model.single_thread_decode = False
+    with blas_threads(1):
+        one = stepwise(model, IDS)
+    with blas_threads(2):
+        two = stepwise(model, IDS)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_a_changed_window_is_used(tiny_gguf, calls):
+    """Setting a layer's `window` reaches the compiled step (the frame is built again)."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = with_windows(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), ("sliding_attention",) * 2)
+    before = stepwise(model, IDS)
+    for block in model.layers:
+        block.attn.window = 7
+    after = stepwise(model, IDS)
+    assert calls[0] == 2 * len(IDS)
+    np.testing.assert_allclose(after, stepwise(model, IDS, watched=True), rtol=0, atol=1e-4 * np.abs(after).max())
+    assert not np.allclose(before[7:], after[7:])

@@ -10,7 +10,8 @@ function says why not, in words:
 - the step is not one token of one sequence at the cache's end, or the cache is not float32,
   holds padding, or a layer's buffer was replaced (`KVCache.stores` is None);
 - the model is not the plain quantized one: its matrices are not the GGUF's blocks
-  (`from_gguf`, quantized), a layer is not `QuantizedCausalSelfAttention` +
+  (`from_gguf`, quantized), a layer is not `QuantizedCausalSelfAttention` (or
+  `QuantizedSlidingWindowSelfAttention`: the step attends over the same window) +
   `QuantizedSwiGLU`, a projection has a bias, a norm is not float32, the layers' scales
   differ, a backend is not a built-in exact one ("naive" or "flash": the one place a
   backend is compared by name), the embedding's or head's rows are permuted.
@@ -36,12 +37,14 @@ from attnkit import kernels
 from attnkit.kernels import native
 from attnkit.quant.layers import QuantizedCausalSelfAttention, QuantizedEmbedding, QuantizedLinear, \
     QuantizedSwiGLU
+from attnkit.models.llama.sliding import QuantizedSlidingWindowSelfAttention
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import supports, watching
 from attnkit.nn.module import structure_version
 
 __all__ = ["batch_logits", "batch_step_reason", "compiled_step_reason", "fused_logits"]
 
+_ATTENTIONS = (QuantizedCausalSelfAttention, QuantizedSlidingWindowSelfAttention)
 _PROJECTIONS = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "out_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
@@ -134,9 +137,12 @@ def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
     scales = set()
     for index, block in enumerate(blocks):
         attn, mlp = links.child(block, "attn"), links.child(block, "mlp")
-        if type(attn) is not QuantizedCausalSelfAttention or type(mlp) is not QuantizedSwiGLU:
+        if type(attn) not in _ATTENTIONS or type(mlp) is not QuantizedSwiGLU:
             return links, blocks, (f"layer {index} is {type(attn).__name__} + {type(mlp).__name__}, not "
-                                   "QuantizedCausalSelfAttention + QuantizedSwiGLU")
+                                   "QuantizedCausalSelfAttention (or QuantizedSlidingWindowSelfAttention) + "
+                                   "QuantizedSwiGLU")
+        if type(attn) is QuantizedSlidingWindowSelfAttention:
+            links.attribute(attn, "window")
         backend = links.attribute(attn, "backend")
         if not _exact(backend):
             return links, blocks, (f"layer {index} attends through backend {backend!r}; the step stands in "
@@ -194,8 +200,9 @@ def _build(model: Any) -> tuple:
     add(head, 0)
     scale = layers[0].attn.scale
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    windows = [getattr(block.attn, "window", 0) for block in layers]  # 0: no window
     frame = step.prepare(np.array(table, np.int64), np.array(orders, np.int64), norms, eps, scale, heads, kv_heads,
-                         E, head.shape[0])
+                         E, head.shape[0], windows)
     return frame, blocks
 
 

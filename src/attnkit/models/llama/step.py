@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -45,13 +46,14 @@ class Frame:
     the largest step), the worker threads, and the lock that lets one step at a time use them."""
 
     def __init__(self, table: np.ndarray, orders: np.ndarray, norms: tuple, floats: np.ndarray, heads: int,
-                 kv_heads: int, E: int, vocab: int) -> None:
+                 kv_heads: int, E: int, vocab: int, windows: np.ndarray | None = None) -> None:
         layers = orders.shape[0]
+        windows = np.zeros(layers, np.int64) if windows is None else windows
         embed = MATRICES_PER_LAYER * layers  # the embedding's row; the gate's is 4
         self.d, self.ff = int(table[embed, COLUMNS]), int(table[4, ROWS])
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, E
         self.addresses = np.array([n.ctypes.data for n in norms], np.int64)
-        self.keep = (table, orders, floats, norms)
+        self.keep = (table, orders, floats, norms, windows)
         self.barrier = np.zeros(2, np.int64)
         self.shared = np.empty(0, np.float32)
         self.lock = threading.Lock()
@@ -63,7 +65,8 @@ class Frame:
         for name, value in dict(table=table.ctypes.data, matrices=table.shape[0], orders=orders.ctypes.data,
                                 norms=self.addresses.ctypes.data, floats=floats.ctypes.data, layers=layers,
                                 heads=heads, kv_heads=kv_heads, head_dim=E, vocab=vocab,
-                                half=half_table().ctypes.data, barrier=self.barrier.ctypes.data).items():
+                                half=half_table().ctypes.data, barrier=self.barrier.ctypes.data,
+                                windows=windows.ctypes.data).items():
             record[name] = value
 
     def field(self, name: str) -> int:
@@ -88,7 +91,7 @@ class Frame:
 
 
 def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale: float, heads: int, kv_heads: int,
-            E: int, vocab: int) -> Frame:
+            E: int, vocab: int, windows: Any = None) -> Frame:
     """A model's frame for `batch_step`.
 
     Arguments:
@@ -100,6 +103,8 @@ def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale
             edit in place reaches the step).
         eps: their epsilons; scale: the score scale.
         heads, kv_heads, E, vocab: the model's sizes.
+        windows: (L,) each layer's sliding window (a query sees its last `window` keys,
+            itself included), 0 for none; None (default): no layer has one.
     """
     table = np.ascontiguousarray(table, np.int64)
     orders = np.ascontiguousarray(orders, np.int64)
@@ -113,7 +118,10 @@ def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale
     if any(n.dtype != np.float32 or not n.flags.c_contiguous or n.shape != norms[0].shape for n in norms):
         raise ValueError("expected the norms' weights float32, C-contiguous, of one shape")
     floats = np.array([scale, *eps], np.float64)
-    return Frame(table, orders, tuple(norms), floats, heads, kv_heads, E, vocab)
+    windows = np.zeros(layers, np.int64) if windows is None else np.array(windows, np.int64).reshape(-1)
+    if windows.shape != (layers,) or (windows < 0).any():
+        raise ValueError(f"expected {layers} windows >= 0 (0: none), got {windows.tolist()}")
+    return Frame(table, orders, tuple(norms), floats, heads, kv_heads, E, vocab, windows)
 
 
 def _check_caches(frame: Frame, keys: np.ndarray, values: np.ndarray) -> None:

@@ -5,7 +5,7 @@ element-wise operations between them; run one by one from Python, the operations
 much as the products. `_step` runs the whole step inside one compiled function: the
 embedding row, and in every layer RMSNorm, the query/key/value products, rotary embedding,
 the new key and value written into the cache, attention of the one query over every cached
-key (grouped-query heads), the output product and residual, RMSNorm, gate and up products,
+key (grouped-query heads; a sliding layer's last `window` keys), the output product and residual, RMSNorm, gate and up products,
 SiLU(gate) * up, the down product and residual; then the final norm and the output head. It
 computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
 the sublayers in float32), so its logits agree with the module path's to float32 rounding.
@@ -64,6 +64,8 @@ FRAME = np.dtype([
     ("vocab", np.int64),
     ("half", np.int64),  # (65536,) float32: every float16 bit pattern's value
     ("barrier", np.int64),  # (2,) int64: the parts' counter and generation
+    ("windows", np.int64),  # (L,) int64: each layer's sliding window (a query sees its last `window` keys,
+    #                         itself included), 0: none
     # set by each step (`batch_step`)
     ("rows", np.int64),  # N, the step's token rows
     ("tokens", np.int64),  # (N,) int64: each row's token
@@ -108,6 +110,7 @@ class StepArrays(NamedTuple):
     half: Any  # (65536,) float32
     shared: Any  # float32 scratch
     logits: Any  # (outputs_count, V) float32
+    windows: Any  # (L,) int64, 0: no window
 
 
 class Scratch(NamedTuple):
@@ -261,10 +264,15 @@ def _attend(i, h, layer, frame, arrays, rotated, scores, mixed, attended):  # pr
     written before the barrier), in the paged cache through the row's block table, in
     float32 as the module path's attention: scores, their exps by a vectorized polynomial,
     the weighted values in key order, one division by the exps' sum at the end. The same
-    code and order whatever else is in the step."""
+    code and order whatever else is in the step. A layer with a sliding window w attends
+    over slots max(start, slot - w + 1) .. slot only (the module path's band: key j is seen
+    from position i when i - w < j <= i)."""
     heads, kv_heads, E, size = frame.heads, frame.kv_heads, frame.head_dim, frame.block_size
     keys, vals = arrays.keys, arrays.values
     first, count = arrays.starts[i], arrays.slots[i] + 1  # keys first .. count - 1
+    window = arrays.windows[layer]
+    if window > 0:
+        first = max(first, count - window)
     table = arrays.tables[i]
     g = h // (heads // kv_heads)
     q = rotated[i, h * E: (h + 1) * E]
@@ -433,6 +441,7 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
         carray(_f32(frame.shared), (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),  # noqa: F821
         carray(_f32(frame.logits), (max(frame.outputs_count, 1), frame.vocab)),  # noqa: F821
+        carray(_i64(frame.windows), (layers,)),  # noqa: F821
     )
     _step(part, frame, arrays)
 

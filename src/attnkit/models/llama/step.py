@@ -2,9 +2,10 @@
 
 `prepare` builds a model's `Frame` once (a `FRAME` record: the addresses of the matrices'
 blocks, the norms and the row orders, the model's sizes; the barrier and the shared
-scratch the parts meet in), and `decode_step` runs one token through it: the per-step
-fields (token, slot, the cache, the rotary tables) are written into the record, then the
-native entry (`step_kernels._step_entry`, built as `attnkit.kernels.native` builds
+scratch the parts meet in), and `batch_step` runs N token rows over a paged cache through
+it (`decode_step`: one token of one contiguous cache, its N = 1 case): the per-step fields
+(tokens, slots, block tables, the cache, the rotary tables) are written into the record,
+then the native entry (`step_kernels._step_entry`, built as `attnkit.kernels.native` builds
 entries) runs once per part, the calling thread running part 0.
 
 Threads: the parts of a step spin at barriers until every part arrives, so they must all

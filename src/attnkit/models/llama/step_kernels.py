@@ -1,26 +1,41 @@
-"""The compiled code of a Llama decode step: one call computes a token's logits.
+"""The compiled code of a Llama decode step: one call computes the logits of N token rows.
 
-A decode step (one new token, one sequence) is 211 small products and about 400 small
+A decode step (one new token of one sequence) is 211 small products and about 400 small
 element-wise operations between them; run one by one from Python, the operations cost as
-much as the products. `_step` runs the whole step inside one compiled function: the
-embedding row, and in every layer RMSNorm, the query/key/value products, rotary embedding,
-the new key and value written into the cache, attention of the one query over every cached
-key (grouped-query heads; a sliding layer's last `window` keys), the output product and residual, RMSNorm, gate and up products,
-SiLU(gate) * up, the down product and residual; then the final norm and the output head. It
+much as the products. `_step` runs the whole step inside one compiled function, for N token
+rows at once (the tokens of many sequences, or a chunk of one prompt: a batched step): the
+embedding rows, and in every layer RMSNorm, the query/key/value products, rotary embedding,
+each row's new key and value written into the paged cache at its slot (through its
+sequence's block table), attention of each row's query over its sequence's cached keys
+(grouped-query heads; a sliding layer's last `window` keys), the output product and
+residual, RMSNorm, gate and up products, SiLU(gate) * up, the down product and residual;
+then the final norm and the output head, for the rows whose logits are asked only. It
 computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
 the sublayers in float32), so its logits agree with the module path's to float32 rounding.
+A contiguous `KVCache` of B sequences is the paged cache whose blocks are max_length long
+(its (L, B, Hkv, max, E) stores are already layer-major): one sequence's step is the N = 1
+case (`step.decode_step`).
 
-Products are the loops of `attnkit.quant` on row ranges, with float32 activations
-(the default) or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs
-them.
+Products are the loops of `attnkit.quant` on row ranges, X (N, K) against W's rows, with
+float32 activations (the default: `_matmat_*`, each block decoded once for four rows of X)
+or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs them.
+
+Batch invariance: every (row, output) dot product is computed by the same code in the
+same order whatever N is and whichever part computes it (the loops' 4-, 2- and 1-row forms
+give the same bits; products split over parts by W's rows, attention by (row, head) pairs;
+nothing is summed across rows or parts), and a row attends over its keys in position
+order: a row's logits do not depend on the other rows of the step, on how its sequence's
+earlier keys were computed, or on the thread count.
 
 Threads: the step is one native entry, `_step_entry(frame, part)`, called once per thread
 with `part` 0 .. parts - 1. Every product's rows are split in `parts` ranges and each part
-computes its range; the attention heads are split the same way. The parts meet at a barrier
-(a counter and a generation number, spun on with `pause`, then yielding) after each product
-group and after attention: five a layer. What is cheap and read whole (the residual stream,
-the norms, SiLU, the rotary embedding) each part computes for itself, in the same order, so
-every part holds the same bits without waiting for another.
+computes its range; the (row, head) pairs of attention are split the same way, and each
+part writes the keys and values of its share of the rows. The parts meet at a barrier (a
+counter and a generation number, spun on with `pause`, then yielding) after each product
+group, after the keys and values are written and after attention: six a layer. What is
+cheap and read whole (the residual stream, the norms, SiLU, the rotary embedding) each part
+computes for itself, in the same order, so every part holds the same bits without waiting
+for another.
 
 What crosses into compiled code is named: the frame is one record of the structured dtype
 `FRAME` (sizes, per-step values and the addresses of the arrays), which `_step_entry` turns

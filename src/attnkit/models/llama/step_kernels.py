@@ -159,8 +159,9 @@ def _prepare(x, int8, half_split, scratch):  # pragma: no cover - compiled
     blocks = K // 32
     s = scratch
     if int8:
-        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K), s.dx[:n * blocks].reshape(n, blocks),  # noqa: F821
-                    s.xsq[:n * blocks].reshape(n, blocks), s.qsum[:n * blocks].reshape(n, blocks))
+        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K),  # noqa: F821
+                    s.dx[:n * blocks].reshape(n, blocks), s.xsq[:n * blocks].reshape(n, blocks),
+                    s.qsum[:n * blocks].reshape(n, blocks))
     elif half_split:
         xl = s.xl[:n * (K // 2)].reshape(n, K // 2)
         xh = s.xh[:n * (K // 2)].reshape(n, K // 2)
@@ -344,7 +345,8 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     d = table[embed, COLUMNS]  # noqa: F821
     ff = table[4, ROWS]  # noqa: F821 - the gate's rows
     widest = max(d, ff, heads * E)
-    scratch = Scratch(np.empty(n * (widest // 2) + 16, np.float32), np.empty(n * (widest // 2) + 16, np.float32),  # noqa: F821
+    halves = n * (widest // 2) + 16
+    scratch = Scratch(np.empty(halves, np.float32), np.empty(halves, np.float32),  # noqa: F821
                       np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * widest + 32, np.int8),
                       np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * (widest // 32) + 1, np.float32),
                       np.empty(n * (widest // 32) + 1, np.int32))
@@ -454,7 +456,8 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
         carray(_f32(frame.keys), cache),  # noqa: F821
         carray(_f32(frame.values), cache),  # noqa: F821
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
-        carray(_f32(frame.shared), (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),  # noqa: F821
+        carray(_f32(frame.shared),  # noqa: F821
+               (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),
         carray(_f32(frame.logits), (max(frame.outputs_count, 1), frame.vocab)),  # noqa: F821
         carray(_i64(frame.windows), (layers,)),  # noqa: F821
     )

@@ -323,6 +323,14 @@ def _attend(i, h, layer, frame, arrays, rotated, scores, mixed, attended):  # pr
         attended[i, h * E + e] = mixed[e] * inverse
 
 
+def _add_rows(x, projected):  # pragma: no cover - compiled
+    """x (N, d) float64 += projected (N, d) float32, row by row (1-D loops)."""
+    for i in range(x.shape[0]):
+        row, add = x[i], projected[i]
+        for k in range(row.shape[0]):
+            row[k] += add[k]
+
+
 def _share(count, parts, part):  # pragma: no cover - compiled
     """Items [first, stop) of `count` that part `part` of `parts` takes (contiguous, in order)."""
     step = (count + parts - 1) // parts
@@ -386,13 +394,14 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _group(table, base, 3, normed, part, parts, int8, half, scratch, qkv)
         _barrier(barrier, parts)
         order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
-        for i in range(n):
+        for i in range(n):  # (row views: 1-D loops, as one row's step runs them)
+            source, into = qkv[i], rotated[i]
             for k in range(order.shape[0]):
-                rotated[i, k] = qkv[i, order[k]]
+                into[k] = source[order[k]]
             for k in range(order.shape[0], qkv_rows):
-                rotated[i, k] = qkv[i, k]
-            _rotate(rotated[i, : heads * E], heads, E, cos[i], sin[i])
-            _rotate(rotated[i, heads * E: (heads + kv_heads) * E], kv_heads, E, cos[i], sin[i])
+                into[k] = source[k]
+            _rotate(into[: heads * E], heads, E, cos[i], sin[i])
+            _rotate(into[heads * E: (heads + kv_heads) * E], kv_heads, E, cos[i], sin[i])
         for i in range(mine, mine_stop):
             block, offset = tables[i, slots[i] // size], slots[i] % size
             for g in range(kv_heads):
@@ -405,9 +414,7 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _barrier(barrier, parts)
         _group(table, base + 3, 1, attended, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        for i in range(n):
-            for k in range(d):
-                x[i, k] += projected[i, k]
+        _add_rows(x, projected)
         # feed-forward
         weight = carray(_f32(norms[2 * layer + 1]), (d,))  # noqa: F821
         for i in range(n):
@@ -415,14 +422,13 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _group(table, base + 4, 2, normed, part, parts, int8, half, scratch, gate_up)
         _barrier(barrier, parts)
         for i in range(n):
+            both, out = gate_up[i], hidden[i]
             for k in range(ff):
-                gate = gate_up[i, k]
-                hidden[i, k] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * gate_up[i, ff + k]
+                gate = both[k]
+                out[k] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * both[ff + k]
         _group(table, base + 6, 1, hidden, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        for i in range(n):
-            for k in range(d):
-                x[i, k] += projected[i, k]
+        _add_rows(x, projected)
     # the output head, for the rows that asked only (the largest product)
     wanted = np.empty((frame.outputs_count, d), np.float32)
     weight = carray(_f32(norms[2 * layers]), (d,))  # noqa: F821
@@ -477,7 +483,8 @@ class CompiledStep(NamedTuple):
     namespace: dict
 
 
-_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _share, _step)
+_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _add_rows, _share,
+           _step)
 _EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 

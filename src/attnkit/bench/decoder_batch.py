@@ -185,6 +185,9 @@ def report_from_raw(raw: dict[str, Any]):
     rows, goals = [], []
     ones = {(r["threads"], name): r["tokens_per_second"][name] for r in raw["results"] if r["batch"] == 1
             for name in r["tokens_per_second"]}
+    cpu_ones = {name: r["cpu_tokens_per_second"][name] for r in raw["results"]
+                if r["batch"] == 1 and r["threads"] == 1 and "cpu_tokens_per_second" in r
+                for name in r["cpu_tokens_per_second"]}
     for r in raw["results"]:
         t, B, rate = r["threads"], r["batch"], r["tokens_per_second"]
         ours, theirs = rate["attnkit"], rate.get("llama.cpp")
@@ -194,14 +197,22 @@ def report_from_raw(raw: dict[str, Any]):
                      None if theirs is None else round(theirs, 1),
                      None if theirs is None or their_one is None else f"{theirs / their_one:.2f}x",
                      None if ratio is None else f"{ratio:.2f}x"])
+        # at one thread the goals read the calling thread's CPU time when measured (both engines
+        # compute on it; a loaded machine's waits are not in it); at two, wall clock
+        by_cpu = t == 1 and "cpu_tokens_per_second" in r
+        judged = r["cpu_tokens_per_second"] if by_cpu else rate
+        clock = "CPU time" if by_cpu else "wall clock"
         if B >= 4:
+            ratio = judged["attnkit"] / judged["llama.cpp"] if "llama.cpp" in judged else None
             goals.append(f"{t} thread(s), B = {B}: goal attnkit >= {GOAL_VS_LLAMA_CPP}x llama.cpp's batch API (done at "
                          f"{DONE_VS_LLAMA_CPP}x): " + ("not measured (llama-cpp-python not installed)" if ratio is None
-                         else f"{'PASS' if ratio >= GOAL_VS_LLAMA_CPP else 'FAIL'} ({ratio:.2f}x; "
+                         else f"{'PASS' if ratio >= GOAL_VS_LLAMA_CPP else 'FAIL'} ({ratio:.2f}x by {clock}; "
                          f"{'done' if ratio >= DONE_VS_LLAMA_CPP else 'not done'})"))
-        if t == 1 and B == 8 and mine:
+        one = cpu_ones.get("attnkit") if by_cpu else mine
+        if t == 1 and B == 8 and one:
+            gain = judged["attnkit"] / one
             goals.append(f"1 thread: goal attnkit B = 8 >= {GOAL_B8_VS_B1}x its B = 1: "
-                         f"{'PASS' if ours / mine >= GOAL_B8_VS_B1 else 'FAIL'} ({ours / mine:.2f}x)")
+                         f"{'PASS' if gain >= GOAL_B8_VS_B1 else 'FAIL'} ({gain:.2f}x by {clock})")
     compiled = all(r["compiled"] for r in raw["results"])
     cpu = [r for r in raw["results"] if r["threads"] == 1 and "cpu_tokens_per_second" in r]
     cpu_note = None

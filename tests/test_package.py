@@ -373,6 +373,18 @@ def test_moved_module_paths_are_no_files_and_import_with_a_warning():
     assert not importers, "\n".join(importers)
 
 
+def test_moved_modules_take_a_table_of_strings_and_install_once():
+    from attnkit.deprecation import MovedModules
+
+    before = list(sys.meta_path)
+    assert MovedModules(dict(attnkit.MOVED_MODULES.moved)).install() is attnkit.MOVED_MODULES
+    assert sys.meta_path == before  # an equal table is not installed twice
+    with pytest.raises(TypeError, match=r"expected old path -> \(module, new home\) strings, got 'a.b': 'c.d'"):
+        MovedModules({"a.b": "c.d"})
+    hook = MovedModules({"attnkit_test_old.path": ("json", "json")})
+    assert hook.find_spec("json") is None and hook.find_spec("attnkit_test_old.path").loader is hook
+
+
 # ----------------------------------------------------------------------------- extras
 
 

@@ -4,7 +4,7 @@ A quantized Llama model's decode steps run in one compiled call when nothing wat
 layers (`attnkit.models.llama.compiled_step_reason` says when not). Its logits are held to the float64 model by the
 project's rule (at most twice the float32 reference's error, plus the block kernels'
 rounding), the same greedy tokens as the module path, the same bits at 1 and 2 threads,
-and every case it must leave to the modules (recording, interventions, batches, padding,
+and every case it must leave to the modules (recording, interventions, padding after a real token,
 a replaced buffer, a replaced weight, a custom backend) is checked to run there.
 """
 
@@ -39,17 +39,17 @@ def tiny_gguf(tmp_path_factory, gguf):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many decode steps ran compiled."""
+    """How many decode steps ran compiled (every one is a `batch_step`, one sequence's too)."""
     from attnkit.models.llama import step
 
     count = [0]
-    original = step.decode_step
+    original = step.batch_step
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(step, "decode_step", counted)
+    monkeypatch.setattr(step, "batch_step", counted)
     return count
 
 
@@ -107,8 +107,8 @@ def test_greedy_tokens_and_threads(tiny_gguf, calls):
 
 
 def test_what_the_modules_must_run(tiny_gguf, calls):
-    """Recording, interventions, a batch, left padding, a replaced cache buffer and a custom
-    backend all run the modules; the results are the modules' own."""
+    """Recording, interventions, a replaced cache buffer and a custom backend run the
+    modules; the results are the modules' own. A batch and left padding run compiled."""
     from attnkit.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
@@ -124,14 +124,15 @@ def test_what_the_modules_must_run(tiny_gguf, calls):
     with intervene({head: lambda call: np.zeros_like(call.output)}):
         edited = model(np.array([[IDS[4]]]), cache=model.new_cache(1, 2))
     assert calls[0] == 1 and not np.array_equal(edited, baseline)
-    # two sequences, then a left-padded one
+    # two sequences (left-padded), then a left-padded one: compiled
     model.generate([IDS[:4], IDS[:6]], 3, stop=())
-    model.generate([IDS[:4]], 2, stop=(), attention_mask=None)
+    assert calls[0] == 1 + 2
     before = calls[0]
     cache = model.new_cache(1, 8)
     model(np.array([[0, IDS[0], IDS[1]]]), attention_mask=np.array([[0, 1, 1]]), cache=cache)
     model(np.array([[IDS[2]]]), cache=cache)
-    assert calls[0] == before, "a padded cache runs the modules"
+    assert calls[0] == before + 1, "a left-padded cache runs compiled"
+    before = calls[0]
     cache = model.new_cache(1, 8)
     model(np.array([IDS[:2]]), cache=cache)
     cache.keys[0] = cache.keys[0].copy()
@@ -259,15 +260,16 @@ def test_compiled_step_reason_names_what_sends_a_step_to_the_modules(tiny_gguf):
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
     one, at0 = np.array([[IDS[0]]]), np.array([[0]])
     assert compiled_step_reason(model, one, at0, model.new_cache(1, 4)) is None
-    assert "one token of one sequence" in compiled_step_reason(model, np.array([[1], [2]]), at0)
-    assert "one sequence without padding" in compiled_step_reason(model, one, at0, model.new_cache(2, 4))
+    assert compiled_step_reason(model, np.array([[1], [2]]), np.array([[0], [0]]), model.new_cache(2, 4)) is None
+    assert "one token of each sequence" in compiled_step_reason(model, np.array([[1, 2]]), at0)
+    assert "holds 2 sequences, the step 1" in compiled_step_reason(model, one, at0, model.new_cache(2, 4))
     padded = model.new_cache(1, 4)
     padded.add_padding(np.array([[False]]))
-    assert "padded" in compiled_step_reason(model, one, at0, padded)
+    assert "not left padding" in compiled_step_reason(model, one, at0, padded)
     replaced = model.new_cache(1, 4)
     replaced.values[1] = replaced.values[1].copy()
     assert "KVCache.stores" in compiled_step_reason(model, one, at0, replaced)
-    assert "position 3" in compiled_step_reason(model, one, np.array([[3]]), model.new_cache(1, 4))
+    assert "positions [3]" in compiled_step_reason(model, one, np.array([[3]]), model.new_cache(1, 4))
     with record_attention(model):
         assert "watches the layers" in compiled_step_reason(model, one, at0)
     assert "GGUF's blocks" in compiled_step_reason(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False))

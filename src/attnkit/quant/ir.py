@@ -26,8 +26,8 @@ __all__ = ["FLOAT_TYPES", "INT8_LOOP_TYPES", "PREFETCH_ROWS", "dot_instructions"
 PREFETCH_ROWS = 16
 """How far ahead (in rows) the decode loops prefetch W's blocks."""
 
-FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
-"""The types with a four-row loop on float32 x (`_rows4f_<name>`)."""
+FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q5_0)
+"""The types with a four-row loop on float32 x (`_rows4f_<name>`; Q5_0's own, `_rows4f_q5_0_codegen`)."""
 INT8_LOOP_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
 """The types with a four-row loop on 8-bit x (`_rows4_<name>`)."""
 
@@ -280,6 +280,80 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
 
 
 
+def _rows4f_q5_0_codegen():  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4f_q5_0(raw, r0, r1, r2, r3, xlo, xhi, xsum)`: `_rows4f_codegen`'s
+    four rows on float32 x for Q5_0 blocks (d, 32 high bits qh, 16 bytes of nibbles). Per
+    block and row: the nibbles widened to 16 int32 lanes each, the fifth bits put in from
+    qh shifted by the lane's position (0..15 for the low nibbles, 16..31 for the high ones:
+    one variable shift a vector), converted (exact), lo * xlo + hi * xhi scaled by d_b into
+    16 float32 lanes; the offset's term -16 d_b xsum_b in a float32 scalar. Rows 16 ahead
+    are prefetched."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = GGMLType.Q5_0.type_size
+    fast = ("contract", "reassoc", "nsz")
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, xlo, xhi, xsum = args
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        lanes, ints = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+        bytes16 = ir.VectorType(i8, 16)
+        proxy = cgutils.create_struct_proxy
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
+        xl_data = proxy(signature.args[5])(context, builder, value=xlo).data
+        xh_data = proxy(signature.args[6])(context, builder, value=xhi).data
+        xs_array = proxy(signature.args[7])(context, builder, value=xsum)
+        blocks = builder.extract_value(xs_array.shape, 0)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+        low_shifts = ir.Constant(ints, list(range(16)))
+        high_shifts = ir.Constant(ints, list(range(16, 32)))
+
+        def spread(value, vector):
+            one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+        def fifth_bits(qh, shifts):  # (qh >> position) & 1, moved to bit 4
+            bits = builder.and_(builder.lshr(qh, shifts), ir.Constant(ints, [1] * 16))
+            return builder.shl(bits, ir.Constant(ints, [4] * 16))
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            _ir_prefetch_ahead(builder, rows, stride, offset)
+            at = builder.mul(b, ir.Constant(b.type, 16))
+            xl = builder.load(builder.bitcast(builder.gep(xl_data, [at]), lanes.as_pointer()), align=4)
+            xh = builder.load(builder.bitcast(builder.gep(xh_data, [at]), lanes.as_pointer()), align=4)
+            s = builder.load(builder.gep(xs_array.data, [b]))
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                d = _ir_half(builder, block)
+                qh_pointer = builder.bitcast(builder.gep(block, [ir.Constant(i32, 2)]), i32.as_pointer())
+                qh = spread(builder.load(qh_pointer, align=1), ints)  # little-endian, as the file stores it
+                packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, 6)]), bytes16.as_pointer()),
+                                      align=1)
+                low = builder.zext(builder.and_(packed, ir.Constant(bytes16, [15] * 16)), ints)
+                high = builder.zext(builder.lshr(packed, ir.Constant(bytes16, [4] * 16)), ints)
+                low = builder.uitofp(builder.or_(low, fifth_bits(qh, low_shifts)), lanes)
+                high = builder.uitofp(builder.or_(high, fifth_bits(qh, high_shifts)), lanes)
+                mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast), flags=fast)
+                updated = builder.fadd(builder.load(total), builder.fmul(spread(d, lanes), mixed, flags=fast),
+                                       flags=fast)
+                builder.store(updated, total)
+                part = builder.fmul(builder.fmul(d, ir.Constant(f32, -16.0), flags=fast), s, flags=fast)
+                builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, lanes]),
+                                                "llvm.vector.reduce.fadd.v16f32")
+        results = []
+        for total, term in zip(sums, terms):
+            summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)
+            results.append(builder.fadd(summed, builder.load(term), flags=fast))
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
 def rows4_intrinsic(kind: GGMLType, dot: str | None = None):
     """The numba intrinsic `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)` -> four
     float32 sums, its block dots on `dot` ("vnni", "avx2", "generic"; default: the host's)."""
@@ -297,8 +371,10 @@ def rows4f_intrinsic(kind: GGMLType):
     from numba import types
     from numba.extending import intrinsic
 
+    codegen = _rows4f_q5_0_codegen() if kind == GGMLType.Q5_0 else _rows4f_codegen(kind)
+
     def _rows4f_typing(typingctx, raw, r0, r1, r2, r3, xlo, xhi, xsum):
-        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, xlo, xhi, xsum), _rows4f_codegen(kind)
+        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, xlo, xhi, xsum), codegen
 
     return intrinsic(_rows4f_typing)
 

@@ -7,9 +7,9 @@ W's rows, written element by element so that numba compiles it to machine code:
   at a time through the LLVM IR loops of `attnkit.quant.ir` (`_rows4f_*`);
 - `_quantize_x`, `_matvec_int8`: x quantized to 8 bits per block of 32, then exact
   integer block dot products (`_rows4_*`), as llama.cpp computes them;
-- `_matvec_q5_0`, `_matvec_q4_k`, `_matvec_q6_k`: float32 x against Q5_0, Q4_K or Q6_K
-  blocks, each row's weights made block by block and multiplied at once (`_matvec_rows`
-  sends those types there);
+- `_matvec_q5_0`, `_matvec_k`: float32 x against Q5_0, Q4_K or Q6_K blocks, four rows at
+  a time through the IR loops `_rows4f_q5_0`, `_rows4f_q4_k`, `_rows4f_q6_k`
+  (`_matvec_rows` sends those types there);
 - `_dequantize_row`, `_dequantize_rows`, `_matvec_rows`: every type, a row into float32
   (what a prefill tile and the other types' products use);
 - `product_entry`, `dequantize_entry`: the native entries (`attnkit.kernels.native`),
@@ -327,22 +327,20 @@ def _dequantize_rows(raw, values, start, code, half, out):  # pragma: no cover -
         _dequantize_row(raw, values, start + t, code, half, out[t])
 
 
-# ----------------------------------------------------------------------------- fused float32 loops: Q5_0, Q4_K, Q6_K
-# Each row's weights are made in registers, block by block, exactly as `_dequantize_row`
-# makes them (the same float32 values: d (q - 16); d sc q - dmin mn; d sc (q - 32)), and
-# multiplied with x at once into a vector of lane sums (`acc`, one lane a position in the
-# block's run), summed when the row ends: no row of float32 written and read again. The
-# runs' lengths are computed from the arrays (16, 32, 16), never literals, so LLVM keeps
-# them loops and vectorizes them (a literal made it unroll them into scalar code).
+# ----------------------------------------------------------------------------- Q5_0, Q4_K, Q6_K on float32 x
+# Four rows at a time through their IR loops, as Q4_0/Q4_1 (`_matvec_q4`): the weights
+# widened in vector lanes block by block and multiplied with x at once, never written out as
+# a float32 row. (Loops written here in Python ran at 4-5.5 GMAC/s on Gemma 3's matrices:
+# numba's integer lanes are 64-bit, and short loops per block paid their set-up each time;
+# the row dequantized first, then summed, at 2-4.)
 
-def _matvec_q5_0(raw, half, x, out, first, stop):  # pragma: no cover - compiled
+def _matvec_q5_0(raw, x, out, first, stop):  # pragma: no cover - compiled
     """Q5_0 on float32 x, four rows of W at a time through the IR loop `_rows4f_q5_0`
     (`attnkit.quant.ir`), x split as the Q4 loops read it (`_split_x`): per block of 32,
     d (f16), 32 high bits qh, 16 bytes of nibbles, W[32b + j] = d (lo_j + 16 bit_j - 16),
     W[32b + 16 + j] = d (hi_j + 16 bit_{16+j} - 16), so
     sum_k W[r, k] x[k] = sum_b d_b sum_j (v_j xlo[16b + j] + v'_j xhi[16b + j]) - 16 d_b xsum[b].
-    (A loop written in Python, the bits taken apart in numba's 64-bit integer lanes, ran at
-    4 GMAC/s; in float32, at half that.)"""
+    """
     n, columns = x.shape[0], x.shape[1]
     xl, xh = np.empty(columns // 2, np.float32), np.empty(columns // 2, np.float32)
     xs = np.empty(columns // 32, np.float32)
@@ -359,108 +357,39 @@ def _matvec_q5_0(raw, half, x, out, first, stop):  # pragma: no cover - compiled
             out[i, r3] = s3
 
 
-def _scale_min_k4(row, o, sub):  # pragma: no cover - compiled
-    """Sub-block `sub`'s six-bit scale and minimum of the K-quant block at byte o."""
-    if sub < 4:
-        return row[o + 4 + sub] & 63, row[o + 8 + sub] & 63
-    return ((row[o + 8 + sub] & 15) | ((row[o + sub] >> 6) << 4),
-            (row[o + 8 + sub] >> 4) | ((row[o + 4 + sub] >> 6) << 4))
-
-
-def _matvec_q4_k(raw, half, x, out, first, stop):  # pragma: no cover - compiled
-    """Q4_K on float32 x: per block of 256, d and dmin (f16), twelve bytes of six-bit scales
-    and minimums, 128 bytes of nibbles; sub-blocks 2p and 2p + 1 are the low and high
-    nibbles of bytes 32p .. 32p + 31: W = d sc q - dmin mn."""
+def _matvec_k(raw, code, x, out, first, stop):  # pragma: no cover - compiled
+    """Q4_K or Q6_K (`code`) on float32 x, four rows of W at a time through the IR loops
+    `_rows4f_q4_k` / `_rows4f_q6_k` (`attnkit.quant.ir`): x whole, and its sums over each
+    32 values (Q4_K's minimums' term)."""
     n, columns = x.shape[0], x.shape[1]
-    blocks = columns // 256
-    size = raw.shape[1] // blocks if blocks else Q4_K_BYTES  # 144
-    m = (size - 16) // 4  # 32
-    acc = np.empty(m, np.float32)
-    for r in range(first, stop):
-        row = raw[r]
-        for i in range(n):
-            xi = x[i]
-            for j in range(m):
-                acc[j] = 0.0
-            for b in range(blocks):
-                o = size * b
-                d = half[row[o] | (np.int32(row[o + 1]) << 8)]
-                dmin = half[row[o + 2] | (np.int32(row[o + 3]) << 8)]
-                for pair in range(4):
-                    sc0, mn0 = _scale_min_k4(row, o, 2 * pair)
-                    sc1, mn1 = _scale_min_k4(row, o, 2 * pair + 1)
-                    a0, l0 = d * np.float32(sc0), dmin * np.float32(mn0)
-                    a1, l1 = d * np.float32(sc1), dmin * np.float32(mn1)
-                    at = o + 16 + 32 * pair
-                    q = row[at:at + m]
-                    k = 256 * b + 64 * pair
-                    xl, xh = xi[k:k + m], xi[k + 32:k + 32 + m]
-                    for j in range(m):  # the nibbles in float32 (exact): integer lanes would be 64-bit
-                        f = np.float32(q[j])
-                        high = np.floor(f * np.float32(0.0625))
-                        low = f - np.float32(16.0) * high
-                        acc[j] += (a0 * low - l0) * xl[j] + (a1 * high - l1) * xh[j]
-            total = np.float32(0.0)
-            for j in range(m):
-                total += acc[j]
-            out[i, r] = total
-
-
-def _matvec_q6_k(raw, values, half, x, out, first, stop):  # pragma: no cover - compiled
-    """Q6_K on float32 x: per block of 256, ql[128] (four-bit lows), qh[64] (two-bit highs),
-    sixteen int8 scales, d (f16). In each half h, position l of its four runs of 32 takes
-    ql[64h + l] (low nibble: run 0; high: run 2), ql[64h + 32 + l] (runs 1, 3) and the bit
-    pairs of qh[32h + l]; W = d scale (q - 32), one scale per 16 positions."""
-    n, columns = x.shape[0], x.shape[1]
-    blocks = columns // 256
-    size = raw.shape[1] // blocks if blocks else Q6_K_BYTES  # 210
-    m = size - 194  # 16
-    acc = np.empty(m, np.float32)
-    for r in range(first, stop):
-        row, signed = raw[r], values[r]
-        for i in range(n):
-            xi = x[i]
-            for j in range(m):
-                acc[j] = 0.0
-            for b in range(blocks):
-                o = size * b
-                d = half[row[o + 208] | (np.int32(row[o + 209]) << 8)]
-                for h in range(2):
-                    for sixteen in range(2):
-                        l0 = 16 * sixteen
-                        sc = o + 192 + 8 * h + sixteen  # run p's scale: sc + 2p
-                        s0, s1 = d * np.float32(signed[sc]), d * np.float32(signed[sc + 2])
-                        s2, s3 = d * np.float32(signed[sc + 4]), d * np.float32(signed[sc + 6])
-                        q1 = row[o + 64 * h + l0:o + 64 * h + l0 + m]
-                        q2 = row[o + 64 * h + 32 + l0:o + 64 * h + 32 + l0 + m]
-                        hb = row[o + 128 + 32 * h + l0:o + 128 + 32 * h + l0 + m]
-                        k = 256 * b + 128 * h + l0
-                        x0, x1 = xi[k:k + m], xi[k + 32:k + 32 + m]
-                        x2, x3 = xi[k + 64:k + 64 + m], xi[k + 96:k + 96 + m]
-                        for j in range(m):
-                            v0 = np.int32(q1[j] & 15) | (np.int32(hb[j] & 3) << 4)
-                            v1 = np.int32(q2[j] & 15) | (np.int32((hb[j] >> 2) & 3) << 4)
-                            v2 = np.int32(q1[j] >> 4) | (np.int32((hb[j] >> 4) & 3) << 4)
-                            v3 = np.int32(q2[j] >> 4) | (np.int32(hb[j] >> 6) << 4)
-                            acc[j] += ((s0 * np.float32(v0 - 32)) * x0[j] + (s1 * np.float32(v1 - 32)) * x1[j]
-                                       + (s2 * np.float32(v2 - 32)) * x2[j] + (s3 * np.float32(v3 - 32)) * x3[j])
-            total = np.float32(0.0)
-            for j in range(m):
-                total += acc[j]
-            out[i, r] = total
+    xl, xh = np.empty(columns // 2, np.float32), np.empty(columns // 2, np.float32)
+    xs = np.empty(columns // 32, np.float32)
+    for i in range(n):
+        xi = x[i]
+        _split_x(xi, xl, xh, xs)
+        for r0 in range(first, stop, 4):
+            r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
+            r2 = min(r0 + 2, stop - 1)
+            r3 = min(r0 + 3, stop - 1)
+            if code == Q4_K:
+                s0, s1, s2, s3 = _rows4f_q4_k(raw, r0, r1, r2, r3, xi, xi, xs)  # noqa: F821 - bound when compiled
+            else:
+                s0, s1, s2, s3 = _rows4f_q6_k(raw, r0, r1, r2, r3, xi, xi, xs)  # noqa: F821
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
 
 
 def _matvec_rows(raw, values, code, half, x, out, first, stop):  # pragma: no cover - compiled
-    """x @ W.T for the types without a four-row loop: Q5_0, Q4_K and Q6_K through their fused
-    loops above, the others each row dequantized into a scratch row."""
+    """x @ W.T for the types the entries do not send to a loop of their own: Q5_0, Q4_K and
+    Q6_K through their four-row loops above, the others each row dequantized into a scratch
+    row."""
     if code == Q5_0:
-        _matvec_q5_0(raw, half, x, out, first, stop)
+        _matvec_q5_0(raw, x, out, first, stop)
         return
-    if code == Q4_K:
-        _matvec_q4_k(raw, half, x, out, first, stop)
-        return
-    if code == Q6_K:
-        _matvec_q6_k(raw, values, half, x, out, first, stop)
+    if code == Q4_K or code == Q6_K:
+        _matvec_k(raw, code, x, out, first, stop)
         return
     n, columns = x.shape[0], x.shape[1]
     row = np.empty(columns, np.float32)
@@ -551,8 +480,7 @@ def dequantize_entry(frame_address, part):  # pragma: no cover - compiled
 
 
 LOOPS = (_matvec_q4, _matvec_q4_1, _matvec_q4_0, _matvec_q8_0, _quantize_x, _matvec_int8, _dequantize_row,
-         _dequantize_rows, _matvec_q5_0, _scale_min_k4, _matvec_q4_k, _matvec_q6_k, _matvec_rows, _part_rows,
-         _split_x)
+         _dequantize_rows, _matvec_q5_0, _matvec_k, _matvec_rows, _part_rows, _split_x)
 """The loops `attnkit.quant.compiled` compiles with numba (by name, into its namespace)."""
 ENTRIES = {"product": product_entry, "dequantize": dequantize_entry}
 """The native entries (`attnkit.kernels.native`) by name."""

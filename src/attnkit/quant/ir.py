@@ -430,7 +430,8 @@ def _rows4f_k_codegen(kind):  # pragma: no cover - compiled
                         if sub < 4:
                             sc, mn = builder.and_(s[sub], c63), builder.and_(s[sub + 4], c63)
                         else:
-                            sc = builder.or_(builder.and_(s[sub + 4], c15), builder.shl(builder.lshr(s[sub - 4], c6), c4))
+                            sc = builder.or_(builder.and_(s[sub + 4], c15),
+                                             builder.shl(builder.lshr(s[sub - 4], c6), c4))
                             mn = builder.or_(builder.lshr(s[sub + 4], c4), builder.shl(builder.lshr(s[sub], c6), c4))
                         packed = bytes_at(block, 16 + 32 * (sub // 2))
                         nibbles = builder.and_(packed, ir.Constant(bytes32, [15] * 32)) if sub % 2 == 0 else \

@@ -143,6 +143,18 @@ def _derive(maps, kind: str, model: str):
         fail(str(error))
 
 
+def _window_line(maps) -> str:
+    """Which layers are global and which local, in words: 'Layers 5, 11, 17 global; the
+    others local (sliding window of 512 tokens).'"""
+    globals_ = [str(layer) for layer in range(maps.num_layers) if maps.windows[layer] is None]
+    windows = sorted({w for w in maps.windows if w is not None})
+    sizes = " or ".join(str(w) for w in windows)
+    if not globals_:
+        return f"Every layer local (sliding window of {sizes} tokens)."
+    return (f"Layer{'s' if len(globals_) > 1 else ''} {', '.join(globals_)} global; the others local "
+            f"(sliding window of {sizes} tokens).")
+
+
 @app.command()
 def show(
     text: str = typer.Argument(..., help="The sentence to look at."),
@@ -197,6 +209,8 @@ def show(
     if summary and kind not in ("rollout", "flow"):  # one map per layer: the heatmap is all there is
         console.print()
         console.print(summary_table(summarize_heads(shown), color=color))
+        if maps.windows is not None:
+            console.print(_window_line(maps), style="dim")
     _write_views(outputs, maps, layer, chosen, hide_special=hide_special, log_scale=log_scale)
 
 

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 TINY_SCALE = 2.0 ** -16  # below this, query * scale may fall under float32's normal range
-REDUCTION_CHUNK = 128  # the inner side of each partial product in matmul_in_chunks
+REDUCTION_CHUNK = 64  # the inner side of each partial product in matmul_in_chunks
 FEW_ROWS = 64  # a product over the keys with fewer rows than this takes matmul_in_chunks
 
 
@@ -109,6 +109,11 @@ def matmul_in_chunks(a: np.ndarray, b: np.ndarray, chunk: int = REDUCTION_CHUNK)
     whole = n // chunk
     if whole < 2:
         return np.matmul(a, b)
+    if a.ndim == 3 and b.ndim == 3 and b.shape[0] == 1 < a.shape[0]:
+        # b shared by a's batch (GQA's heads over one kv head): their rows in one product
+        # per chunk, reading b once (a decode step's heads: one product each, b read by each)
+        h, rows = a.shape[:2]
+        return matmul_in_chunks(a.reshape(h * rows, n), b[0], chunk).reshape(h, rows, b.shape[-1])
     m = whole * chunk
     parts = np.matmul(
         a[..., :m].reshape(*a.shape[:-1], whole, chunk).swapaxes(-2, -3),  # (..., chunks, M, chunk), a view

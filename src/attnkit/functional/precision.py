@@ -96,15 +96,16 @@ def matmul_in_chunks(a: np.ndarray, b: np.ndarray, chunk: int = REDUCTION_CHUNK)
     chunks (..., N // chunk, M, P), whose partials are then added, and the
     remainder's product added last. Returns (..., M, P) in the result dtype.
 
-    Why: OpenBLAS sums a product's inner side in one float32 run per output
-    (its small-matrix kernels over all of N, its blocked ones over hundreds of
-    terms), so the rounding of P V over 799 keys reached 2.2x torch's (MKL
-    sums in blocks). With chunks of 128 each output is rounded over at most
-    128 terms plus N / 128 partials: 3 rows x 799 keys, d = 59 (the float64
-    truth's error) 2.25e-7 -> 8.8e-8, torch 1.04e-7 (docs/flash.md). For the
-    few-row products the kernels use it on (memory-bound: they stream b once
-    either way) it costs about nothing; large ones keep one product, where the
-    inner side of 128 would slow sgemm down."""
+    Why: OpenBLAS rounds each output of a product over its whole inner side
+    in one float32 run (its small-matrix kernels over all of N, its blocked
+    ones over hundreds of terms), so on FlashAttention's 3 rows x 799 keys,
+    d = 59, P V's error (against the float64 truth) was 2.2x torch's (MKL sums
+    in blocks) and dS K's 2.2x; with chunks of 64 they are 0.73x and 1.04x
+    (docs/flash.md: 16 to 256 compared). The few-row products the kernels
+    take it for are memory-bound (they read b once either way, and b shared
+    over a's batch once instead of once per batch entry), so it costs about
+    nothing there (docs/benchmarks.md); large products keep one sgemm, which
+    an inner side of 64 would slow down."""
     n = a.shape[-1]
     whole = n // chunk
     if whole < 2:

@@ -6,6 +6,7 @@ answer does not depend on its neighbours. The real batched step is in test_engin
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +143,8 @@ def test_limits_are_refused_with_the_numbers(model):
     slow = engine.step.run
     engine.step.run = lambda rows: (gate.wait(30), slow(rows))[1]
     running = submit(engine, ([5, 6], 20, 0.0, None, None, 1))
+    while engine.stats()["running"] == 0:  # admitted, held in its first step
+        time.sleep(0.01)
     queued = submit(engine, ([5, 7], 2, 0.0, None, None, 1))
     with pytest.raises(EngineBusy, match="busy"):
         submit(engine, ([5, 8], 2, 0.0, None, None, 1))

@@ -311,11 +311,15 @@ def test_stop_sequences_end_the_text_before_them(client):
 @pytest.mark.slow
 def test_generation_errors_reach_the_client_as_openai_exceptions(client, openai):
     cases = [
-        (dict(messages=QUESTION, n=2), "n"),
+        (dict(messages=QUESTION, n=99), "n"),  # more choices than --max-batch
+        (dict(messages=QUESTION, n=0), "n"),
         (dict(messages=QUESTION, max_tokens=65), "max_tokens"),  # this server's --max-new-tokens is 64
         (dict(messages=QUESTION, temperature=2.5), "temperature"),
         (dict(messages=QUESTION, presence_penalty=0.5), "presence_penalty"),
-        (dict(messages=QUESTION, logprobs=True), "logprobs"),
+        (dict(messages=QUESTION, top_logprobs=3), "top_logprobs"),  # without logprobs: true
+        (dict(messages=QUESTION, logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(messages=QUESTION, extra_body={"attnkit": {"attention": {"layers": [99]}}}), "attnkit"),
+        (dict(messages=QUESTION, extra_body={"attnkit": {"logit_lens": {"top": 0}}}), "attnkit"),
         (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
         (dict(messages=[{"role": "user", "content": "word " * 9000}], max_tokens=4), "messages"),
         (dict(messages=QUESTION, stop=["a", "b", "c", "d", "e"]), "stop"),

@@ -112,6 +112,7 @@ class TokenEvent:
         lower id first); empty when the request asked for none.
     finish: None while the choice goes on; "stop" (a stop id) or "length" (max_tokens)
         when this token is its last.
+    extra: what a request run alone asked for besides (`attnkit.serve.solo`), or None.
     """
 
     choice: int
@@ -119,6 +120,7 @@ class TokenEvent:
     logprob: float
     top: tuple[tuple[int, float], ...]
     finish: str | None
+    extra: dict | None = None
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -159,15 +161,17 @@ class Handle:
         """Stop every choice (or one); their blocks are freed at the engine's next step."""
         self._engine._cancel(self._request, choice)
 
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event, or None once the request has ended. Raises what ended it
+        (`EngineStopped`, or the error of a failed step), or queue.Empty after `timeout` s."""
+        item = self._request.out.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """The events as they come. Raises what ended the request (`EngineStopped`, or the
-        error of a failed step); `timeout`: seconds to wait for each event (queue.Empty)."""
-        while True:
-            item = self._request.out.get(timeout=timeout)
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
+        """The events as they come (see `get`)."""
+        while (item := self.get(timeout)) is not None:
             yield item
 
     def __iter__(self) -> Iterator[TokenEvent]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import require
+from tiny_decoders import tiny_folder  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("minilm_folder", "smollm2_file")
 
@@ -365,35 +366,6 @@ def test_concurrent_clients_get_what_each_gets_alone(client):
 
 
 # ----------------------------------------------------------------------------- a decoder given by its path
-
-TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama folder (attnkit's own weights, no torch) with a byte-level BPE
-    tokenizer.json and a chat template: a decoder `attnkit serve --model PATH` serves."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from tiny_checkpoints import MERGES, SPECIAL, tiny_llama, tiny_vocab, write_tiny_llama_folder
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    write_tiny_llama_folder(folder, tiny_llama(seed=3))  # its greedy text: "hehe..."; SmolLM2's below is real
-    vocab = tiny_vocab()
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)},
-                                     merges=[tuple(m.split(" ")) for m in MERGES]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
-    }))
-    return folder
-
 
 def test_a_decoder_given_by_its_path_answers_as_attnkit_generate(openai, tiny_folder):
     from typer.testing import CliRunner

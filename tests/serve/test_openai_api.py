@@ -446,3 +446,13 @@ def test_serve_preload_loads_the_models_before_serving(monkeypatch, openai):
     assert result.exit_code == 0, result.output
     pool = app.state.models
     assert list(pool.kinds) == ["minilm"] and pool.is_loaded("minilm")
+
+
+def test_serve_engine_options_reach_the_engines(monkeypatch, openai):
+    result, app, _ = _serve(monkeypatch, "-m", "minilm", "--max-batch", "3", "--kv-tokens", "512",
+                            "--step-tokens", "32")
+    assert result.exit_code == 0, result.output
+    assert app.state.models.engine_options == dict(max_batch=3, kv_tokens=512, step_tokens=32, max_queue=64)
+    for option in ("--max-batch", "--kv-tokens", "--step-tokens"):
+        result, _, _ = _serve(monkeypatch, "-m", "minilm", option, "0")
+        assert result.exit_code == 2 and option in result.output

@@ -30,6 +30,7 @@ from attnkit.nn.positional import sinusoidal_positional_encoding
 
 # Decoder pieces (KV cache, RMSNorm, rotary) are imported here by their own module.
 from attnkit.nn.cache import KVCache
+from attnkit.nn.paged import CacheFull, PagedKVCache
 from attnkit.nn.decoder_layers import CausalSelfAttention, Embedding, RMSNorm, RotaryEmbedding, SwiGLU
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "active_recorders",
     "AttentionResult",
     "BlockOutput",
+    "CacheFull",
     "CausalSelfAttention",
     "Embedding",
     "FeedForward",
@@ -52,6 +54,7 @@ __all__ = [
     "Module",
     "ModuleList",
     "MultiHeadAttention",
+    "PagedKVCache",
     "PerHeadMultiHeadAttention",
     "RMSNorm",
     "RotaryEmbedding",

@@ -7,6 +7,9 @@ name the integer dot-product instructions:
 
 - `rows4f_intrinsic(kind)`: `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`, four
   rows of Q4_0, Q4_1 or Q8_0 blocks against float32 x (16 float32 lanes a row);
+- `rows4f_many_intrinsic(kind, m)`: `_rows4f<m>_<kind>`, the same four rows against m rows
+  of x, each block decoded once for them all (a batched decode step), each sum the bits of
+  the one-row loop;
 - `rows4_intrinsic(kind, dot)`: `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)`, the
   same on 8-bit x, each block's dot product exact in int32 lanes (`vpdpbusd` with AVX-512
   VNNI, `vpmaddubsw` with AVX2, LLVM's own lowering elsewhere; `dot_instructions()`).
@@ -20,11 +23,15 @@ from __future__ import annotations
 from attnkit import kernels
 from attnkit.quant.types import GGMLType
 
-__all__ = ["FLOAT_TYPES", "INT8_LOOP_TYPES", "PREFETCH_ROWS", "dot_instructions", "rows4_intrinsic",
-           "rows4f_intrinsic"]
+__all__ = ["FLOAT_TYPES", "INT8_LOOP_TYPES", "MANY_X_ROWS", "PREFETCH_ROWS", "dot_instructions", "rows4_intrinsic",
+           "rows4f_intrinsic", "rows4f_many_intrinsic"]
 
 PREFETCH_ROWS = 16
 """How far ahead (in rows) the decode loops prefetch W's blocks."""
+
+MANY_X_ROWS = 4
+"""Rows of x the batched loops (`_rows4f4_<kind>`) take at once: 4 x 4 sums in 16 vector
+accumulators, the decoded block in 2 and x's values in 8 (AVX-512's 32 registers)."""
 
 FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
 """The types with a four-row loop on float32 x (`_rows4f_<name>`)."""
@@ -191,7 +198,7 @@ def _rows4_codegen(kind, dot=None):  # pragma: no cover - compiled
     return codegen
 
 
-def _rows4f_codegen(kind):  # pragma: no cover - compiled
+def _rows4f_codegen(kind, many=None):  # pragma: no cover - compiled
     """The LLVM IR of `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`: four rows of W
     (Q4_0, Q4_1 or Q8_0 blocks) against one row of float32 x, returning their four sums.
     Per block: x's 16 low-nibble and 16 high-nibble values (Q8_0: its 32 values, xlo = xhi
@@ -200,30 +207,48 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
     to 16 float32 lanes per row (allocas LLVM keeps in registers: the accumulators of a
     loop in Python stayed in memory, a store and a reload every block); the minimum's
     (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The rows 16 ahead are
-    prefetched (`_ir_prefetch`'s reason)."""
+    prefetched (`_ir_prefetch`'s reason).
+
+    many = m: `_rows4f<m>_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)`, the same four
+    rows of W against the m rows i .. i + m - 1 of x (xlo, xhi, xsum 2-D, C-contiguous),
+    returning 4 m sums (x row j's four at 4 j ..): each block of W read and widened once for
+    the m rows of x, and each (row of x, row of W) sum computed by the very instructions of
+    the one-row loop, in the same order (this function writes both): the same bits whatever
+    m is (the batched decode step's invariance rests on it)."""
     from llvmlite import ir
     from numba.core import cgutils
 
     size = kind.type_size
     fast = ("contract", "reassoc", "nsz")
+    count = 1 if many is None else many
 
     def codegen(context, builder, signature, args):
-        raw, r0, r1, r2, r3, xlo, xhi, xsum = args
+        raw, r0, r1, r2, r3, xlo, xhi, xsum = args[:8]
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
         lanes = ir.VectorType(f32, 16)
         bytes16 = ir.VectorType(i8, 16)
         proxy = cgutils.create_struct_proxy
         rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
-        xl_data = proxy(signature.args[5])(context, builder, value=xlo).data
-        xh_data = proxy(signature.args[6])(context, builder, value=xhi).data
+        xl_array = proxy(signature.args[5])(context, builder, value=xlo)
+        xh_array = proxy(signature.args[6])(context, builder, value=xhi)
         xs_array = proxy(signature.args[7])(context, builder, value=xsum)
+        axis = 0 if many is None else 1  # the axis along K
         if kind == GGMLType.Q8_0:  # x's length / 32
-            x_array = proxy(signature.args[5])(context, builder, value=xlo)
-            blocks = builder.udiv(builder.extract_value(x_array.shape, 0), ir.Constant(stride.type, 32))
+            blocks = builder.udiv(builder.extract_value(xl_array.shape, axis), ir.Constant(stride.type, 32))
         else:
-            blocks = builder.extract_value(xs_array.shape, 0)
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
-        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+            blocks = builder.extract_value(xs_array.shape, axis)
+        if many is None:
+            sources = [(xl_array.data, xh_array.data, xs_array.data)]
+        else:  # rows i .. i + m - 1 of the C-contiguous 2-D arrays
+            first = args[8]
+            sources = []
+            for j in range(count):
+                row = builder.add(first, ir.Constant(first.type, j))
+                sources.append(tuple(builder.gep(array.data, [builder.mul(row, builder.extract_value(array.shape, 1))])
+                                     for array in (xl_array, xh_array, xs_array)))
+        sums = [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
+                for _ in range(count)]
+        terms = [[cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)] for _ in range(count)]
         module = builder.module
 
         def spread(value):
@@ -239,10 +264,13 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
                 at_hi = builder.add(at_lo, ir.Constant(b.type, 16))
             else:
                 at_lo = at_hi = builder.mul(b, ir.Constant(b.type, 16))
-            xl = builder.load(builder.bitcast(builder.gep(xl_data, [at_lo]), lanes.as_pointer()), align=4)
-            xh = builder.load(builder.bitcast(builder.gep(xh_data, [at_hi]), lanes.as_pointer()), align=4)
-            s = None if kind == GGMLType.Q8_0 else builder.load(builder.gep(xs_array.data, [b]))
-            for row, total, term in zip(rows, sums, terms):
+            xs = []  # each row of x's values for this block, loaded once for the four rows of W
+            for xl_data, xh_data, xs_data in sources:
+                xl = builder.load(builder.bitcast(builder.gep(xl_data, [at_lo]), lanes.as_pointer()), align=4)
+                xh = builder.load(builder.bitcast(builder.gep(xh_data, [at_hi]), lanes.as_pointer()), align=4)
+                s = None if kind == GGMLType.Q8_0 else builder.load(builder.gep(xs_data, [b]))
+                xs.append((xl, xh, s))
+            for k, row in enumerate(rows):
                 block = builder.gep(row, [offset])
                 d = _ir_half(builder, block)
                 if kind == GGMLType.Q8_0:
@@ -258,26 +286,29 @@ def _rows4f_codegen(kind):  # pragma: no cover - compiled
                                                           bytes16.as_pointer()), align=1)
                     low = builder.uitofp(builder.and_(packed, ir.Constant(bytes16, [15] * 16)), lanes)
                     high = builder.uitofp(builder.lshr(packed, ir.Constant(bytes16, [4] * 16)), lanes)
-                mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast), flags=fast)
-                updated = builder.fadd(builder.load(total), builder.fmul(spread(d), mixed, flags=fast), flags=fast)
-                builder.store(updated, total)
-                if kind == GGMLType.Q4_1:  # m_b xsum_b
-                    part = builder.fmul(_ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)])), s, flags=fast)
-                elif kind == GGMLType.Q4_0:  # -8 d_b xsum_b
-                    part = builder.fmul(builder.fmul(d, ir.Constant(f32, -8.0), flags=fast), s, flags=fast)
-                else:
-                    continue
-                builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
+                minimum = _ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)])) if kind == GGMLType.Q4_1 else None
+                for (xl, xh, s), total, term in zip(xs, (t[k] for t in sums), (t[k] for t in terms)):
+                    mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast),
+                                         flags=fast)
+                    updated = builder.fadd(builder.load(total), builder.fmul(spread(d), mixed, flags=fast), flags=fast)
+                    builder.store(updated, total)
+                    if kind == GGMLType.Q4_1:  # m_b xsum_b
+                        part = builder.fmul(minimum, s, flags=fast)
+                    elif kind == GGMLType.Q4_0:  # -8 d_b xsum_b
+                        part = builder.fmul(builder.fmul(d, ir.Constant(f32, -8.0), flags=fast), s, flags=fast)
+                    else:
+                        continue
+                    builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
         reduce = cgutils.get_or_insert_function(module, ir.FunctionType(f32, [f32, lanes]),
                                                 "llvm.vector.reduce.fadd.v16f32")
         results = []
-        for total, term in zip(sums, terms):
-            summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)  # a tree
-            results.append(builder.fadd(summed, builder.load(term), flags=fast))
+        for j in range(count):
+            for total, term in zip(sums[j], terms[j]):
+                summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)  # a tree
+                results.append(builder.fadd(summed, builder.load(term), flags=fast))
         return context.make_tuple(builder, signature.return_type, results)
 
     return codegen
-
 
 
 def rows4_intrinsic(kind: GGMLType, dot: str | None = None):
@@ -290,6 +321,20 @@ def rows4_intrinsic(kind: GGMLType, dot: str | None = None):
         return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, q, dx, xs, qsum), _rows4_codegen(kind, dot)
 
     return intrinsic(_rows4_typing)
+
+
+def rows4f_many_intrinsic(kind: GGMLType, many: int):
+    """The numba intrinsic `_rows4f<m>_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)` -> 4 m
+    float32 sums: four rows of W against rows i .. i + m - 1 of x (2-D), each sum the bits
+    `_rows4f_<kind>` gives for that row of x (`_rows4f_codegen`)."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    def _rows4f_many_typing(typingctx, raw, r0, r1, r2, r3, xlo, xhi, xsum, i):
+        return (types.UniTuple(types.float32, 4 * many)(raw, r0, r1, r2, r3, xlo, xhi, xsum, i),
+                _rows4f_codegen(kind, many))
+
+    return intrinsic(_rows4f_many_typing)
 
 
 def rows4f_intrinsic(kind: GGMLType):

@@ -5,6 +5,8 @@ W's rows, written element by element so that numba compiles it to machine code:
 
 - `_matvec_q4`, `_matvec_q8_0`: float32 x against Q4_0, Q4_1 or Q8_0 blocks, four rows
   at a time through the LLVM IR loops of `attnkit.quant.ir` (`_rows4f_*`);
+- `_matmat_q4`, `_matmat_q8_0`: the same for many rows of x (a batched decode step), each
+  block decoded once for four rows of x (`_rows4f4_*`), each sum the one-row loop's bits;
 - `_quantize_x`, `_matvec_int8`: x quantized to 8 bits per block of 32, then exact
   integer block dot products (`_rows4_*`), as llama.cpp computes them;
 - `_dequantize_row`, `_dequantize_rows`, `_matvec_rows`: every type, a row into float32
@@ -127,6 +129,61 @@ def _matvec_q8_0(raw, values, x, out, first, stop):  # pragma: no cover - compil
             r2 = min(r0 + 2, stop - 1)
             r3 = min(r0 + 3, stop - 1)
             s0, s1, s2, s3 = _rows4f_q8_0(raw, r0, r1, r2, r3, xi, xi, xi)  # noqa: F821 - bound when compiled
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
+
+
+def _matmat_q4(raw, code, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
+    """`_matvec_q4` for many rows of x (a batched decode step): each group of four rows of W
+    against four rows of x at a time (`_rows4f4_<kind>`: each block decoded once for them),
+    the rows of x past the last four through the one-row loop; every out[i, r] is the bits
+    the one-row loop gives for row i alone (`attnkit.quant.ir._rows4f_codegen`)."""
+    n = xsum.shape[0]
+    full = n - n % 4
+    for r0 in range(first, stop, 4):
+        r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
+        r2 = min(r0 + 2, stop - 1)
+        r3 = min(r0 + 3, stop - 1)
+        for i in range(0, full, 4):
+            if code == Q4_1:
+                s = _rows4f4_q4_1(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)  # noqa: F821 - bound when compiled
+            else:
+                s = _rows4f4_q4_0(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)  # noqa: F821
+            for j in range(4):
+                out[i + j, r0] = s[4 * j]
+                out[i + j, r1] = s[4 * j + 1]
+                out[i + j, r2] = s[4 * j + 2]
+                out[i + j, r3] = s[4 * j + 3]
+        for i in range(full, n):
+            if code == Q4_1:
+                s0, s1, s2, s3 = _rows4f_q4_1(raw, r0, r1, r2, r3, xlo[i], xhi[i], xsum[i])  # noqa: F821
+            else:
+                s0, s1, s2, s3 = _rows4f_q4_0(raw, r0, r1, r2, r3, xlo[i], xhi[i], xsum[i])  # noqa: F821
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
+
+
+def _matmat_q8_0(raw, x, out, first, stop):  # pragma: no cover - compiled
+    """`_matvec_q8_0` for many rows of x, as `_matmat_q4` (`_rows4f4_q8_0`, then the one-row loop)."""
+    n = x.shape[0]
+    full = n - n % 4
+    for r0 in range(first, stop, 4):
+        r1 = min(r0 + 1, stop - 1)
+        r2 = min(r0 + 2, stop - 1)
+        r3 = min(r0 + 3, stop - 1)
+        for i in range(0, full, 4):
+            s = _rows4f4_q8_0(raw, r0, r1, r2, r3, x, x, x, i)  # noqa: F821 - bound when compiled
+            for j in range(4):
+                out[i + j, r0] = s[4 * j]
+                out[i + j, r1] = s[4 * j + 1]
+                out[i + j, r2] = s[4 * j + 2]
+                out[i + j, r3] = s[4 * j + 3]
+        for i in range(full, n):
+            s0, s1, s2, s3 = _rows4f_q8_0(raw, r0, r1, r2, r3, x[i], x[i], x[i])  # noqa: F821
             out[i, r0] = s0
             out[i, r1] = s1
             out[i, r2] = s2
@@ -414,7 +471,7 @@ def dequantize_entry(frame_address, part):  # pragma: no cover - compiled
     _dequantize_rows(raw, values, f.start + first, f.type, half, out[first:stop])
 
 
-LOOPS = (_matvec_q4, _matvec_q4_1, _matvec_q4_0, _matvec_q8_0, _quantize_x, _matvec_int8, _dequantize_row,
+LOOPS = (_matvec_q4, _matvec_q4_1, _matvec_q4_0, _matvec_q8_0, _matmat_q4, _matmat_q8_0, _quantize_x, _matvec_int8, _dequantize_row,
          _dequantize_rows, _matvec_rows, _part_rows, _split_x)
 """The loops `attnkit.quant.compiled` compiles with numba (by name, into its namespace)."""
 ENTRIES = {"product": product_entry, "dequantize": dequantize_entry}

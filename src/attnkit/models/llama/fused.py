@@ -40,7 +40,7 @@ from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import supports, watching
 from attnkit.nn.module import structure_version
 
-__all__ = ["compiled_step_reason", "fused_logits"]
+__all__ = ["batch_logits", "batch_step_reason", "compiled_step_reason", "fused_logits"]
 
 _PROJECTIONS = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "out_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -304,3 +304,24 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
         return None
     cache.advance(1)
     return logits[None, None]
+
+
+def batch_step_reason(model: Any, cache: Any) -> str | None:
+    """Why `BatchStep(model, cache)` runs its steps through the modules, or None when the
+    compiled batched step runs them (the model one `compiled_step_reason` accepts, a float32
+    `PagedKVCache`)."""
+    reason = _call_reason(None, None, None)
+    if reason is None and cache.dtype != np.float32:
+        reason = f"the step runs a float32 cache, got {cache.dtype}"
+    if reason is None:
+        found = _prepared(model)
+        reason = found.reason
+    if reason is None:
+        reason = "the batched compiled step is not built yet"
+    return reason
+
+
+def batch_logits(model: Any, cache: Any, rows: list, runs: list, threads: int | None) -> np.ndarray | None:
+    """Logits (rows with logits, V) of a checked batched step through the compiled kernel, or
+    None when the modules must run it (a recording or an intervention opened since)."""
+    return None

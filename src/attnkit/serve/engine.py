@@ -304,11 +304,15 @@ class Engine:
         return Handle(self, request)
 
     def stats(self) -> dict[str, int]:
-        """The counters, with running, waiting, free_blocks, used_blocks, cached_blocks and bytes_used."""
+        """The counters, with running, waiting, free_blocks, used_blocks, cached_blocks, bytes_used
+        (of the blocks live sequences hold) and tokens_held (the tokens whose keys and values the
+        running sequences read: shared prefix blocks count once per sequence here, once in bytes)."""
         with self._lock:
+            held = sum(self.cache.length(c.sequence) for c in self._running if c.sequence is not None)
             return {**self.counters, "running": len(self._running), "waiting": sum(len(w) for w in self._waiting),
                     "free_blocks": self.cache.free_blocks, "used_blocks": self.cache.used_blocks,
-                    "cached_blocks": self.cache.cached_blocks, "bytes_used": self.cache.bytes_used()}
+                    "cached_blocks": self.cache.cached_blocks, "bytes_used": self.cache.bytes_used(),
+                    "tokens_held": held}
 
     def idle(self) -> bool:
         """Whether nothing runs or waits."""

@@ -105,8 +105,12 @@ class ModelPool:
         with self._load_locks[name]:
             if name not in self._engines:
                 self._engines[name] = None
+                from attnkit.models.llama import LlamaForCausalLM
+
                 if self.engine_options is None:
                     self.engine_reasons[name] = "this server runs every request alone"
+                elif not isinstance(model, LlamaForCausalLM):  # the batched step runs Llama-family decoders
+                    self.engine_reasons[name] = f"the batched step runs Llama-family decoders, not {type(model).__name__}"
                 else:
                     try:
                         from attnkit.serve.engine import Engine

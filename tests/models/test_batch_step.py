@@ -113,3 +113,75 @@ def test_run_refuses_rows_without_room_and_bad_rows(tiny):
         BatchStep(tiny, tiny.new_cache(1, 4))
     with pytest.raises(ValueError, match="tokens"):
         new_cache(tiny, tokens=0)
+
+
+# ----------------------------------------------------------------------------- the compiled step
+
+IDS = [1, 5, 40, 80, 120, 160, 200, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, gguf):
+    from tiny_checkpoints import write_tiny_llama_gguf
+
+    path = tmp_path_factory.mktemp("batch") / "tiny.gguf"
+    write_tiny_llama_gguf(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_gguf):
+    from attnkit.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
+
+
+def test_compiled_rows_within_the_rule_of_the_float64_model(tiny_gguf, quantized):
+    """The compiled batched step (Q8_0, Q4_1, F16 and F32 blocks, permuted query/key rows),
+    three sequences mixed in chunks: each row's logits within 2x the float32 reference
+    model's error of the float64 model (plus the block kernels' rounding), as the compiled
+    one-sequence step is held (tests/models/test_fused_decode.py)."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    step = BatchStep(quantized, new_cache(quantized, tokens=256, block_size=4))
+    if not step.compiled:
+        pytest.skip(f"the compiled step does not run here: {step.reason}")
+    prompts = [IDS, IDS[3:12], IDS[::-1][:7]]
+    got, _ = feed(step, prompts, 3)
+    truth_model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False).astype(np.float64)
+    reference_model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False)
+    for prompt, logits in zip(prompts, got):
+        truth = forward(truth_model, prompt)
+        reference_error = np.abs(forward(reference_model, prompt) - truth).max()
+        error = np.abs(logits - truth).max()
+        budget = 2 * reference_error + U * np.abs(truth).max() * 64
+        print(f"compiled batch: {error:.3g} (float32 reference {reference_error:.3g})")
+        assert logits.dtype == np.float32 and error <= budget, (error, reference_error)
+
+
+def test_generate_on_a_batch_runs_the_compiled_step(quantized, monkeypatch):
+    """`generate` on a (B, T) batch (left-padded prompts of different lengths) decodes through
+    the compiled batched step, with the module path's tokens (the module path is the
+    reference: same logits to float32 rounding)."""
+    from attnkit import kernels
+    from attnkit.models.llama import step
+    from attnkit.nn.interface import intervene
+
+    if not kernels.enabled():
+        pytest.skip("the compiled step needs the kernels (numba)")
+    count = [0]
+    original = step.batch_step
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        assert len(args[0]) == 3
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(step, "batch_step", counted)
+    prompts = [IDS[:5], IDS[2:11], IDS[7:9]]
+    compiled = quantized.generate(prompts, 12, stop=())
+    assert count[0] == 11
+    with intervene({}):  # an open intervention: the modules run every step
+        modules = quantized.generate(prompts, 12, stop=())
+    assert count[0] == 11
+    np.testing.assert_array_equal(compiled, modules)

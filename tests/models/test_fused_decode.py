@@ -4,7 +4,7 @@ A quantized Llama model's decode steps run in one compiled call when nothing wat
 layers (`attnkit.models.llama.compiled_step_reason` says when not). Its logits are held to the float64 model by the
 project's rule (at most twice the float32 reference's error, plus the block kernels'
 rounding), the same greedy tokens as the module path, the same bits at 1 and 2 threads,
-and every case it must leave to the modules (recording, interventions, batches, padding,
+and every case it must leave to the modules (recording, interventions, padding after a real token,
 a replaced buffer, a replaced weight, a custom backend) is checked to run there.
 """
 
@@ -39,17 +39,17 @@ def tiny_gguf(tmp_path_factory, gguf):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many decode steps ran compiled."""
+    """How many decode steps ran compiled (every one is a `batch_step`, one sequence's too)."""
     from attnkit.models.llama import step
 
     count = [0]
-    original = step.decode_step
+    original = step.batch_step
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(step, "decode_step", counted)
+    monkeypatch.setattr(step, "batch_step", counted)
     return count
 
 
@@ -107,8 +107,8 @@ def test_greedy_tokens_and_threads(tiny_gguf, calls):
 
 
 def test_what_the_modules_must_run(tiny_gguf, calls):
-    """Recording, interventions, a batch, left padding, a replaced cache buffer and a custom
-    backend all run the modules; the results are the modules' own."""
+    """Recording, interventions, a replaced cache buffer and a custom backend run the
+    modules; the results are the modules' own. A batch and left padding run compiled."""
     from attnkit.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
@@ -124,14 +124,15 @@ def test_what_the_modules_must_run(tiny_gguf, calls):
     with intervene({head: lambda call: np.zeros_like(call.output)}):
         edited = model(np.array([[IDS[4]]]), cache=model.new_cache(1, 2))
     assert calls[0] == 1 and not np.array_equal(edited, baseline)
-    # two sequences, then a left-padded one
+    # two sequences (left-padded), then a left-padded one: compiled
     model.generate([IDS[:4], IDS[:6]], 3, stop=())
-    model.generate([IDS[:4]], 2, stop=(), attention_mask=None)
+    assert calls[0] == 1 + 2
     before = calls[0]
     cache = model.new_cache(1, 8)
     model(np.array([[0, IDS[0], IDS[1]]]), attention_mask=np.array([[0, 1, 1]]), cache=cache)
     model(np.array([[IDS[2]]]), cache=cache)
-    assert calls[0] == before, "a padded cache runs the modules"
+    assert calls[0] == before + 1, "a left-padded cache runs compiled"
+    before = calls[0]
     cache = model.new_cache(1, 8)
     model(np.array([IDS[:2]]), cache=cache)
     cache.keys[0] = cache.keys[0].copy()
@@ -259,15 +260,102 @@ def test_compiled_step_reason_names_what_sends_a_step_to_the_modules(tiny_gguf):
     model = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True)
     one, at0 = np.array([[IDS[0]]]), np.array([[0]])
     assert compiled_step_reason(model, one, at0, model.new_cache(1, 4)) is None
-    assert "one token of one sequence" in compiled_step_reason(model, np.array([[1], [2]]), at0)
-    assert "one sequence without padding" in compiled_step_reason(model, one, at0, model.new_cache(2, 4))
+    assert compiled_step_reason(model, np.array([[1], [2]]), np.array([[0], [0]]), model.new_cache(2, 4)) is None
+    assert "one token of each sequence" in compiled_step_reason(model, np.array([[1, 2]]), at0)
+    assert "holds 2 sequences, the step 1" in compiled_step_reason(model, one, at0, model.new_cache(2, 4))
     padded = model.new_cache(1, 4)
     padded.add_padding(np.array([[False]]))
-    assert "padded" in compiled_step_reason(model, one, at0, padded)
+    assert "not left padding" in compiled_step_reason(model, one, at0, padded)
     replaced = model.new_cache(1, 4)
     replaced.values[1] = replaced.values[1].copy()
     assert "KVCache.stores" in compiled_step_reason(model, one, at0, replaced)
-    assert "position 3" in compiled_step_reason(model, one, np.array([[3]]), model.new_cache(1, 4))
+    assert "positions [3]" in compiled_step_reason(model, one, np.array([[3]]), model.new_cache(1, 4))
     with record_attention(model):
         assert "watches the layers" in compiled_step_reason(model, one, at0)
     assert "GGUF's blocks" in compiled_step_reason(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False))
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+WINDOW = 4  # shorter than IDS (15 tokens): the band drops keys on the later steps
+
+
+def with_windows(model, layer_types):
+    """`model` (quantized) with a sliding window of WINDOW on the layers `layer_types` names
+    "sliding_attention" (a tiny Mistral, or a Qwen2 with sliding layers, on the same blocks)."""
+    from dataclasses import replace
+
+    from attnkit.models.llama import QuantizedSlidingWindowSelfAttention
+
+    for block, kind in zip(model.layers, layer_types):
+        if kind == "sliding_attention":
+            a = block.attn
+            block.attn = QuantizedSlidingWindowSelfAttention(
+                a.q_proj, a.k_proj, a.v_proj, a.out_proj, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim, window=WINDOW)
+    model.config = replace(model.config, sliding_window=WINDOW, layer_types=tuple(layer_types))
+    return model
+
+
+@pytest.mark.parametrize("layer_types", [("sliding_attention", "sliding_attention"),
+                                         ("sliding_attention", "full_attention")], ids=["mistral", "per-layer"])
+def test_sliding_windows_run_compiled(tiny_gguf, calls, layer_types):
+    """A model with sliding windows (every layer, as Mistral; or some, as Qwen2) decodes on
+    the compiled step: its logits within the float32 rule of the float64 windowed model, as
+    the module path's on the same blocks, and far from the same model without windows."""
+    from attnkit.models.llama import LlamaForCausalLM, compiled_step_reason
+
+    model = with_windows(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), layer_types)
+    assert compiled_step_reason(model, np.array([[IDS[0]]]), np.array([[0]]), model.new_cache(1, 4)) is None
+    float32 = LlamaForCausalLM.from_gguf(tiny_gguf, quantized=False)
+    windowed = LlamaForCausalLM(model.config, seed=0)
+    windowed.load_state_dict(float32.state_dict())
+    assert type(windowed.layers[0].attn).__name__ == "SlidingWindowSelfAttention"
+    truth = stepwise(windowed.astype(np.float64), IDS)
+    fused = stepwise(model, IDS)
+    assert calls[0] == len(IDS)
+    modules = stepwise(model, IDS, watched=True)
+    assert calls[0] == len(IDS)
+    reference_error = np.abs(stepwise(windowed, IDS) - truth).max()
+    budget = 2 * reference_error + U * np.abs(truth).max() * 64
+    for name, got in (("compiled", fused), ("modules", modules)):
+        error = np.abs(got - truth).max()
+        print(f"{name}: {error:.3g} (float32 reference {reference_error:.3g})")
+        assert error <= budget, (name, error, reference_error)
+    np.testing.assert_allclose(fused[:WINDOW], stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True),
+                                                        IDS[:WINDOW]), rtol=0, atol=budget)
+    unwindowed = stepwise(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), IDS)
+    assert np.abs(unwindowed[WINDOW:] - fused[WINDOW:]).max() > 100 * budget  # the window was applied
+
+
+def test_sliding_windows_greedy_and_threads(tiny_gguf, calls):
+    """`generate` past the window on the compiled step gives the module path's tokens, and
+    2 threads the bits of 1."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = with_windows(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), ("sliding_attention",) * 2)
+    fused = model.generate(np.array(IDS), 12, stop=())
+    assert calls[0] == 11
+    with intervene({}):
+        modules = model.generate(np.array(IDS), 12, stop=())
+    np.testing.assert_array_equal(fused, modules)
+    model.single_thread_decode = False
+    with blas_threads(1):
+        one = stepwise(model, IDS)
+    with blas_threads(2):
+        two = stepwise(model, IDS)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_a_changed_window_is_used(tiny_gguf, calls):
+    """Setting a layer's `window` reaches the compiled step (the frame is built again)."""
+    from attnkit.models.llama import LlamaForCausalLM
+
+    model = with_windows(LlamaForCausalLM.from_gguf(tiny_gguf, quantized=True), ("sliding_attention",) * 2)
+    before = stepwise(model, IDS)
+    for block in model.layers:
+        block.attn.window = 7
+    after = stepwise(model, IDS)
+    assert calls[0] == 2 * len(IDS)
+    np.testing.assert_allclose(after, stepwise(model, IDS, watched=True), rtol=0, atol=1e-4 * np.abs(after).max())
+    assert not np.allclose(before[7:], after[7:])

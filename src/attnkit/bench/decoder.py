@@ -571,8 +571,16 @@ def _llama_cpp_rows_and_goals(raw: dict[str, Any], rows: list[list[Any]]) -> lis
     return goals
 
 
-@keyword_only("quick", "progress", "threads")
-def run(*, quick: bool, progress: Any, threads: int | None = None):
+@keyword_only("quick", "progress", "threads", "batch")
+def run(*, quick: bool, progress: Any, threads: int | None = None, batch: tuple[int, ...] | None = None):
+    """The suite's report; `batch` (sizes B): the batched measurement instead
+    (`attnkit.bench.decoder_batch`: B sequences decoded together, attnkit vs llama.cpp's batch API)."""
+    if batch:
+        from attnkit.bench import decoder_batch
+
+        raw = decoder_batch.run_batch_benchmark(tuple(batch), steps=8 if quick else 32, rounds=1 if quick else 3,
+                                                threads=threads, progress=progress)
+        return decoder_batch.report_from_raw(raw)
     if quick:
         raw = run_decoder_benchmark(new_tokens=16, rounds=1, contexts=(32, 256), threads=threads, progress=progress)
     else:

@@ -97,6 +97,21 @@ def render(report, *, goals: bool = False) -> list:
     return out
 
 
+def _batch_sizes(suite: str, batch: Optional[str]) -> tuple[int, ...] | None:
+    """`--batch 1,4,8,16` as sizes (decoder only; each in 1 .. 256)."""
+    if batch is None:
+        return None
+    if suite != "decoder":
+        usage(f"--batch applies to the decoder suite, not {suite!r}")
+    try:
+        sizes = tuple(int(part) for part in batch.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(not 1 <= size <= 256 for size in sizes):
+        usage(f"expected --batch as sizes in 1..256 separated by commas (1,4,8,16), got {batch!r}")
+    return sizes
+
+
 @app.command()
 def bench(
     suite: str = typer.Argument("attention", help=f"Which suite: {', '.join(SUITES)}."),
@@ -110,6 +125,10 @@ def bench(
     threads: Optional[int] = typer.Option(
         None, "--threads", help=f"Threads for every contender (default: all CPUs; at most {MAX_THREADS})."
     ),
+    batch: Optional[str] = typer.Option(
+        None, "--batch", metavar="B,B,...", help="decoder only: B sequences decoded together (e.g. 1,4,8,16), "
+        "aggregate tokens/s of attnkit's batched step beside llama.cpp's batch API."
+    ),
 ) -> None:
     """Benchmark attnkit against its peers, side by side in one run."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -120,6 +139,7 @@ def bench(
     if suite not in SUITES:
         usage(f"unknown suite {suite!r}; expected one of {', '.join(sorted(SUITES))}")
     check_int("--threads", threads, 1, MAX_THREADS)
+    sizes = _batch_sizes(suite, batch)
     output = plan("--json", json_path, (".json",)) if json_path is not None else None
     module = get_suite(suite)
     flags = (" --quick" if quick else "") + (" --goals" if goals else "")
@@ -127,7 +147,7 @@ def bench(
     with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as bar:
         progress = _RichProgress(bar)
-        report = module.run(quick=quick, progress=progress, threads=threads)
+        report = module.run(quick=quick, progress=progress, threads=threads, **({"batch": sizes} if sizes else {}))
         progress.finish()
 
     for renderable in render(report, goals=goals):

@@ -51,7 +51,8 @@ def compiled() -> Compiled:
     namespace["_dequantize_frame"] = native.pointer(loops.DEQUANTIZE_FRAME)
     for kind in ir.FLOAT_TYPES:
         namespace[ir.loop_name("_rows4f", kind)] = ir.rows4f_intrinsic(kind)
-        namespace[ir.loop_name(f"_rows4f{ir.MANY_X_ROWS}", kind)] = ir.rows4f_many_intrinsic(kind, ir.MANY_X_ROWS)
+        for many in (1, 2, ir.MANY_X_ROWS):
+            namespace[ir.loop_name(f"_rows4f{many}", kind)] = ir.rows4f_many_intrinsic(kind, many)
     for kind in ir.INT8_LOOP_TYPES:
         namespace[ir.loop_name("_rows4", kind)] = ir.rows4_intrinsic(kind)
     serial = dict(cache=True, fastmath=native.FASTMATH, nogil=True)

@@ -31,7 +31,8 @@ PREFETCH_ROWS = 16
 
 MANY_X_ROWS = 4
 """Rows of x the batched loops (`_rows4f4_<kind>`) take at once: 4 x 4 sums in 16 vector
-accumulators, the decoded block in 2 and x's values in 8 (AVX-512's 32 registers)."""
+accumulators, the decoded block in 2 and x's values in 8 (AVX-512's 32 registers); the
+rows left over go two (`_rows4f2_<kind>`) or one (`_rows4f1_<kind>`) at a time."""
 
 FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
 """The types with a four-row loop on float32 x (`_rows4f_<name>`)."""
@@ -202,19 +203,21 @@ def _rows4f_codegen(kind, many=None):  # pragma: no cover - compiled
     """The LLVM IR of `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`: four rows of W
     (Q4_0, Q4_1 or Q8_0 blocks) against one row of float32 x, returning their four sums.
     Per block: x's 16 low-nibble and 16 high-nibble values (Q8_0: its 32 values, xlo = xhi
-    = the row of x, xsum unused) loaded once for the four rows; each row's nibbles (Q8_0:
-    signed bytes) widened to float32 (exact), lo * xlo + hi * xhi scaled by d_b and added
-    to 16 float32 lanes per row (allocas LLVM keeps in registers: the accumulators of a
-    loop in Python stayed in memory, a store and a reload every block); the minimum's
-    (Q4_1) or the offset's (Q4_0) term in a float32 scalar. The rows 16 ahead are
-    prefetched (`_ir_prefetch`'s reason).
+    = the row of x) loaded once for the four rows; each row's weights dequantized in 16
+    float32 lanes as `dequantize` gives them (d q + m rounded once, by an fma, for Q4_1;
+    d (q - 8) and d q exact for Q4_0 and Q8_0: d has 11 significant bits), then added into
+    16 float32 lanes per row by two explicit fmas, w_lo * xlo then w_hi * xhi (allocas LLVM
+    keeps in registers: the accumulators of a loop in Python stayed in memory, a store and
+    a reload every block); the lanes summed by a tree at the end. xsum gives the number of
+    blocks (the Q4 types). The rows 16 ahead are prefetched (`_ir_prefetch`'s reason).
 
     many = m: `_rows4f<m>_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)`, the same four
     rows of W against the m rows i .. i + m - 1 of x (xlo, xhi, xsum 2-D, C-contiguous),
-    returning 4 m sums (x row j's four at 4 j ..): each block of W read and widened once for
-    the m rows of x, and each (row of x, row of W) sum computed by the very instructions of
-    the one-row loop, in the same order (this function writes both): the same bits whatever
-    m is (the batched decode step's invariance rests on it)."""
+    returning 4 m sums (x row j's four at 4 j ..): each block of W read and dequantized once
+    for the m rows of x, and each (row of x, row of W) sum computed by the same operations
+    as in the one-row loop, in the same order (this function writes both; explicit fmas, no
+    fast-math flags on the sums, so no pass may reorder them): the same bits whatever m is
+    (the batched decode step's invariance rests on it)."""
     from llvmlite import ir
     from numba.core import cgutils
 
@@ -238,7 +241,7 @@ def _rows4f_codegen(kind, many=None):  # pragma: no cover - compiled
         else:
             blocks = builder.extract_value(xs_array.shape, axis)
         if many is None:
-            sources = [(xl_array.data, xh_array.data, xs_array.data)]
+            sources = [(xl_array.data, xh_array.data, xs_array.data)]  # (xlo, xhi, xsum) of each row of x
         else:  # rows i .. i + m - 1 of the C-contiguous 2-D arrays
             first = args[8]
             sources = []
@@ -248,8 +251,8 @@ def _rows4f_codegen(kind, many=None):  # pragma: no cover - compiled
                                      for array in (xl_array, xh_array, xs_array)))
         sums = [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
                 for _ in range(count)]
-        terms = [[cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)] for _ in range(count)]
         module = builder.module
+        fma16 = cgutils.get_or_insert_function(module, ir.FunctionType(lanes, [lanes] * 3), "llvm.fma.v16f32")
 
         def spread(value):
             one = builder.insert_element(ir.Constant(lanes, ir.Undefined), value, ir.Constant(i32, 0))
@@ -265,47 +268,41 @@ def _rows4f_codegen(kind, many=None):  # pragma: no cover - compiled
             else:
                 at_lo = at_hi = builder.mul(b, ir.Constant(b.type, 16))
             xs = []  # each row of x's values for this block, loaded once for the four rows of W
-            for xl_data, xh_data, xs_data in sources:
+            for xl_data, xh_data, _ in sources:
                 xl = builder.load(builder.bitcast(builder.gep(xl_data, [at_lo]), lanes.as_pointer()), align=4)
                 xh = builder.load(builder.bitcast(builder.gep(xh_data, [at_hi]), lanes.as_pointer()), align=4)
-                s = None if kind == GGMLType.Q8_0 else builder.load(builder.gep(xs_data, [b]))
-                xs.append((xl, xh, s))
+                xs.append((xl, xh))
             for k, row in enumerate(rows):
                 block = builder.gep(row, [offset])
-                d = _ir_half(builder, block)
+                d = spread(_ir_half(builder, block))
                 if kind == GGMLType.Q8_0:
                     def signed(at):
                         values = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
                                                               bytes16.as_pointer()), align=1)
                         return builder.sitofp(values, lanes)
 
-                    low, high = signed(2), signed(18)
+                    w_low, w_high = builder.fmul(d, signed(2)), builder.fmul(d, signed(18))  # exact
                 else:
                     at = 4 if kind == GGMLType.Q4_1 else 2
                     packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]),
                                                           bytes16.as_pointer()), align=1)
                     low = builder.uitofp(builder.and_(packed, ir.Constant(bytes16, [15] * 16)), lanes)
                     high = builder.uitofp(builder.lshr(packed, ir.Constant(bytes16, [4] * 16)), lanes)
-                minimum = _ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)])) if kind == GGMLType.Q4_1 else None
-                for (xl, xh, s), total, term in zip(xs, (t[k] for t in sums), (t[k] for t in terms)):
-                    mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast),
-                                         flags=fast)
-                    updated = builder.fadd(builder.load(total), builder.fmul(spread(d), mixed, flags=fast), flags=fast)
-                    builder.store(updated, total)
-                    if kind == GGMLType.Q4_1:  # m_b xsum_b
-                        part = builder.fmul(minimum, s, flags=fast)
-                    elif kind == GGMLType.Q4_0:  # -8 d_b xsum_b
-                        part = builder.fmul(builder.fmul(d, ir.Constant(f32, -8.0), flags=fast), s, flags=fast)
-                    else:
-                        continue
-                    builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
+                    if kind == GGMLType.Q4_1:  # d q + m rounded once, as the dequantized weight
+                        shift = spread(_ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)])))
+                    else:  # d q - 8 d = d (q - 8), exact
+                        shift = builder.fmul(d, ir.Constant(lanes, [-8.0] * 16))
+                    w_low = builder.call(fma16, [d, low, shift])
+                    w_high = builder.call(fma16, [d, high, shift])
+                for (xl, xh), total in zip(xs, (t[k] for t in sums)):
+                    updated = builder.call(fma16, [w_low, xl, builder.load(total)])
+                    builder.store(builder.call(fma16, [w_high, xh, updated]), total)
         reduce = cgutils.get_or_insert_function(module, ir.FunctionType(f32, [f32, lanes]),
                                                 "llvm.vector.reduce.fadd.v16f32")
         results = []
         for j in range(count):
-            for total, term in zip(sums[j], terms[j]):
-                summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)  # a tree
-                results.append(builder.fadd(summed, builder.load(term), flags=fast))
+            for k in range(4):  # a tree
+                results.append(builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(sums[j][k])], fastmath=fast))
         return context.make_tuple(builder, signature.return_type, results)
 
     return codegen

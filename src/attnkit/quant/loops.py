@@ -138,10 +138,12 @@ def _matvec_q8_0(raw, values, x, out, first, stop):  # pragma: no cover - compil
 def _matmat_q4(raw, code, xlo, xhi, xsum, out, first, stop):  # pragma: no cover - compiled
     """`_matvec_q4` for many rows of x (a batched decode step): each group of four rows of W
     against four rows of x at a time (`_rows4f4_<kind>`: each block decoded once for them),
-    the rows of x past the last four through the one-row loop; every out[i, r] is the bits
+    the rows of x past the last four two (`_rows4f2_<kind>`) or one at a time
+    (`_rows4f1_<kind>`, the one-row loop); every out[i, r] is the bits
     the one-row loop gives for row i alone (`attnkit.quant.ir._rows4f_codegen`)."""
     n = xsum.shape[0]
     full = n - n % 4
+    pairs = n - n % 2
     for r0 in range(first, stop, 4):
         r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
         r2 = min(r0 + 2, stop - 1)
@@ -156,11 +158,21 @@ def _matmat_q4(raw, code, xlo, xhi, xsum, out, first, stop):  # pragma: no cover
                 out[i + j, r1] = s[4 * j + 1]
                 out[i + j, r2] = s[4 * j + 2]
                 out[i + j, r3] = s[4 * j + 3]
-        for i in range(full, n):
+        for i in range(full, pairs, 2):
             if code == Q4_1:
-                s0, s1, s2, s3 = _rows4f_q4_1(raw, r0, r1, r2, r3, xlo[i], xhi[i], xsum[i])  # noqa: F821
+                t = _rows4f2_q4_1(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)  # noqa: F821
             else:
-                s0, s1, s2, s3 = _rows4f_q4_0(raw, r0, r1, r2, r3, xlo[i], xhi[i], xsum[i])  # noqa: F821
+                t = _rows4f2_q4_0(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)  # noqa: F821
+            for j in range(2):
+                out[i + j, r0] = t[4 * j]
+                out[i + j, r1] = t[4 * j + 1]
+                out[i + j, r2] = t[4 * j + 2]
+                out[i + j, r3] = t[4 * j + 3]
+        for i in range(max(full, pairs), n):  # (no views made: the 2-D form of the one-row loop)
+            if code == Q4_1:
+                s0, s1, s2, s3 = _rows4f1_q4_1(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)  # noqa: F821
+            else:
+                s0, s1, s2, s3 = _rows4f1_q4_0(raw, r0, r1, r2, r3, xlo, xhi, xsum, i)  # noqa: F821
             out[i, r0] = s0
             out[i, r1] = s1
             out[i, r2] = s2
@@ -171,6 +183,7 @@ def _matmat_q8_0(raw, x, out, first, stop):  # pragma: no cover - compiled
     """`_matvec_q8_0` for many rows of x, as `_matmat_q4` (`_rows4f4_q8_0`, then the one-row loop)."""
     n = x.shape[0]
     full = n - n % 4
+    pairs = n - n % 2
     for r0 in range(first, stop, 4):
         r1 = min(r0 + 1, stop - 1)
         r2 = min(r0 + 2, stop - 1)
@@ -182,8 +195,15 @@ def _matmat_q8_0(raw, x, out, first, stop):  # pragma: no cover - compiled
                 out[i + j, r1] = s[4 * j + 1]
                 out[i + j, r2] = s[4 * j + 2]
                 out[i + j, r3] = s[4 * j + 3]
-        for i in range(full, n):
-            s0, s1, s2, s3 = _rows4f_q8_0(raw, r0, r1, r2, r3, x[i], x[i], x[i])  # noqa: F821
+        for i in range(full, pairs, 2):
+            t = _rows4f2_q8_0(raw, r0, r1, r2, r3, x, x, x, i)  # noqa: F821
+            for j in range(2):
+                out[i + j, r0] = t[4 * j]
+                out[i + j, r1] = t[4 * j + 1]
+                out[i + j, r2] = t[4 * j + 2]
+                out[i + j, r3] = t[4 * j + 3]
+        for i in range(max(full, pairs), n):
+            s0, s1, s2, s3 = _rows4f1_q8_0(raw, r0, r1, r2, r3, x, x, x, i)  # noqa: F821
             out[i, r0] = s0
             out[i, r1] = s1
             out[i, r2] = s2

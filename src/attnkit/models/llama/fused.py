@@ -1,16 +1,18 @@
 """When a quantized Llama's decode step runs as one compiled call, and the frame it runs on.
 
-`LlamaForCausalLM` runs a decode step (one sequence, one new token) through
-`attnkit.models.llama.step.decode_step` instead of its modules when
+`LlamaForCausalLM` runs a decode step (one new token of each sequence of a `KVCache`)
+through `attnkit.models.llama.step` (`decode_step`, `batch_step`) instead of its modules when
 `compiled_step_reason(model, ids, positions, cache)` is None, and through its modules
 otherwise (same logits to float32 rounding; the tests hold them together). That one
 function says why not, in words:
 
 - the compiled kernels are off, or a recording or an intervention watches the layers;
-- the step is not one token of one sequence at the cache's end, or the cache is not float32,
-  holds padding, or a layer's buffer was replaced (`KVCache.stores` is None);
+- the step is not one token of each sequence at the cache's end, or the cache is not
+  float32, holds padding after a real token (left padding runs), or a layer's buffer was
+  replaced (`KVCache.stores` is None);
 - the model is not the plain quantized one: its matrices are not the GGUF's blocks
-  (`from_gguf`, quantized), a layer is not `QuantizedCausalSelfAttention` +
+  (`from_gguf`, quantized), a layer is not `QuantizedCausalSelfAttention` (or
+  `QuantizedSlidingWindowSelfAttention`: the step attends over the same window) +
   `QuantizedSwiGLU`, a projection has a bias, a norm is not float32, the layers' scales
   differ, a backend is not a built-in exact one ("naive" or "flash": the one place a
   backend is compared by name), the embedding's or head's rows are permuted.
@@ -36,12 +38,14 @@ from attnkit import kernels
 from attnkit.kernels import native
 from attnkit.quant.layers import QuantizedCausalSelfAttention, QuantizedEmbedding, QuantizedLinear, \
     QuantizedSwiGLU
+from attnkit.models.llama.sliding import QuantizedSlidingWindowSelfAttention
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import supports, watching
 from attnkit.nn.module import structure_version
 
 __all__ = ["batch_logits", "batch_step_reason", "compiled_step_reason", "fused_logits"]
 
+_ATTENTIONS = (QuantizedCausalSelfAttention, QuantizedSlidingWindowSelfAttention)
 _PROJECTIONS = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "out_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
@@ -134,9 +138,12 @@ def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
     scales = set()
     for index, block in enumerate(blocks):
         attn, mlp = links.child(block, "attn"), links.child(block, "mlp")
-        if type(attn) is not QuantizedCausalSelfAttention or type(mlp) is not QuantizedSwiGLU:
+        if type(attn) not in _ATTENTIONS or type(mlp) is not QuantizedSwiGLU:
             return links, blocks, (f"layer {index} is {type(attn).__name__} + {type(mlp).__name__}, not "
-                                   "QuantizedCausalSelfAttention + QuantizedSwiGLU")
+                                   "QuantizedCausalSelfAttention (or QuantizedSlidingWindowSelfAttention) + "
+                                   "QuantizedSwiGLU")
+        if type(attn) is QuantizedSlidingWindowSelfAttention:
+            links.attribute(attn, "window")
         backend = links.attribute(attn, "backend")
         if not _exact(backend):
             return links, blocks, (f"layer {index} attends through backend {backend!r}; the step stands in "
@@ -194,8 +201,9 @@ def _build(model: Any) -> tuple:
     add(head, 0)
     scale = layers[0].attn.scale
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    windows = [getattr(block.attn, "window", 0) for block in layers]  # 0: no window
     frame = step.prepare(np.array(table, np.int64), np.array(orders, np.int64), norms, eps, scale, heads, kv_heads,
-                         E, head.shape[0])
+                         E, head.shape[0], windows)
     return frame, blocks
 
 
@@ -234,24 +242,44 @@ def _prepared(model: Any) -> _Prepared:
     return found
 
 
+def _starts(cache: KVCache) -> np.ndarray | None:
+    """(B,) the first real position of each sequence of a cache whose padding (if any) is
+    left padding, its new position included (`add_padding` was called for it); None when a
+    padded position follows a real one."""
+    stop = min(cache.length + 1, cache.max_length)
+    if not cache.has_padding:
+        return np.zeros(cache.batch_size, np.int64)
+    real = cache.key_padding[:, :stop]
+    starts = np.argmax(real, axis=1)  # the first True (0 when none: refused below)
+    if not (real.sum(axis=1) == stop - starts).all():
+        return None
+    return starts.astype(np.int64)
+
+
 def _call_reason(ids: np.ndarray | None, positions: np.ndarray | None, cache: KVCache | None) -> str | None:
     """Why this call's step does not run compiled (None: it may), before the model is asked."""
     if not kernels.enabled():
         return f"the compiled kernels are off: {kernels.reason_disabled()}"
     if watching():
         return "a recording or an intervention watches the layers"
-    if ids is not None and np.shape(ids) != (1, 1):
-        return f"the step runs one token of one sequence, got ids of shape {np.shape(ids)}"
+    if ids is not None and (np.ndim(ids) != 2 or np.shape(ids)[1] != 1):
+        return f"the step runs one token of each sequence, got ids of shape {np.shape(ids)}"
     if cache is None:
         return None
-    if cache.dtype != np.float32 or cache.batch_size != 1 or cache.has_padding:
-        return (f"the step runs a float32 cache of one sequence without padding, got {cache.dtype}, batch "
-                f"{cache.batch_size}{', padded' if cache.has_padding else ''}")
+    if ids is not None and cache.batch_size != np.shape(ids)[0]:
+        return f"the cache holds {cache.batch_size} sequences, the step {np.shape(ids)[0]}"
+    if cache.dtype != np.float32:
+        return f"the step runs a float32 cache, got {cache.dtype}"
     if cache.stores is None:
         return "a layer's cache buffer was replaced (KVCache.stores is None)"
-    position = None if positions is None else int(np.asarray(positions).reshape(-1)[0])
-    if position is not None and position != cache.length:
-        return f"the token's position {position} is not the cache's length {cache.length}"
+    starts = _starts(cache)
+    if starts is None:
+        return "the cache's padding is not left padding before the new token (the step skips only that)"
+    if positions is not None:
+        expected = cache.length - starts
+        got = np.asarray(positions).reshape(-1)
+        if got.shape != expected.shape or (got != expected).any():
+            return f"the tokens' positions {got.tolist()} are not the cache's ends {expected.tolist()}"
     return None
 
 
@@ -281,29 +309,38 @@ def compiled_step_reason(model: Any, ids: np.ndarray | None = None, positions: n
 
 def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCache, *,
                  parts: int | None = None) -> np.ndarray | None:
-    """Logits (1, 1, V) of the decode step `ids` (1, 1) at `positions` (1, 1) through the
+    """Logits (B, 1, V) of the decode step `ids` (B, 1) at `positions` (B, 1) through the
     compiled step on `parts` threads (None: the BLAS thread limit in force; at most the CPUs
-    this process may use), or None when the modules must run it (`compiled_step_reason`)."""
+    this process may use), or None when the modules must run it (`compiled_step_reason`).
+    One sequence runs as `step.decode_step`; B sequences (left-padded or not) as one
+    `step.batch_step` of B rows, the cache's (L, B, Hkv, max, E) stores read as B blocks of
+    max_length positions."""
     found = _ready(model, ids, positions, cache)
     if isinstance(found, str):
         return None
-    from attnkit import runtime
     from attnkit.quant import current_activations
     from attnkit.models.llama import step
 
     slot = cache.length
     if slot + 1 > cache.max_length:
         raise ValueError(f"cache holds at most {cache.max_length} positions; {slot} are used and 1 more came")
-    cos, sin = model.rotary.at(slot)
     keys, values = cache.stores
-    parts = max(1, min(runtime.blas_thread_count() if parts is None else parts, runtime.cpu_count()))
+    int8, B = current_activations() == "int8", ids.shape[0]
     try:
-        logits = step.decode_step(int(ids[0, 0]), slot, found.frame, cos, sin, keys[:, 0], values[:, 0],
-                                  int8=current_activations() == "int8", parts=parts)
+        if B == 1 and not cache.has_padding:
+            cos, sin = model.rotary.at(slot)
+            logits = step.decode_step(int(ids[0, 0]), slot, found.frame, cos, sin, keys[:, 0], values[:, 0],
+                                      int8=int8, parts=_parts(parts))[None]
+        else:
+            where = np.asarray(positions).reshape(-1)
+            cos, sin = (np.ascontiguousarray(t, np.float32) for t in model.rotary.cos_sin(where))
+            logits = step.batch_step(np.asarray(ids).reshape(-1), np.full(B, slot), np.arange(B, dtype=np.int32)[:, None],
+                                     np.ones(B, bool), found.frame, cos, sin, keys, values, int8=int8,
+                                     parts=_parts(parts), starts=_starts(cache))
     except native.Unavailable:  # no library and numba does not import: the modules run the step
         return None
     cache.advance(1)
-    return logits[None, None]
+    return logits[:, None]
 
 
 def batch_step_reason(model: Any, cache: Any) -> str | None:
@@ -313,15 +350,39 @@ def batch_step_reason(model: Any, cache: Any) -> str | None:
     reason = _call_reason(None, None, None)
     if reason is None and cache.dtype != np.float32:
         reason = f"the step runs a float32 cache, got {cache.dtype}"
-    if reason is None:
-        found = _prepared(model)
-        reason = found.reason
-    if reason is None:
-        reason = "the batched compiled step is not built yet"
-    return reason
+    return _prepared(model).reason if reason is None else reason
+
+
+def _parts(threads: int | None) -> int:
+    from attnkit import runtime
+
+    return max(1, min(runtime.blas_thread_count() if threads is None else threads, runtime.cpu_count()))
 
 
 def batch_logits(model: Any, cache: Any, rows: list, runs: list, threads: int | None) -> np.ndarray | None:
-    """Logits (rows with logits, V) of a checked batched step through the compiled kernel, or
-    None when the modules must run it (a recording or an intervention opened since)."""
-    return None
+    """Logits (rows with logits, V) of a checked batched step (`BatchStep.run`: `runs` are
+    its (sequence, first row, stop row)) through the compiled kernel on `threads` threads
+    (None: the BLAS thread limit in force), or None when the modules must run it (a recording
+    or an intervention opened since, or no compiled code). The caller appends the tokens."""
+    found = _ready(model, None, None, None)
+    if isinstance(found, str):
+        return None
+    from attnkit.quant import current_activations
+    from attnkit.models.llama import step
+
+    n = len(rows)
+    slots = np.empty(n, np.int64)
+    width = max(len(cache.block_table(seq)) for seq, _, _ in runs)
+    tables = np.zeros((n, width), np.int32)
+    for seq, first, stop in runs:
+        table, length = cache.block_table(seq), cache.length(seq)
+        slots[first:stop] = np.arange(length, length + stop - first)
+        tables[first:stop, :len(table)] = table
+    tokens = np.array([row.token for row in rows], np.int64)
+    wanted = np.array([row.logits for row in rows], bool)
+    cos, sin = (np.ascontiguousarray(t, np.float32) for t in model.rotary.cos_sin(slots))
+    try:
+        return step.batch_step(tokens, slots, tables, wanted, found.frame, cos, sin, cache.keys, cache.values,
+                               int8=current_activations() == "int8", parts=_parts(threads))
+    except native.Unavailable:  # no library and numba does not import: the modules run the step
+        return None

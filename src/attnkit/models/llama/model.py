@@ -60,6 +60,7 @@ from attnkit.models.checkpoint import check_folder, check_tensors, check_tied_co
 from attnkit.models.gguf import GGUFFile, tokenizer_from_gguf
 from attnkit.models.llama.config import LlamaConfig, _describe, _with_generation_config
 from attnkit.models.llama.fused import fused_logits
+from attnkit.models.llama.sliding import QuantizedSlidingWindowSelfAttention, SlidingWindowSelfAttention
 from attnkit.models.llama.weights import _HF_LLAMA_IGNORE, _HF_LLAMA_NAMES, hf_tensor_shapes, state_from_gguf
 from attnkit.quant.layers import (
     QuantizedCausalSelfAttention,
@@ -75,24 +76,6 @@ from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, ModuleList, make_rng
 
 __all__ = ["LlamaBlock", "LlamaForCausalLM", "SlidingWindowSelfAttention"]
-
-
-class SlidingWindowSelfAttention(CausalSelfAttention):
-    """`CausalSelfAttention` whose queries see only their last `window` keys, themselves
-    included (Mistral's and Qwen2's `sliding_window`: key j is seen from position i when
-    i - window < j <= i): the attention call gets attnkit's `window=window - 1` keys to the
-    left, aligned bottom-right like the causal band. The cache keeps every key; the band
-    excludes the old ones exactly (weight 0)."""
-
-    def __init__(self, *args: Any, window: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.window = int(window)
-
-    def attend(self, query, key, value, **options):
-        return super().attend(query, key, value, window=self.window - 1, **options)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}"
 
 
 class LlamaBlock(Module):
@@ -204,7 +187,7 @@ class LlamaForCausalLM(CausalLM):
                 on the compiled kernels (`attnkit.quant.layers`; no float32 copy, loads in a
                 fraction of a second); False: every weight dequantized to float32 (the
                 reference); None (default): quantized when `attnkit.kernels.enabled()`, every
-                matrix's type is one `quantized_types()` lists and no layer has a sliding window.
+                matrix's type is one `quantized_types()` lists.
 
         Raises:
             ValueError: naming the file: not a GGUF file, not a Llama model, a key or tensor
@@ -258,10 +241,10 @@ class LlamaForCausalLM(CausalLM):
 
 def _runs_quantized(gguf_file: GGUFFile, config: LlamaConfig) -> bool:
     """Whether `from_gguf` keeps the blocks by default: compiled kernels on, every matrix of a
-    type they run, no sliding-window layer (those run the float32 model)."""
+    type they run."""
     from attnkit.quant import compiled_available
 
-    if not compiled_available() or any(config.window_of(i) is not None for i in range(config.num_layers)):
+    if not compiled_available():
         return False
     runs = set(quantized_types())
     return all(info.dtype in runs for info in gguf_file.tensor_infos.values() if len(info.shape) == 2)
@@ -271,9 +254,6 @@ def _quantized_model(cls, config: LlamaConfig, state: dict[str, Any], tokenizer)
     """A `LlamaForCausalLM` whose matrices are `state`'s `QuantizedTensor`s: built part by part
     as `LlamaForCausalLM.__init__` builds it, without drawing random weights to replace."""
     c = config
-    if any(c.window_of(i) is not None for i in range(c.num_layers)):
-        raise ValueError("attnkit's quantized Llama has no sliding-window layers; load it with quantized=False")
-
     def norm(name: str) -> RMSNorm:
         module = RMSNorm(c.hidden_size, c.rms_norm_eps)
         module.weight = state[name]
@@ -293,10 +273,13 @@ def _quantized_model(cls, config: LlamaConfig, state: dict[str, Any], tokenizer)
         block = LlamaBlock.__new__(LlamaBlock)
         Module.__init__(block)
         block.attn_norm = norm(p + "attn_norm.weight")
-        block.attn = QuantizedCausalSelfAttention(
-            *(linear(p + f"attn.{part}_proj") for part in ("q", "k", "v", "out")),
-            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        )
+        projections = tuple(linear(p + f"attn.{part}_proj") for part in ("q", "k", "v", "out"))
+        sizes = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+        window = c.window_of(i)
+        if window is None:
+            block.attn = QuantizedCausalSelfAttention(*projections, **sizes)
+        else:
+            block.attn = QuantizedSlidingWindowSelfAttention(*projections, **sizes, window=window)
         block.mlp_norm = norm(p + "mlp_norm.weight")
         block.mlp = QuantizedSwiGLU(*(linear(p + f"mlp.{part}_proj") for part in ("gate", "up", "down")))
         blocks.append(block)

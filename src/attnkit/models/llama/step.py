@@ -2,9 +2,10 @@
 
 `prepare` builds a model's `Frame` once (a `FRAME` record: the addresses of the matrices'
 blocks, the norms and the row orders, the model's sizes; the barrier and the shared
-scratch the parts meet in), and `decode_step` runs one token through it: the per-step
-fields (token, slot, the cache, the rotary tables) are written into the record, then the
-native entry (`step_kernels._step_entry`, built as `attnkit.kernels.native` builds
+scratch the parts meet in), and `batch_step` runs N token rows over a paged cache through
+it (`decode_step`: one token of one contiguous cache, its N = 1 case): the per-step fields
+(tokens, slots, block tables, the cache, the rotary tables) are written into the record,
+then the native entry (`step_kernels._step_entry`, built as `attnkit.kernels.native` builds
 entries) runs once per part, the calling thread running part 0.
 
 Threads: the parts of a step spin at barriers until every part arrives, so they must all
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from attnkit.quant.products import half_table
 from attnkit.models.llama.step_kernels import COLUMNS, FRAME, MATRICES_PER_LAYER, ROWS, TABLE_COLUMNS, build, \
     shared_size, source_digest
 
-__all__ = ["FRAME", "Frame", "decode_step", "prepare", "shared_size"]
+__all__ = ["FRAME", "Frame", "batch_step", "decode_step", "prepare", "shared_size"]
 
 
 def _entry_sources() -> dict:
@@ -40,19 +42,21 @@ def _entries() -> native.Entries:
 
 
 class Frame:
-    """One model's frame for `decode_step`: the `FRAME` record (`record`), the arrays whose
-    addresses it holds (kept alive here), the parts' barrier and shared scratch, the worker
-    threads, and the lock that lets one step at a time use them."""
+    """One model's frame for `batch_step`: the `FRAME` record (`record`), the arrays whose
+    addresses it holds (kept alive here), the parts' barrier and shared scratch (grown to
+    the largest step), the worker threads, and the lock that lets one step at a time use them."""
 
     def __init__(self, table: np.ndarray, orders: np.ndarray, norms: tuple, floats: np.ndarray, heads: int,
-                 kv_heads: int, E: int, vocab: int) -> None:
+                 kv_heads: int, E: int, vocab: int, windows: np.ndarray | None = None) -> None:
         layers = orders.shape[0]
+        windows = np.zeros(layers, np.int64) if windows is None else windows
         embed = MATRICES_PER_LAYER * layers  # the embedding's row; the gate's is 4
-        d, ff = int(table[embed, COLUMNS]), int(table[4, ROWS])
+        self.d, self.ff = int(table[embed, COLUMNS]), int(table[4, ROWS])
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, E
         self.addresses = np.array([n.ctypes.data for n in norms], np.int64)
-        self.keep = (table, orders, floats, norms)
+        self.keep = (table, orders, floats, norms, windows)
         self.barrier = np.zeros(2, np.int64)
-        self.shared = np.empty(shared_size(heads, kv_heads, E, d, ff), np.float32)
+        self.shared = np.empty(0, np.float32)
         self.lock = threading.Lock()
         self.vocab = vocab
         self.embed_rows = int(table[embed, ROWS])
@@ -63,12 +67,19 @@ class Frame:
                                 norms=self.addresses.ctypes.data, floats=floats.ctypes.data, layers=layers,
                                 heads=heads, kv_heads=kv_heads, head_dim=E, vocab=vocab,
                                 half=half_table().ctypes.data, barrier=self.barrier.ctypes.data,
-                                shared=self.shared.ctypes.data).items():
+                                windows=windows.ctypes.data).items():
             record[name] = value
 
     def field(self, name: str) -> int:
         """The record's field `name` (a key of `FRAME`)."""
         return int(self.record[name][0])
+
+    def scratch(self, rows: int) -> np.ndarray:
+        """The shared scratch for a step of `rows` rows (call with the lock held)."""
+        size = shared_size(self.heads, self.kv_heads, self.head_dim, self.d, self.ff, rows)
+        if self.shared.shape[0] < size:
+            self.shared = np.empty(size, np.float32)
+        return self.shared
 
     def workers(self, count: int) -> ThreadPoolExecutor:
         """This frame's `count` worker threads (call with the lock held)."""
@@ -81,8 +92,8 @@ class Frame:
 
 
 def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale: float, heads: int, kv_heads: int,
-            E: int, vocab: int) -> Frame:
-    """A model's frame for `decode_step`.
+            E: int, vocab: int, windows: Any = None) -> Frame:
+    """A model's frame for `batch_step`.
 
     Arguments:
         table: (M, 6) int64, one row a matrix, columns `TABLE_COLUMNS` (the addresses of the
@@ -93,6 +104,8 @@ def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale
             edit in place reaches the step).
         eps: their epsilons; scale: the score scale.
         heads, kv_heads, E, vocab: the model's sizes.
+        windows: (L,) each layer's sliding window (a query sees its last `window` keys,
+            itself included), 0 for none; None (default): no layer has one.
     """
     table = np.ascontiguousarray(table, np.int64)
     orders = np.ascontiguousarray(orders, np.int64)
@@ -106,44 +119,86 @@ def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale
     if any(n.dtype != np.float32 or not n.flags.c_contiguous or n.shape != norms[0].shape for n in norms):
         raise ValueError("expected the norms' weights float32, C-contiguous, of one shape")
     floats = np.array([scale, *eps], np.float64)
-    return Frame(table, orders, tuple(norms), floats, heads, kv_heads, E, vocab)
+    windows = np.zeros(layers, np.int64) if windows is None else np.array(windows, np.int64).reshape(-1)
+    if windows.shape != (layers,) or (windows < 0).any():
+        raise ValueError(f"expected {layers} windows >= 0 (0: none), got {windows.tolist()}")
+    return Frame(table, orders, tuple(norms), floats, heads, kv_heads, E, vocab, windows)
 
 
-def decode_step(token: int, slot: int, frame: Frame, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                values: np.ndarray, *, int8: bool = False, parts: int = 1) -> np.ndarray:
-    """Logits (V,) float32 of token `token` at cache index `slot`.
+def _check_caches(frame: Frame, keys: np.ndarray, values: np.ndarray) -> None:
+    if not (keys.flags.c_contiguous and values.flags.c_contiguous and keys.dtype == np.float32
+            and values.dtype == np.float32 and keys.shape == values.shape and keys.ndim == 5):
+        raise ValueError(f"expected two C-contiguous float32 caches of one shape (L, blocks, Hkv, block_size, E), "
+                         f"got {keys.shape} {keys.dtype} and {values.shape} {values.dtype}")
+    expected = (frame.field("layers"), frame.field("kv_heads"), frame.field("head_dim"))
+    if (keys.shape[0], keys.shape[2], keys.shape[4]) != expected:
+        raise ValueError(f"expected caches of shape ({expected[0]}, blocks, {expected[1]}, block_size, "
+                         f"{expected[2]}), got {keys.shape}")
+
+
+def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted: np.ndarray, frame: Frame,
+               cos: np.ndarray, sin: np.ndarray, keys: np.ndarray, values: np.ndarray, *, int8: bool = False,
+               parts: int = 1, starts: np.ndarray | None = None) -> np.ndarray:
+    """Logits (rows wanted, V) float32 of N token rows over a paged cache, in one call.
 
     Arguments:
+        tokens: (N,) the rows' tokens; slots: (N,) their indices in their sequences' caches
+            (a row's key and value are written at its slot; it attends to its sequence's
+            cached keys starts .. slot, so a sequence's earlier rows in the step come first).
+        tables: (N, width) int32, each row's sequence's block table (position p in block
+            tables[i, p // block_size], at p % block_size).
+        wanted: (N,) bool, the rows whose logits are computed, in row order.
         frame: the model's, from `prepare`.
-        cos, sin: (E,) float32 C-contiguous, the token's rotary tables.
-        keys, values: (L, Hkv, max, E) float32 C-contiguous, the sequence's cache (the new key
-            and value are written at `slot`).
+        cos, sin: (N, E) float32 C-contiguous, the rows' rotary tables.
+        keys, values: (L, blocks, Hkv, block_size, E) float32 C-contiguous, the cache.
         int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
         parts: threads (the calling thread runs part 0, the frame's workers the others).
+        starts: (N,) the first cached key each row attends to (None: 0; a left-padded
+            sequence's first real token).
+
+    Every (row, output) sum is computed by the same code in the same order whatever else
+    is in the step and whichever part computes it: a row's logits do not depend on the
+    other rows, their number or order, or on `parts`.
     """
-    if not (keys.flags.c_contiguous and values.flags.c_contiguous and keys.dtype == np.float32
-            and values.dtype == np.float32 and keys.shape == values.shape and keys.ndim == 4):
-        raise ValueError(f"expected two C-contiguous float32 caches of one shape (L, Hkv, max, E), got {keys.shape} "
-                         f"{keys.dtype} and {values.shape} {values.dtype}")
-    E, rows = frame.field("head_dim"), frame.embed_rows
-    if not (0 <= token < rows and 0 <= slot < keys.shape[2]):
-        raise ValueError(f"expected a token in [0, {rows}) at a slot in [0, {keys.shape[2]}), got {token} at {slot}")
-    layers, kv_heads = frame.field("layers"), frame.field("kv_heads")
-    if keys.shape[:2] != (layers, kv_heads) or keys.shape[3] != E:
-        raise ValueError(f"expected caches of shape ({layers}, {kv_heads}, max, {E}), got {keys.shape}")
-    if any(t.shape != (E,) or t.dtype != np.float32 or not t.flags.c_contiguous for t in (cos, sin)):
-        raise ValueError(f"expected cos and sin of shape ({E},), float32 and C-contiguous, got {cos.shape} "
+    _check_caches(frame, keys, values)
+    tokens = np.ascontiguousarray(tokens, np.int64)
+    slots = np.ascontiguousarray(slots, np.int64)
+    tables = np.ascontiguousarray(tables, np.int32)
+    wanted = np.asarray(wanted, bool)
+    starts = np.zeros_like(slots) if starts is None else np.ascontiguousarray(starts, np.int64)
+    n, E, rows = tokens.shape[0], frame.field("head_dim"), frame.embed_rows
+    if tokens.ndim != 1 or slots.shape != (n,) or wanted.shape != (n,) or tables.ndim != 2 or tables.shape[0] != n \
+            or starts.shape != (n,) or n == 0:
+        raise ValueError(f"expected N > 0 tokens, slots, wanted (N,) and tables (N, width), got {tokens.shape}, "
+                         f"{slots.shape}, {wanted.shape} and {tables.shape}")
+    size, blocks = keys.shape[3], keys.shape[1]
+    if tokens.min() < 0 or tokens.max() >= rows:
+        raise ValueError(f"expected tokens in [0, {rows}), got {tokens.min()}..{tokens.max()}")
+    if starts.min() < 0 or (starts > slots).any():
+        raise ValueError(f"expected starts in [0, slot] of each row, got {starts.min()}..{starts.max()}")
+    if slots.min() < 0 or (slots // size).max() >= tables.shape[1] or tables.min() < 0 or tables.max() >= blocks:
+        raise ValueError(f"expected slots within each row's block table and block ids in [0, {blocks}), got slots "
+                         f"{slots.min()}..{slots.max()}, tables of width {tables.shape[1]}, ids "
+                         f"{tables.min()}..{tables.max()}")
+    if any(t.shape != (n, E) or t.dtype != np.float32 or not t.flags.c_contiguous for t in (cos, sin)):
+        raise ValueError(f"expected cos and sin of shape ({n}, {E}), float32 and C-contiguous, got {cos.shape} "
                          f"{cos.dtype} and {sin.shape} {sin.dtype}")
     if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
         raise ValueError(f"expected parts to be a positive int, got {parts!r}")
     entry = _entries()["step"]
-    logits = np.empty(frame.vocab, np.float32)
+    outputs = np.where(wanted, np.cumsum(wanted) - 1, -1).astype(np.int64)
+    count = int(wanted.sum())
+    logits = np.empty((max(count, 1), frame.vocab), np.float32)
     with frame.lock:  # one step at a time on a frame (two threads may generate with one model)
+        shared = frame.scratch(n)
         record = frame.record
-        for name, value in (("token", token), ("slot", slot), ("parts", parts), ("int8", int(bool(int8))),
-                            ("cos", cos.ctypes.data), ("sin", sin.ctypes.data), ("keys", keys.ctypes.data),
-                            ("values", values.ctypes.data), ("max_length", keys.shape[2]),
-                            ("logits", logits.ctypes.data)):
+        for name, value in (("rows", n), ("tokens", tokens.ctypes.data), ("slots", slots.ctypes.data),
+                            ("starts", starts.ctypes.data),
+                            ("tables", tables.ctypes.data), ("width", tables.shape[1]),
+                            ("outputs", outputs.ctypes.data), ("outputs_count", count), ("parts", parts),
+                            ("int8", int(bool(int8))), ("cos", cos.ctypes.data), ("sin", sin.ctypes.data),
+                            ("keys", keys.ctypes.data), ("values", values.ctypes.data), ("blocks", blocks),
+                            ("block_size", size), ("logits", logits.ctypes.data), ("shared", shared.ctypes.data)):
             record[name] = value
         frame.barrier[0] = 0
         address = record.ctypes.data
@@ -155,4 +210,27 @@ def decode_step(token: int, slot: int, frame: Frame, cos: np.ndarray, sin: np.nd
             entry(address, 0)
             for other in others:
                 other.result()
-    return logits
+    return logits[:count]
+
+
+def decode_step(token: int, slot: int, frame: Frame, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                values: np.ndarray, *, int8: bool = False, parts: int = 1) -> np.ndarray:
+    """Logits (V,) float32 of token `token` at cache index `slot` of one sequence's
+    contiguous cache: `batch_step`'s one-row case (the cache one block of max_length).
+
+    Arguments:
+        frame: the model's, from `prepare`.
+        cos, sin: (E,) float32 C-contiguous, the token's rotary tables.
+        keys, values: (L, Hkv, max, E) float32 C-contiguous, the sequence's cache (the new key
+            and value are written at `slot`).
+        int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
+        parts: threads (the calling thread runs part 0, the frame's workers the others).
+    """
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(f"expected caches of shape (L, Hkv, max, E), got {keys.shape} and {values.shape}")
+    if not 0 <= slot < keys.shape[2]:
+        raise ValueError(f"expected a slot in [0, {keys.shape[2]}), got {slot}")
+    logits = batch_step(np.array([token]), np.array([slot]), np.zeros((1, 1), np.int32), np.ones(1, bool), frame,
+                        cos.reshape(1, -1), sin.reshape(1, -1), keys[:, None], values[:, None], int8=int8,
+                        parts=parts)
+    return logits[0]

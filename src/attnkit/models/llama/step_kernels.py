@@ -1,26 +1,41 @@
-"""The compiled code of a Llama decode step: one call computes a token's logits.
+"""The compiled code of a Llama decode step: one call computes the logits of N token rows.
 
-A decode step (one new token, one sequence) is 211 small products and about 400 small
+A decode step (one new token of one sequence) is 211 small products and about 400 small
 element-wise operations between them; run one by one from Python, the operations cost as
-much as the products. `_step` runs the whole step inside one compiled function: the
-embedding row, and in every layer RMSNorm, the query/key/value products, rotary embedding,
-the new key and value written into the cache, attention of the one query over every cached
-key (grouped-query heads), the output product and residual, RMSNorm, gate and up products,
-SiLU(gate) * up, the down product and residual; then the final norm and the output head. It
+much as the products. `_step` runs the whole step inside one compiled function, for N token
+rows at once (the tokens of many sequences, or a chunk of one prompt: a batched step): the
+embedding rows, and in every layer RMSNorm, the query/key/value products, rotary embedding,
+each row's new key and value written into the paged cache at its slot (through its
+sequence's block table), attention of each row's query over its sequence's cached keys
+(grouped-query heads; a sliding layer's last `window` keys), the output product and
+residual, RMSNorm, gate and up products, SiLU(gate) * up, the down product and residual;
+then the final norm and the output head, for the rows whose logits are asked only. It
 computes what `LlamaBlock.forward` computes on a `KVCache` (the residual stream in float64,
 the sublayers in float32), so its logits agree with the module path's to float32 rounding.
+A contiguous `KVCache` of B sequences is the paged cache whose blocks are max_length long
+(its (L, B, Hkv, max, E) stores are already layer-major): one sequence's step is the N = 1
+case (`step.decode_step`).
 
-Products are the loops of `attnkit.quant` on row ranges, with float32 activations
-(the default) or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs
-them.
+Products are the loops of `attnkit.quant` on row ranges, X (N, K) against W's rows, with
+float32 activations (the default: `_matmat_*`, each block decoded once for four rows of X)
+or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs them.
+
+Batch invariance: every (row, output) dot product is computed by the same code in the
+same order whatever N is and whichever part computes it (the loops' 4-, 2- and 1-row forms
+give the same bits; products split over parts by W's rows, attention by (row, head) pairs;
+nothing is summed across rows or parts), and a row attends over its keys in position
+order: a row's logits do not depend on the other rows of the step, on how its sequence's
+earlier keys were computed, or on the thread count.
 
 Threads: the step is one native entry, `_step_entry(frame, part)`, called once per thread
 with `part` 0 .. parts - 1. Every product's rows are split in `parts` ranges and each part
-computes its range; the attention heads are split the same way. The parts meet at a barrier
-(a counter and a generation number, spun on with `pause`, then yielding) after each product
-group and after attention: five a layer. What is cheap and read whole (the residual stream,
-the norms, SiLU, the rotary embedding) each part computes for itself, in the same order, so
-every part holds the same bits without waiting for another.
+computes its range; the (row, head) pairs of attention are split the same way, and each
+part writes the keys and values of its share of the rows. The parts meet at a barrier (a
+counter and a generation number, spun on with `pause`, then yielding) after each product
+group, after the keys and values are written and after attention: six a layer. What is
+cheap and read whole (the residual stream, the norms, SiLU, the rotary embedding) each part
+computes for itself, in the same order, so every part holds the same bits without waiting
+for another.
 
 What crosses into compiled code is named: the frame is one record of the structured dtype
 `FRAME` (sizes, per-step values and the addresses of the arrays), which `_step_entry` turns
@@ -64,18 +79,27 @@ FRAME = np.dtype([
     ("vocab", np.int64),
     ("half", np.int64),  # (65536,) float32: every float16 bit pattern's value
     ("barrier", np.int64),  # (2,) int64: the parts' counter and generation
-    ("shared", np.int64),  # float32 scratch the parts write their shares into (`shared_size`)
-    # set by each step (`decode_step`)
-    ("token", np.int64),
-    ("slot", np.int64),  # the token's index in the cache (the cached length before it)
+    ("windows", np.int64),  # (L,) int64: each layer's sliding window (a query sees its last `window` keys,
+    #                         itself included), 0: none
+    # set by each step (`batch_step`)
+    ("rows", np.int64),  # N, the step's token rows
+    ("tokens", np.int64),  # (N,) int64: each row's token
+    ("slots", np.int64),  # (N,) int64: each row's index in its sequence's cache
+    ("starts", np.int64),  # (N,) int64: the first cached key each row attends to (after left padding)
+    ("tables", np.int64),  # (N, width) int32: each row's sequence's block table
+    ("width", np.int64),
+    ("outputs", np.int64),  # (N,) int64: the row of `logits` a row's logits go in, -1: none
+    ("outputs_count", np.int64),
     ("parts", np.int64),
     ("int8", np.int64),  # 1: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations
-    ("cos", np.int64),  # (E,) float32: the token's rotary tables
+    ("cos", np.int64),  # (N, E) float32: the rows' rotary tables
     ("sin", np.int64),
-    ("keys", np.int64),  # (L, Hkv, max_length, E) float32: the sequence's cache
+    ("keys", np.int64),  # (L, blocks, Hkv, block_size, E) float32: the paged cache
     ("values", np.int64),
-    ("max_length", np.int64),
-    ("logits", np.int64),  # (vocab,) float32: the output
+    ("blocks", np.int64),
+    ("block_size", np.int64),
+    ("logits", np.int64),  # (outputs_count, vocab) float32: the output
+    ("shared", np.int64),  # float32 scratch the parts write their shares into (`shared_size`)
 ])
 """The frame of one model's step: one record, every field int64 (an address, a size or a
 flag), read by `_step_entry` by name."""
@@ -89,18 +113,25 @@ class StepArrays(NamedTuple):
     orders: Any  # (L, Hq E + Hkv E) int64
     norms: Any  # (2L + 1,) int64 addresses
     floats: Any  # (2L + 2,) float64
-    cos: Any  # (E,) float32
-    sin: Any  # (E,) float32
-    keys: Any  # (L, Hkv, max, E) float32
-    values: Any  # (L, Hkv, max, E) float32
+    tokens: Any  # (N,) int64
+    slots: Any  # (N,) int64
+    starts: Any  # (N,) int64
+    tables: Any  # (N, width) int32
+    outputs: Any  # (N,) int64
+    cos: Any  # (N, E) float32
+    sin: Any  # (N, E) float32
+    keys: Any  # (L, blocks, Hkv, block_size, E) float32
+    values: Any  # (L, blocks, Hkv, block_size, E) float32
     half: Any  # (65536,) float32
     shared: Any  # float32 scratch
-    logits: Any  # (V,) float32
+    logits: Any  # (outputs_count, V) float32
+    windows: Any  # (L,) int64, 0: no window
 
 
 class Scratch(NamedTuple):
     """One part's scratch for preparing a product's input: x's halves and block sums (the
-    float32 Q4 loops), or its 8-bit blocks, scales, sums (the int8 loops). 1-D, long enough."""
+    float32 Q4 loops), or its 8-bit blocks, scales, sums (the int8 loops), for N rows of x.
+    1-D, long enough; viewed as (N, ...) C-contiguous arrays."""
 
     xl: Any
     xh: Any
@@ -111,10 +142,10 @@ class Scratch(NamedTuple):
     qsum: Any
 
 
-def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int) -> int:
-    """float32 elements of the step's shared scratch: the query/key/value rows, the attended
-    heads, the projected row, gate and up."""
-    return (heads + 2 * kv_heads) * E + heads * E + d + 2 * ff
+def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int, rows: int = 1) -> int:
+    """float32 elements of the step's shared scratch for `rows` token rows: per row the
+    query/key/value rows, the attended heads, the projected row, gate and up."""
+    return rows * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * ff)
 
 
 # ----------------------------------------------------------------------------- compiled pieces
@@ -122,17 +153,20 @@ def shared_size(heads: int, kv_heads: int, E: int, d: int, ff: int) -> int:
 
 
 def _prepare(x, int8, half_split, scratch):  # pragma: no cover - compiled
-    """x (K,) float32 prepared for the products: its halves and block sums (float32 Q4
-    loops), or its 8-bit blocks (int8 loops)."""
-    K = x.shape[0]
+    """x (N, K) float32 prepared for the products: each row's halves and block sums
+    (float32 Q4 loops), or its 8-bit blocks (int8 loops)."""
+    n, K = x.shape
     blocks = K // 32
     s = scratch
     if int8:
-        _quantize_x(x.reshape(1, K), x.view(np.uint32).reshape(1, K), s.q8[:K].reshape(1, K),  # noqa: F821
-                    s.dx[:blocks].reshape(1, blocks), s.xsq[:blocks].reshape(1, blocks),
-                    s.qsum[:blocks].reshape(1, blocks))
+        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K), s.dx[:n * blocks].reshape(n, blocks),  # noqa: F821
+                    s.xsq[:n * blocks].reshape(n, blocks), s.qsum[:n * blocks].reshape(n, blocks))
     elif half_split:
-        _split_x(x, s.xl, s.xh, s.xs)  # noqa: F821
+        xl = s.xl[:n * (K // 2)].reshape(n, K // 2)
+        xh = s.xh[:n * (K // 2)].reshape(n, K // 2)
+        xs = s.xs[:n * blocks].reshape(n, blocks)
+        for i in range(n):
+            _split_x(x[i], xl[i], xh[i], xs[i])  # noqa: F821
 
 
 def _runs_int8(code):  # pragma: no cover - compiled
@@ -141,35 +175,33 @@ def _runs_int8(code):  # pragma: no cover - compiled
 
 
 def _product(raw, values, code, x, first, stop, int8, half, scratch, out):  # pragma: no cover - compiled
-    """Rows first .. stop - 1 of x @ W.T into out (R,), W given as blocks of type `code`;
-    x (K,) and the prepared scratch (each viewed as one row, C-contiguous, so the loops
-    keep their unit strides)."""
-    K = x.shape[0]
+    """Rows first .. stop - 1 of x @ W.T into out (N, R), W given as blocks of type `code`;
+    x (N, K) and the prepared scratch C-contiguous (the loops keep their unit strides).
+    Every out[i, r] is computed by the same instructions whatever N is (the loops of
+    `attnkit.quant.loops`: `_matmat_*` give the bits of the one-row loop)."""
+    n, K = x.shape
     blocks = K // 32
-    out2 = out.reshape(1, out.shape[0])
     s = scratch
     if int8 and _runs_int8(code):
-        _int8(raw, code, s.q8[:K].reshape(1, K), s.dx[:blocks].reshape(1, blocks),  # noqa: F821
-              s.xsq[:blocks].reshape(1, blocks), s.qsum[:blocks].reshape(1, blocks), out2, first, stop)
+        _int8(raw, code, s.q8[:n * K].reshape(n, K), s.dx[:n * blocks].reshape(n, blocks),  # noqa: F821
+              s.xsq[:n * blocks].reshape(n, blocks), s.qsum[:n * blocks].reshape(n, blocks), out, first, stop)
     elif code == Q4_1 or code == Q4_0:  # noqa: F821
-        xl2, xh2 = s.xl[: K // 2].reshape(1, K // 2), s.xh[: K // 2].reshape(1, K // 2)
-        xs2 = s.xs[:blocks].reshape(1, blocks)
-        if code == Q4_1:  # noqa: F821
-            _q4_1(raw, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
-        else:
-            _q4_0(raw, xl2, xh2, xs2, out2, first, stop)  # noqa: F821
+        xl = s.xl[:n * (K // 2)].reshape(n, K // 2)
+        xh = s.xh[:n * (K // 2)].reshape(n, K // 2)
+        _matmat_q4(raw, code, xl, xh, s.xs[:n * blocks].reshape(n, blocks), out, first, stop)  # noqa: F821
     elif code == Q8_0:  # noqa: F821
-        _q8_0(raw, values, x.reshape(1, K), out2, first, stop)  # noqa: F821
+        _matmat_q8_0(raw, x, out, first, stop)  # noqa: F821
     else:
-        _rows(raw, values, code, half, x.reshape(1, K), out2, first, stop)  # noqa: F821
+        _rows(raw, values, code, half, x, out, first, stop)  # noqa: F821
 
 
 def _group(table, start, count, x, part, parts, int8, half, scratch, out):  # pragma: no cover - compiled
-    """This part's share of x (K,) @ W.T for matrices start .. start + count - 1 (one input):
-    rows part * step .. of each matrix, written at the matrix's offset in `out` (1-D). x is
-    prepared (split, or quantized) into this part's scratch."""
-    int8_here = int8 and _runs_int8(table[start, CODE]) and x.shape[0] % 32 == 0  # noqa: F821
-    _prepare(x, int8_here, x.shape[0] % 32 == 0, scratch)
+    """This part's share of x (N, K) @ W.T for matrices start .. start + count - 1 (one
+    input): rows part * step .. of each matrix (the split is by W's rows, never by x's: a
+    row of x is never summed across parts), written at the matrix's offset in `out` (N, w).
+    x is prepared (split, or quantized) into this part's scratch."""
+    int8_here = int8 and _runs_int8(table[start, CODE]) and x.shape[1] % 32 == 0  # noqa: F821
+    _prepare(x, int8_here, x.shape[1] % 32 == 0, scratch)
     for m in range(start, start + count):
         rows = table[m, ROWS]  # noqa: F821
         first, stop = _part_rows(rows, parts, part)  # noqa: F821
@@ -179,7 +211,7 @@ def _group(table, start, count, x, part, parts, int8, half, scratch, out):  # pr
             at = table[m, OFFSET]  # noqa: F821
             code = table[m, CODE]  # noqa: F821
             _product(raw, values, code, x, first, stop, int8_here and _runs_int8(code), half, scratch,
-                     out[at: at + rows])
+                     out[:, at: at + rows])
 
 
 def _barrier(address, parts):  # pragma: no cover - compiled
@@ -241,138 +273,190 @@ def _score(q, key, scale):  # pragma: no cover - compiled
     return s * scale
 
 
-def _attend(h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragma: no cover - compiled
-    """Head h's query (in `rotated`) over the cached keys of its group and its own new key
-    (the cache's slot is written by part 0; every part reads the new key and value from its
-    own `rotated`), in float32 as the module path's attention: scores, their exps by a
-    vectorized polynomial, the weighted values, one division by the exps' sum at the end."""
-    heads, kv_heads, E, slot = frame.heads, frame.kv_heads, frame.head_dim, frame.slot
+def _attend(i, h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragma: no cover - compiled
+    """Row i's head h (its query in `rotated[i]`) over its sequence's cached keys
+    starts[i] .. slot (its own and those of the step's earlier rows of its sequence were
+    written before the barrier), in the paged cache through the row's block table, in
+    float32 as the module path's attention: scores, their exps by a vectorized polynomial,
+    the weighted values in key order, one division by the exps' sum at the end. The same
+    code and order whatever else is in the step. A layer with a sliding window w attends
+    over slots max(start, slot - w + 1) .. slot only (the module path's band: key j is seen
+    from position i when i - w < j <= i)."""
+    heads, kv_heads, E, size = frame.heads, frame.kv_heads, frame.head_dim, frame.block_size
     keys, vals = arrays.keys, arrays.values
+    first, count = arrays.starts[i], arrays.slots[i] + 1  # keys first .. count - 1
+    window = arrays.windows[layer]
+    if window > 0:
+        first = max(first, count - window)
+    table = arrays.tables[i]
     g = h // (heads // kv_heads)
-    scale = arrays.floats[0]
-    q = rotated[h * E: (h + 1) * E]
-    new_key = rotated[(heads + g) * E: (heads + g + 1) * E]
-    new_value = rotated[(heads + kv_heads + g) * E: (heads + kv_heads + g + 1) * E]
-    scale32 = np.float32(scale)
+    q = rotated[i, h * E: (h + 1) * E]
+    scale32 = np.float32(arrays.floats[0])
     top = np.float32(-np.inf)
-    for t in range(slot):
-        scores[t] = _score(q, keys[layer, g, t], scale32)
-        top = max(top, scores[t])
-    scores[slot] = _score(q, new_key, scale32)
-    top = max(top, scores[slot])
-    _exp_shifted(scores, slot + 1, top)
+    t = first
+    while t < count:  # key t in block table[t // size] at t % size, in order
+        b = t // size
+        block, stop = table[b], min(count, (b + 1) * size)
+        for u in range(t, stop):
+            scores[u - first] = _score(q, keys[layer, block, g, u - b * size], scale32)
+            top = max(top, scores[u - first])
+        t = stop
+    _exp_shifted(scores, count - first, top)
     total = np.float32(0.0)
-    for t in range(slot + 1):
-        total += scores[t]
+    for u in range(count - first):
+        total += scores[u]
     for e in range(E):
-        mixed[e] = scores[slot] * new_value[e]
-    for t in range(slot):
-        w = scores[t]
-        value = vals[layer, g, t]
-        for e in range(E):
-            mixed[e] += w * value[e]
+        mixed[e] = np.float32(0.0)
+    t = first
+    while t < count:
+        b = t // size
+        block, stop = table[b], min(count, (b + 1) * size)
+        for u in range(t, stop):
+            w = scores[u - first]
+            value = vals[layer, block, g, u - b * size]
+            for e in range(E):
+                mixed[e] += w * value[e]
+        t = stop
     inverse = np.float32(1.0) / total
     for e in range(E):
-        attended[h * E + e] = mixed[e] * inverse
+        attended[i, h * E + e] = mixed[e] * inverse
+
+
+def _share(count, parts, part):  # pragma: no cover - compiled
+    """Items [first, stop) of `count` that part `part` of `parts` takes (contiguous, in order)."""
+    step = (count + parts - 1) // parts
+    return min(count, part * step), min(count, (part + 1) * step)
 
 
 def _step(part, frame, arrays):  # pragma: no cover - compiled
-    """Part `part` of one token through every layer (see the module docstring).
+    """Part `part` of N token rows through every layer (see the module docstring).
 
-    frame: the `FRAME` record (sizes, token, slot, parts, int8, the barrier's address);
-    arrays: the `StepArrays` it points at (the cache written at `slot` by part 0)."""
+    frame: the `FRAME` record (sizes, rows, parts, int8, the barrier's address);
+    arrays: the `StepArrays` it points at (each row's key and value written at its slot
+    through its block table, by the part whose share of rows holds it)."""
     table, orders, norms, floats = arrays.table, arrays.orders, arrays.norms, arrays.floats
     keys, vals, cos, sin, half, shared = arrays.keys, arrays.values, arrays.cos, arrays.sin, arrays.half, arrays.shared
-    heads, kv_heads, E = frame.heads, frame.kv_heads, frame.head_dim
-    parts, barrier, slot, int8 = frame.parts, frame.barrier, frame.slot, frame.int8 != 0
+    tokens, slots, tables, outputs = arrays.tokens, arrays.slots, arrays.tables, arrays.outputs
+    heads, kv_heads, E, size = frame.heads, frame.kv_heads, frame.head_dim, frame.block_size
+    parts, barrier, int8, n = frame.parts, frame.barrier, frame.int8 != 0, frame.rows
     layers = keys.shape[0]
     embed = MATRICES_PER_LAYER * layers  # noqa: F821
     d = table[embed, COLUMNS]  # noqa: F821
     ff = table[4, ROWS]  # noqa: F821 - the gate's rows
     widest = max(d, ff, heads * E)
-    scratch = Scratch(np.empty(widest // 2 + 16, np.float32), np.empty(widest // 2 + 16, np.float32),  # noqa: F821
-                      np.empty(widest // 32 + 1, np.float32), np.empty(widest + 32, np.int8),
-                      np.empty(widest // 32 + 1, np.float32), np.empty(widest // 32 + 1, np.float32),
-                      np.empty(widest // 32 + 1, np.int32))
+    scratch = Scratch(np.empty(n * (widest // 2) + 16, np.float32), np.empty(n * (widest // 2) + 16, np.float32),  # noqa: F821
+                      np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * widest + 32, np.int8),
+                      np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * (widest // 32) + 1, np.float32),
+                      np.empty(n * (widest // 32) + 1, np.int32))
     row = np.empty(d, np.float32)
     raw = carray(_u8(table[embed, ADDRESS]), (table[embed, ROWS], table[embed, ROW_BYTES]))  # noqa: F821
     values = carray(_i8(table[embed, ADDRESS]), (table[embed, ROWS], table[embed, ROW_BYTES]))  # noqa: F821
-    _dequantize_row(raw, values, frame.token, table[embed, CODE], half, row)  # noqa: F821
-    x = row.astype(np.float64)  # the residual stream (each part's own, the same bits)
-    normed = np.empty(d, np.float32)
+    x = np.empty((n, d), np.float64)  # the residual stream (each part's own, the same bits)
+    for i in range(n):
+        _dequantize_row(raw, values, tokens[i], table[embed, CODE], half, row)  # noqa: F821
+        for k in range(d):
+            x[i, k] = np.float64(row[k])
+    normed = np.empty((n, d), np.float32)
     qkv_rows = (heads + 2 * kv_heads) * E
-    rotated = np.empty(qkv_rows, np.float32)
-    scores = np.empty(slot + 1, np.float32)
+    rotated = np.empty((n, qkv_rows), np.float32)
+    longest = 0
+    for i in range(n):
+        longest = max(longest, slots[i] + 1)
+    scores = np.empty(longest, np.float32)
     mixed = np.empty(E, np.float32)
-    hidden = np.empty(ff, np.float32)
-    qkv = shared[:qkv_rows]  # written by the parts, read whole after a barrier
-    attended = shared[qkv_rows: qkv_rows + heads * E]
-    projected = shared[qkv_rows + heads * E: qkv_rows + heads * E + d]
-    gate_up = shared[qkv_rows + heads * E + d: qkv_rows + heads * E + d + 2 * ff]
-    per_part = (heads + parts - 1) // parts
+    hidden = np.empty((n, ff), np.float32)
+    at = 0
+    qkv = shared[at: at + n * qkv_rows].reshape(n, qkv_rows)  # written by the parts, read whole after a barrier
+    at += n * qkv_rows
+    attended = shared[at: at + n * heads * E].reshape(n, heads * E)
+    at += n * heads * E
+    projected = shared[at: at + n * d].reshape(n, d)
+    at += n * d
+    gate_up = shared[at: at + n * 2 * ff].reshape(n, 2 * ff)
+    mine, mine_stop = _share(n, parts, part)  # the rows whose keys and values this part writes
+    pairs_first, pairs_stop = _share(n * heads, parts, part)  # the (row, head) pairs it attends
     for layer in range(layers):
         base = MATRICES_PER_LAYER * layer  # noqa: F821
         # attention
         weight = carray(_f32(norms[2 * layer]), (d,))  # noqa: F821
-        _rms_norm(x, weight, floats[1 + 2 * layer], normed)
+        for i in range(n):
+            _rms_norm(x[i], weight, floats[1 + 2 * layer], normed[i])
         _group(table, base, 3, normed, part, parts, int8, half, scratch, qkv)
         _barrier(barrier, parts)
         order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
-        for i in range(order.shape[0]):
-            rotated[i] = qkv[order[i]]
-        for i in range(order.shape[0], qkv_rows):
-            rotated[i] = qkv[i]
-        _rotate(rotated[: heads * E], heads, E, cos, sin)
-        _rotate(rotated[heads * E: (heads + kv_heads) * E], kv_heads, E, cos, sin)
-        if part == 0:
+        for i in range(n):
+            for k in range(order.shape[0]):
+                rotated[i, k] = qkv[i, order[k]]
+            for k in range(order.shape[0], qkv_rows):
+                rotated[i, k] = qkv[i, k]
+            _rotate(rotated[i, : heads * E], heads, E, cos[i], sin[i])
+            _rotate(rotated[i, heads * E: (heads + kv_heads) * E], kv_heads, E, cos[i], sin[i])
+        for i in range(mine, mine_stop):
+            block, offset = tables[i, slots[i] // size], slots[i] % size
             for g in range(kv_heads):
                 for e in range(E):
-                    keys[layer, g, slot, e] = rotated[(heads + g) * E + e]
-                    vals[layer, g, slot, e] = rotated[(heads + kv_heads + g) * E + e]
-        for h in range(part * per_part, min(heads, (part + 1) * per_part)):
-            _attend(h, layer, frame, arrays, rotated, scores, mixed, attended)
+                    keys[layer, block, g, offset, e] = rotated[i, (heads + g) * E + e]
+                    vals[layer, block, g, offset, e] = rotated[i, (heads + kv_heads + g) * E + e]
+        _barrier(barrier, parts)
+        for pair in range(pairs_first, pairs_stop):
+            _attend(pair // heads, pair % heads, layer, frame, arrays, rotated, scores, mixed, attended)
         _barrier(barrier, parts)
         _group(table, base + 3, 1, attended, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        for i in range(d):
-            x[i] += projected[i]
+        for i in range(n):
+            for k in range(d):
+                x[i, k] += projected[i, k]
         # feed-forward
         weight = carray(_f32(norms[2 * layer + 1]), (d,))  # noqa: F821
-        _rms_norm(x, weight, floats[2 + 2 * layer], normed)
+        for i in range(n):
+            _rms_norm(x[i], weight, floats[2 + 2 * layer], normed[i])
         _group(table, base + 4, 2, normed, part, parts, int8, half, scratch, gate_up)
         _barrier(barrier, parts)
-        for i in range(ff):
-            gate = gate_up[i]
-            hidden[i] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * gate_up[ff + i]
+        for i in range(n):
+            for k in range(ff):
+                gate = gate_up[i, k]
+                hidden[i, k] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * gate_up[i, ff + k]
         _group(table, base + 6, 1, hidden, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        for i in range(d):
-            x[i] += projected[i]
+        for i in range(n):
+            for k in range(d):
+                x[i, k] += projected[i, k]
+    # the output head, for the rows that asked only (the largest product)
+    wanted = np.empty((frame.outputs_count, d), np.float32)
     weight = carray(_f32(norms[2 * layers]), (d,))  # noqa: F821
-    _rms_norm(x, weight, floats[1 + 2 * layers], normed)
-    _group(table, embed + 1, 1, normed, part, parts, int8, half, scratch, arrays.logits)
+    for i in range(n):
+        if outputs[i] >= 0:
+            _rms_norm(x[i], weight, floats[1 + 2 * layers], wanted[outputs[i]])
+    if frame.outputs_count > 0:
+        _group(table, embed + 1, 1, wanted, part, parts, int8, half, scratch, arrays.logits)
 
 
 def _step_entry(frame_address, part):  # pragma: no cover - compiled
     """The native entry: the `FRAME` record at `frame_address` and the arrays it points at,
     then `_step`."""
     frame = carray(_i64(frame_address), (FRAME_WORDS,)).view(FRAME)[0]  # noqa: F821
-    layers, heads, kv_heads, E = frame.layers, frame.heads, frame.kv_heads, frame.head_dim
+    layers, heads, kv_heads, E, n = frame.layers, frame.heads, frame.kv_heads, frame.head_dim, frame.rows
     table = carray(_i64(frame.table), (frame.matrices, 6))  # noqa: F821
     d = table[MATRICES_PER_LAYER * layers, COLUMNS]  # noqa: F821
-    cache = (layers, kv_heads, frame.max_length, E)
+    cache = (layers, frame.blocks, kv_heads, frame.block_size, E)
     arrays = StepArrays(  # noqa: F821
         table,
         carray(_i64(frame.orders), (layers, (heads + kv_heads) * E)),  # noqa: F821
         carray(_i64(frame.norms), (2 * layers + 1,)),  # noqa: F821
         carray(_f64(frame.floats), (2 * layers + 2,)),  # noqa: F821
-        carray(_f32(frame.cos), (E,)),  # noqa: F821
-        carray(_f32(frame.sin), (E,)),  # noqa: F821
+        carray(_i64(frame.tokens), (n,)),  # noqa: F821
+        carray(_i64(frame.slots), (n,)),  # noqa: F821
+        carray(_i64(frame.starts), (n,)),  # noqa: F821
+        carray(_i32(frame.tables), (n, frame.width)),  # noqa: F821
+        carray(_i64(frame.outputs), (n,)),  # noqa: F821
+        carray(_f32(frame.cos), (n, E)),  # noqa: F821
+        carray(_f32(frame.sin), (n, E)),  # noqa: F821
         carray(_f32(frame.keys), cache),  # noqa: F821
         carray(_f32(frame.values), cache),  # noqa: F821
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
-        carray(_f32(frame.shared), ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS],)),  # noqa: F821
-        carray(_f32(frame.logits), (frame.vocab,)),  # noqa: F821
+        carray(_f32(frame.shared), (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),  # noqa: F821
+        carray(_f32(frame.logits), (max(frame.outputs_count, 1), frame.vocab)),  # noqa: F821
+        carray(_i64(frame.windows), (layers,)),  # noqa: F821
     )
     _step(part, frame, arrays)
 
@@ -390,7 +474,7 @@ class CompiledStep(NamedTuple):
     namespace: dict
 
 
-_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _step)
+_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _share, _step)
 _EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 
@@ -419,9 +503,9 @@ def build() -> CompiledStep:
     namespace: dict[str, Any] = {
         "np": np, "carray": nb.carray, **native.helpers(), **codes,
         "_quantize_x": loops["_quantize_x"], "_dequantize_row": loops["_dequantize_row"],
-        "_split_x": loops["_split_x"], "_part_rows": loops["_part_rows"], "_q4_1": loops["_matvec_q4_1"],
-        "_q4_0": loops["_matvec_q4_0"], "_q8_0": loops["_matvec_q8_0"],
+        "_split_x": loops["_split_x"], "_part_rows": loops["_part_rows"],
         "_rows": loops["_matvec_rows"], "_int8": loops["_matvec_int8"], "_exp32": _loops.exp32,
+        "_matmat_q4": loops["_matmat_q4"], "_matmat_q8_0": loops["_matmat_q8_0"],
         "FRAME": FRAME, "FRAME_WORDS": _FRAME_WORDS, "MATRICES_PER_LAYER": MATRICES_PER_LAYER,
         "ADDRESS": ADDRESS, "ROWS": ROWS, "ROW_BYTES": ROW_BYTES, "CODE": CODE, "COLUMNS": COLUMNS, "OFFSET": OFFSET,
         "StepArrays": StepArrays, "Scratch": Scratch,

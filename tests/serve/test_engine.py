@@ -10,15 +10,16 @@ import time
 import numpy as np
 import pytest
 
-from tiny_checkpoints import tiny_llama
-from tiny_decoders import flat_folder  # noqa: F401 - a fixture
+from tiny_decoders import flat_folder, flat_gguf  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
-def model():
-    model = tiny_llama(seed=5, max_position_embeddings=512)
-    model.embed.weight = model.embed.weight * np.float32(0.1)  # flat logits: seeds sample apart
-    return model
+def model(flat_gguf):  # noqa: F811
+    """A tiny quantized Llama with flat logits (seeds sample apart): the compiled batched step
+    runs it, unless the kernels are off."""
+    from attnkit.models.auto import AutoCausalLM
+
+    return AutoCausalLM.from_pretrained(str(flat_gguf))
 
 
 def _answer(handle):

@@ -53,3 +53,18 @@ def flat_folder(tmp_path_factory):
     model = tiny_llama(seed=5, max_position_embeddings=512)
     model.embed.weight = model.embed.weight * np.float32(0.1)
     return write_tiny_folder(tmp_path_factory.mktemp("flat-llama"), model)
+
+
+@pytest.fixture(scope="module")
+def flat_gguf(tmp_path_factory):
+    """The flat tiny Llama as a quantized GGUF file with the chat template: the decoder the
+    compiled batched step runs (its invariance is bit for bit there)."""
+    import numpy as np
+
+    from tiny_checkpoints import tiny_llama, write_tiny_llama_gguf
+
+    model = tiny_llama(seed=5, max_position_embeddings=512)
+    model.embed.weight = model.embed.weight * np.float32(0.1)
+    path = tmp_path_factory.mktemp("flat-gguf") / "flat.gguf"
+    write_tiny_llama_gguf(path, model, extra=lambda writer, state: writer.add_chat_template(TEMPLATE))
+    return path

@@ -373,8 +373,9 @@ def serve(
         "max_tokens beyond it: 400; when it fills, the youngest request waits and is recomputed)."
     ),
     step_tokens: int = typer.Option(
-        64, "--step-tokens", help="The most token rows of one batched step: every running decode row, then chunks "
-        "of new prompts up to this many (a long prompt does not stall running streams)."
+        16, "--step-tokens", help="The most token rows of one batched step: every running decode row, then chunks "
+        "of new prompts up to this many (smaller: steadier streams while a long prompt arrives; larger: that "
+        "prompt's first token sooner)."
     ),
 ) -> None:
     """A local web page: type a sentence, pick a model, explore its attention. Beside it, an

@@ -6,6 +6,11 @@ API beside it, with the models they load (the views they draw live in `attnkit.v
 - `openai_api.py`: the `/v1` routes (models, embeddings, completions, chat).
 - `openai_requests.py`: their request bodies, checked with OpenAI's error shapes.
 - `openai_models.py`: `ModelPool`, the API's models, each loaded once on first use.
+- `engine.py`: `Engine`, a decoder's scheduler: continuous batching on a paged KV cache
+  with prefix sharing, limits, preemption, cancellation.
+- `solo.py`: one request alone on the model's modules (attention and the logit lens
+  through the API); `embeddings.py`: `EmbeddingBatcher`; `openai_logprobs.py`: OpenAI's
+  log-probability shapes.
 - `http_checks.py`: what every request passes (Host, Origin, JSON only, bounded body).
 
 FastAPI, pydantic and uvicorn load here only, and only when an application is made
@@ -22,6 +27,9 @@ _LAZY = {
     "BackgroundServer": "server",
     "add_openai_api": "openai_api",
     "ModelPool": "openai_models",
+    "Engine": "engine",
+    "Sampling": "engine",
+    "EmbeddingBatcher": "embeddings",
     "ModelLoadError": "openai_models",
     "HostCheck": "http_checks",
     "RequestRejected": "http_checks",

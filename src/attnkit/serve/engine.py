@@ -59,8 +59,12 @@ __all__ = ["DEFAULT_KV_TOKENS", "DEFAULT_MAX_BATCH", "DEFAULT_MAX_QUEUE", "DEFAU
 
 DEFAULT_MAX_BATCH = 8
 """Choices decoded together by default (`attnkit serve --max-batch`)."""
-DEFAULT_STEP_TOKENS = 64
-"""The most rows of one step by default (`--step-tokens`): decode rows, then prefill chunks."""
+DEFAULT_STEP_TOKENS = 16
+"""The most rows of one step by default (`--step-tokens`): decode rows, then prefill chunks.
+Smaller keeps running streams steadier while a long prompt arrives, larger reads that
+prompt sooner: SmolLM2 on a loaded 2-core Xeon, 7 streams and a 1,000-token prompt
+arriving, p99 gap / the prompt's first token: 0.26 s / 20 s at 16, 0.48 / 14 at 32,
+0.96 / 12 at 64."""
 DEFAULT_KV_TOKENS = 16384
 """Tokens the KV cache holds by default (`--kv-tokens`): 8 sequences of 2,048."""
 DEFAULT_MAX_QUEUE = 64

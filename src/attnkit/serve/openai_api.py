@@ -309,7 +309,7 @@ def add_openai_api(
         return min(max_new_tokens, room) if asked is None else asked
 
     def submit(name: str, model: Any, prompts: list[list[int]], limits: list[int], sampling: dict[str, Any], *,
-               n: int, logprobs: int | None, extension: Any, prompt_texts: list[str] | None = None):
+               n: int, logprobs: int | None, extension: Any):
         """Start the work of one request; returns `work(cancelled)`, which yields
         (choice index, Piece or Completion), choice index = prompt index * n + choice.
 

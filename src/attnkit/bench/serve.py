@@ -199,16 +199,17 @@ def run(*, quick: bool, progress: Progress, threads: int | None = None, model: s
          f"needed: {peak['tokens'] * token_bytes / 2**20:.2f}", round(held, 2)],
     ]
     notes = [
-        f"{name} through `attnkit serve`'s engine (max_batch {clients}, step_tokens {engine.step_tokens}), {clients} openai clients "
-        f"streaming chat at temperature 0, max_tokens {max_tokens}; a {system_tokens}-token system prompt shared",
+        f"{name} through `attnkit serve`'s engine (max_batch {clients}, step_tokens {engine.step_tokens}), "
+        f"{clients} openai clients streaming chat at temperature 0, max_tokens {max_tokens}; "
+        f"a {system_tokens}-token system prompt shared",
         f"batched step: {'compiled' if engine.step.compiled else 'modules (' + str(engine.step.reason) + ')'}",
         f"the repeat read {repeat['cached']} of its {repeat['prompt']} prompt tokens from the prefix cache",
         "gaps are between streamed chunks (a chunk is one token or more); ratios are against one client "
         "sending the same requests one after another",
         "KV: bytes of the blocks live sequences held at the peak, against their tokens x bytes per token "
         "(a shared prefix block counts once in the first)",
-        f"while the long prompt arrived, the streams' p99 gap was {during_ratio * alone_gap / _percentile(gaps, 99):.2f}x "
-        f"the p99 of {clients} streams with no prompt arriving",
+        f"while the long prompt arrived, the streams' p99 gap was "
+        f"{during_ratio * alone_gap / _percentile(gaps, 99):.2f}x the p99 of {clients} streams with no prompt arriving",
     ]
     goals = [
         f"{'PASS' if rate / alone_rate >= GOAL_THROUGHPUT else 'FAIL'} {clients} clients' completion tokens/s: "

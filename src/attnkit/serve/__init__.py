@@ -3,7 +3,8 @@ API beside it, with the models they load (the views they draw live in `attnkit.v
 
 - `server.py`: `create_app` (the FastAPI application: the page, `/api/attention`, `/v1`)
   and `BackgroundServer` (uvicorn in a thread, for notebooks, scripts and tests).
-- `openai_api.py`: the `/v1` routes (models, embeddings, completions, chat).
+- `openai_api.py`: the `/v1` routes (models, embeddings, completions, chat);
+  `openai_generation.py`: a completion request's work (engine or alone -> text pieces).
 - `openai_requests.py`: their request bodies, checked with OpenAI's error shapes.
 - `openai_models.py`: `ModelPool`, the API's models, each loaded once on first use.
 - `engine.py`: `Engine`, a decoder's scheduler: continuous batching on a paged KV cache

@@ -23,20 +23,15 @@ not this server's (another port of the same host is another origin, as browsers 
 
 import asyncio
 import base64
-import contextlib
 import hmac
-import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from attnkit.serve.http_checks import RequestRejected, check_json_content_type, check_origin, parse_json, read_body
-from attnkit.serve.engine import EngineBusy, EngineStopped, RequestTooLarge, Sampling
+from attnkit.serve.openai_generation import start_generation
 from attnkit.serve.openai_logprobs import attnkit_entries, chat_entries, completion_logprobs
 from attnkit.serve.openai_models import (
     EMBEDDINGS,
@@ -44,8 +39,6 @@ from attnkit.serve.openai_models import (
     Completion,
     ModelLoadError,
     ModelPool,
-    TextStream,
-    end_of_sequence_ids,
     token_count,
 )
 from attnkit.serve.openai_requests import (
@@ -62,7 +55,7 @@ from attnkit.serve.openai_requests import (
     texts_of,
 )
 from attnkit.serve.openai_requests import completion_logprobs as completion_logprobs_asked
-from attnkit.serve.solo import check_extension, solo_events
+from attnkit.serve.solo import check_extension
 from attnkit.viz.providers import availability
 
 __all__ = ["add_openai_api"]
@@ -74,15 +67,6 @@ def _usage(prompt: int, completion: int | None = None) -> dict[str, int]:
     if completion is None:  # embeddings
         return {"prompt_tokens": prompt, "total_tokens": prompt}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A final piece of a choice's text, with the `TokenEvent`s of the tokens it completes
-    (their log-probabilities and attnkit data go out with it)."""
-
-    text: str
-    events: list
 
 
 def _sse(data: Any) -> str:
@@ -308,97 +292,6 @@ def add_openai_api(
                            param=param, code="context_length_exceeded")
         return min(max_new_tokens, room) if asked is None else asked
 
-    def submit(name: str, model: Any, prompts: list[list[int]], limits: list[int], sampling: dict[str, Any], *,
-               n: int, logprobs: int | None, extension: Any):
-        """Start the work of one request; returns `work(cancelled)`, which yields
-        (choice index, Piece or Completion), choice index = prompt index * n + choice.
-
-        Without the attnkit extension, on a decoder its engine runs, the prompts are submitted
-        now (so a full queue or a request that can never fit is refused before any answer
-        starts: 429 or 400); otherwise the request runs alone under the model's lock."""
-        eos = end_of_sequence_ids(model)
-        rule = Sampling(sampling["temperature"], sampling["top_p"], sampling["seed"], frozenset(eos))
-        k = logprobs or 0
-        engine = None if extension is not None else pool.engine(name)
-        handles: list[Any] = []
-        if engine is not None:
-            try:
-                for ids, limit in zip(prompts, limits):
-                    handles.append(engine.submit(ids, limit, rule, logprobs=k, n=n))
-            except (EngineBusy, RequestTooLarge, EngineStopped) as error:
-                for handle in handles:
-                    handle.cancel()
-                if isinstance(error, EngineBusy):
-                    raise APIError(429, str(error), code="server_busy", kind="rate_limit_error",
-                                   headers={"Retry-After": str(error.retry_after)}) from None
-                if isinstance(error, RequestTooLarge):
-                    raise APIError(400, str(error), param="max_tokens", code="kv_cache_exceeded") from None
-                raise APIError(503, str(error), code="engine_stopped") from None
-
-        def events_of(index: int, cancelled: Callable[[], bool], stopped: set[int]) -> tuple[Iterator[Any], Any]:
-            """The prompt's TokenEvents, and how to stop one choice of it."""
-            if handles:
-                handle = handles[index]
-
-                def polled() -> Iterator[Any]:
-                    while True:
-                        if cancelled():
-                            handle.cancel()
-                            return
-                        try:
-                            event = handle.get(timeout=0.1)
-                        except queue.Empty:
-                            continue
-                        if event is None:
-                            return
-                        yield event
-
-                return polled(), handle
-            events = solo_events(model, prompts[index], limits[index], rule, logprobs=k, n=n, extension=extension,
-                                 cancelled=lambda choice: cancelled() or choice in stopped)
-            return events, None
-
-        def work(cancelled: Callable[[], bool]) -> Iterator[tuple[int, Any]]:
-            lock = pool.lock(name) if not handles else contextlib.nullcontext()
-            try:
-                with lock:
-                    for index, ids in enumerate(prompts):
-                        stopped: set[int] = set()
-                        events, handle = events_of(index, cancelled, stopped)
-                        texts = [TextStream(model.tokenizer, eos, sampling["stop"]) for _ in range(n)]
-                        seen: list[list[Any]] = [[] for _ in range(n)]
-                        sent = [0] * n
-                        for event in events:
-                            j = event.choice
-                            if j in stopped:
-                                continue
-                            text = texts[j]
-                            seen[j].append(event)
-                            piece, ended = text.add(event.token)
-                            ended = ended or event.finish is not None
-                            if piece:
-                                yield index * n + j, Piece(piece, seen[j][sent[j]:len(text.tokens)])
-                                sent[j] = len(text.tokens)
-                            if not ended:
-                                continue
-                            stopped.add(j)
-                            if handle is not None and event.finish is None:  # a stop string: the engine stops it
-                                handle.cancel(j)
-                            rest, last = text.close(), seen[j][sent[j]:text.kept]
-                            if rest or last:
-                                yield index * n + j, Piece(rest, last)
-                            cached = handle.cached_tokens if handle is not None else 0
-                            yield index * n + j, Completion(text.text, text.finish_reason,
-                                                            len(ids) if j == 0 else 0, len(text.tokens),
-                                                            cached if j == 0 else 0)
-                        if cancelled():
-                            return
-            finally:
-                for handle in handles:
-                    handle.cancel()
-
-        return work
-
     async def respond(body: Any, name: str, model: Any, work: Callable, chat: bool, count: int, *,
                       logprobs: int | None, extension: Any, prompt_texts: list[str] | None = None) -> Any:
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -521,8 +414,8 @@ def add_openai_api(
 
         ids = await run_in_threadpool(encode)
         limit = budget(model, len(ids), asked, "messages")
-        work = await run_in_threadpool(submit, name, model, [ids], [limit], sampling, n=n, logprobs=logprobs,
-                                       extension=extension)
+        work = await run_in_threadpool(start_generation, pool, name, model, [ids], [limit], sampling, n=n,
+                                       logprobs=logprobs, extension=extension)
         return await respond(body, name, model, work, True, n, logprobs=logprobs, extension=extension)
 
     @app.post("/v1/completions")
@@ -539,7 +432,7 @@ def add_openai_api(
         ids = [model.tokenizer.encode(prompt) for prompt in prompts]
         asked = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         limits = [budget(model, len(one), asked, "prompt") for one in ids]
-        work = await run_in_threadpool(submit, name, model, ids, limits, sampling, n=n, logprobs=logprobs,
-                                       extension=extension)
+        work = await run_in_threadpool(start_generation, pool, name, model, ids, limits, sampling, n=n,
+                                       logprobs=logprobs, extension=extension)
         return await respond(body, name, model, work, False, len(prompts) * n, logprobs=logprobs,
                              extension=extension, prompt_texts=prompts)

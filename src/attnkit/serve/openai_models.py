@@ -110,7 +110,8 @@ class ModelPool:
                 if self.engine_options is None:
                     self.engine_reasons[name] = "this server runs every request alone"
                 elif not isinstance(model, LlamaForCausalLM):  # the batched step runs Llama-family decoders
-                    self.engine_reasons[name] = f"the batched step runs Llama-family decoders, not {type(model).__name__}"
+                    self.engine_reasons[name] = ("the batched step runs Llama-family decoders, not "
+                                                 f"{type(model).__name__}")
                 else:
                     try:
                         from attnkit.serve.engine import Engine

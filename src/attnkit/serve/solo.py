@@ -68,7 +68,8 @@ def check_extension(options: Any, model: Any) -> dict[str, Any]:
     num_layers = int(model.config.num_layers)
     if attention is not None:
         if not isinstance(attention, dict) or set(attention) - {"layers", "heads"}:
-            raise ValueError(f"expected attnkit.attention as {{'layers': [...], 'heads': [...]}}, got {attention!r:.80}")
+            raise ValueError("expected attnkit.attention as {'layers': [...], 'heads': [...]}, got "
+                             f"{attention!r:.80}")
         out["layers"] = _indices(attention.get("layers"), num_layers, "layers")
         out["heads"] = _indices(attention.get("heads"), int(model.config.num_heads), "heads")
         pairs = len(out["layers"]) * len(out["heads"])

@@ -229,8 +229,9 @@ class Engine:
 
     Attributes:
         cache: the `PagedKVCache`; step: the `BatchStep`.
-        counters: steps, rows, decode_rows, prefill_rows, preempted, cancelled, finished,
-            cached_prompt_tokens (a dict of ints; `stats()` adds the cache's block counts).
+        counters: steps, rows, decode_rows, prefill_rows, preempted, cancelled (choices ended
+            by `Handle.cancel`: a client gone, a stop string), finished (by a stop id or
+            max_tokens), cached_prompt_tokens (a dict of ints; `stats()` adds the cache's counts).
     """
 
     def __init__(self, model: Any, *, max_batch: int = DEFAULT_MAX_BATCH, kv_tokens: int = DEFAULT_KV_TOKENS,

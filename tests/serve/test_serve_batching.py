@@ -185,14 +185,20 @@ def test_concurrent_embeddings_are_batched_and_equal_solo_bit_for_bit(served):
     pool = app.state.models
     batcher = pool.embedder("minilm")
     calls, requests = batcher.calls, batcher.requests
-    with ThreadPoolExecutor(8) as threads:
-        with pool.lock("minilm"):  # the encoder is busy: the 8 requests wait together
-            futures = [threads.submit(lambda s=s: client.embeddings.create(
-                model="minilm", input=[s], encoding_format="float").data[0].embedding) for s in SENTENCES]
-            deadline = time.time() + 60
-            while len(batcher._waiting) < 7 and time.time() < deadline:
-                time.sleep(0.01)
-        together = [f.result() for f in futures]
+    submitted = []
+    submit = batcher.submit
+    batcher.submit = lambda texts: (submitted.append(texts), submit(texts))[1]
+    try:
+        with ThreadPoolExecutor(8) as threads:
+            with pool.lock("minilm"):  # the encoder is busy: the 8 requests wait together
+                futures = [threads.submit(lambda s=s: client.embeddings.create(
+                    model="minilm", input=[s], encoding_format="float").data[0].embedding) for s in SENTENCES]
+                deadline = time.time() + 60
+                while len(submitted) < 8 and time.time() < deadline:
+                    time.sleep(0.01)
+            together = [f.result() for f in futures]
+    finally:
+        batcher.submit = submit
     for want, got in zip(alone, together):
         assert np.array_equal(np.array(want, dtype=np.float32), np.array(got, dtype=np.float32))
     assert batcher.requests - requests == 8 and batcher.calls - calls <= 2

@@ -14,7 +14,7 @@ a system prompt (about 600 tokens; quick: 100, with 2 clients) and user messages
   p99, and p99 of the gaps of N - 1 running streams while a 1,000-token prompt (quick: 300)
   arrives (quick: 150), against the median gap of one client alone (goal <= 2x);
 - KV memory: the bytes of the blocks live sequences hold against the bytes their keys and
-  values need (tokens_held x bytes per token), at the moment the most bytes were held
+  values need (their tokens x bytes per token), after the step that held the most bytes
   (goal <= 1.1x; a shared prefix counts once in the first, once per sequence in the second).
 
 A chunk holds one token or more (text held back while it could end in half a character
@@ -23,7 +23,6 @@ or a stop string goes out with the next), so chunk gaps are token gaps or sums o
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -137,22 +136,10 @@ def run(*, quick: bool, progress: Progress, threads: int | None = None, model: s
         alone_gap = _percentile(_gaps(alone), 50)
 
         progress.step(f"{clients} concurrent clients")
-        peak = {"bytes": 0, "tokens": 0}
-        sampling = threading.Event()
-
-        def sample() -> None:
-            while not sampling.is_set():
-                stats = engine.stats()
-                if stats["bytes_used"] > peak["bytes"]:
-                    peak.update(bytes=stats["bytes_used"], tokens=stats["tokens_held"])
-                time.sleep(0.02)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        engine.reset_peak()
         with ThreadPoolExecutor(clients) as workers:
             together = list(workers.map(lambda q: _stream(client, name, system, q, max_tokens), questions))
-        sampling.set()
-        sampler.join()
+        peak = {"bytes": engine.counters["peak_bytes"], "tokens": engine.counters["peak_tokens"]}
         wall = max(r["end"] for r in together) - min(r["start"] for r in together)
         rate = sum(r["tokens"] for r in together) / wall
         gaps = _gaps(together)

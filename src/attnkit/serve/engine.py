@@ -231,7 +231,9 @@ class Engine:
         cache: the `PagedKVCache`; step: the `BatchStep`.
         counters: steps, rows, decode_rows, prefill_rows, preempted, cancelled (choices ended
             by `Handle.cancel`: a client gone, a stop string), finished (by a stop id or
-            max_tokens), cached_prompt_tokens (a dict of ints; `stats()` adds the cache's counts).
+            max_tokens), cached_prompt_tokens, peak_bytes (the most bytes of blocks live
+            sequences held after a step's reserve) and peak_tokens (the tokens they held then)
+            (a dict of ints; `stats()` adds the cache's counts; `reset_peak()`).
     """
 
     def __init__(self, model: Any, *, max_batch: int = DEFAULT_MAX_BATCH, kv_tokens: int = DEFAULT_KV_TOKENS,
@@ -253,7 +255,7 @@ class Engine:
         self.block_size = self.cache.block_size
         self.capacity_blocks = self.cache.free_blocks + self.cache.used_blocks
         self.counters = dict(steps=0, rows=0, decode_rows=0, prefill_rows=0, preempted=0, cancelled=0, finished=0,
-                             cached_prompt_tokens=0)
+                             cached_prompt_tokens=0, peak_bytes=0, peak_tokens=0)
         self._lock = threading.Condition()
         self._waiting: collections.deque[list[_Choice]] = collections.deque()  # each entry: one admission
         self._running: list[_Choice] = []
@@ -318,6 +320,11 @@ class Engine:
                     "free_blocks": self.cache.free_blocks, "used_blocks": self.cache.used_blocks,
                     "cached_blocks": self.cache.cached_blocks, "bytes_used": self.cache.bytes_used(),
                     "tokens_held": held}
+
+    def reset_peak(self) -> None:
+        """Start peak_bytes and peak_tokens again from 0 (to measure one stretch of work)."""
+        with self._lock:
+            self.counters.update(peak_bytes=0, peak_tokens=0)
 
     def idle(self) -> bool:
         """Whether nothing runs or waits."""
@@ -469,6 +476,10 @@ class Engine:
             return
         if not plan:
             return
+        held = self.cache.bytes_used()
+        if held > self.counters["peak_bytes"]:
+            tokens = sum(self.cache.length(c.sequence) for c in running) + sum(count for _, count, _ in plan)
+            self.counters.update(peak_bytes=held, peak_tokens=tokens)
         rows = []
         for choice, count, logits in plan:
             start = self.cache.length(choice.sequence)

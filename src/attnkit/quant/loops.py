@@ -491,8 +491,8 @@ def dequantize_entry(frame_address, part):  # pragma: no cover - compiled
     _dequantize_rows(raw, values, f.start + first, f.type, half, out[first:stop])
 
 
-LOOPS = (_matvec_q4, _matvec_q4_1, _matvec_q4_0, _matvec_q8_0, _matmat_q4, _matmat_q8_0, _quantize_x, _matvec_int8, _dequantize_row,
-         _dequantize_rows, _matvec_rows, _part_rows, _split_x)
+LOOPS = (_matvec_q4, _matvec_q4_1, _matvec_q4_0, _matvec_q8_0, _matmat_q4, _matmat_q8_0, _quantize_x, _matvec_int8,
+         _dequantize_row, _dequantize_rows, _matvec_rows, _part_rows, _split_x)
 """The loops `attnkit.quant.compiled` compiles with numba (by name, into its namespace)."""
 ENTRIES = {"product": product_entry, "dequantize": dequantize_entry}
 """The native entries (`attnkit.kernels.native`) by name."""

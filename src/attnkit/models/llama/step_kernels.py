@@ -159,8 +159,9 @@ def _prepare(x, int8, half_split, scratch):  # pragma: no cover - compiled
     blocks = K // 32
     s = scratch
     if int8:
-        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K), s.dx[:n * blocks].reshape(n, blocks),  # noqa: F821
-                    s.xsq[:n * blocks].reshape(n, blocks), s.qsum[:n * blocks].reshape(n, blocks))
+        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K),  # noqa: F821
+                    s.dx[:n * blocks].reshape(n, blocks), s.xsq[:n * blocks].reshape(n, blocks),
+                    s.qsum[:n * blocks].reshape(n, blocks))
     elif half_split:
         xl = s.xl[:n * (K // 2)].reshape(n, K // 2)
         xh = s.xh[:n * (K // 2)].reshape(n, K // 2)
@@ -322,6 +323,14 @@ def _attend(i, h, layer, frame, arrays, rotated, scores, mixed, attended):  # pr
         attended[i, h * E + e] = mixed[e] * inverse
 
 
+def _add_rows(x, projected):  # pragma: no cover - compiled
+    """x (N, d) float64 += projected (N, d) float32, row by row (1-D loops)."""
+    for i in range(x.shape[0]):
+        row, add = x[i], projected[i]
+        for k in range(row.shape[0]):
+            row[k] += add[k]
+
+
 def _share(count, parts, part):  # pragma: no cover - compiled
     """Items [first, stop) of `count` that part `part` of `parts` takes (contiguous, in order)."""
     step = (count + parts - 1) // parts
@@ -344,7 +353,8 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     d = table[embed, COLUMNS]  # noqa: F821
     ff = table[4, ROWS]  # noqa: F821 - the gate's rows
     widest = max(d, ff, heads * E)
-    scratch = Scratch(np.empty(n * (widest // 2) + 16, np.float32), np.empty(n * (widest // 2) + 16, np.float32),  # noqa: F821
+    halves = n * (widest // 2) + 16
+    scratch = Scratch(np.empty(halves, np.float32), np.empty(halves, np.float32),  # noqa: F821
                       np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * widest + 32, np.int8),
                       np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * (widest // 32) + 1, np.float32),
                       np.empty(n * (widest // 32) + 1, np.int32))
@@ -384,13 +394,14 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _group(table, base, 3, normed, part, parts, int8, half, scratch, qkv)
         _barrier(barrier, parts)
         order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
-        for i in range(n):
+        for i in range(n):  # (row views: 1-D loops, as one row's step runs them)
+            source, into = qkv[i], rotated[i]
             for k in range(order.shape[0]):
-                rotated[i, k] = qkv[i, order[k]]
+                into[k] = source[order[k]]
             for k in range(order.shape[0], qkv_rows):
-                rotated[i, k] = qkv[i, k]
-            _rotate(rotated[i, : heads * E], heads, E, cos[i], sin[i])
-            _rotate(rotated[i, heads * E: (heads + kv_heads) * E], kv_heads, E, cos[i], sin[i])
+                into[k] = source[k]
+            _rotate(into[: heads * E], heads, E, cos[i], sin[i])
+            _rotate(into[heads * E: (heads + kv_heads) * E], kv_heads, E, cos[i], sin[i])
         for i in range(mine, mine_stop):
             block, offset = tables[i, slots[i] // size], slots[i] % size
             for g in range(kv_heads):
@@ -403,9 +414,7 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _barrier(barrier, parts)
         _group(table, base + 3, 1, attended, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        for i in range(n):
-            for k in range(d):
-                x[i, k] += projected[i, k]
+        _add_rows(x, projected)
         # feed-forward
         weight = carray(_f32(norms[2 * layer + 1]), (d,))  # noqa: F821
         for i in range(n):
@@ -413,14 +422,13 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _group(table, base + 4, 2, normed, part, parts, int8, half, scratch, gate_up)
         _barrier(barrier, parts)
         for i in range(n):
+            both, out = gate_up[i], hidden[i]
             for k in range(ff):
-                gate = gate_up[i, k]
-                hidden[i, k] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * gate_up[i, ff + k]
+                gate = both[k]
+                out[k] = gate / (np.float32(1.0) + np.exp(min(-gate, np.float32(80.0)))) * both[ff + k]
         _group(table, base + 6, 1, hidden, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        for i in range(n):
-            for k in range(d):
-                x[i, k] += projected[i, k]
+        _add_rows(x, projected)
     # the output head, for the rows that asked only (the largest product)
     wanted = np.empty((frame.outputs_count, d), np.float32)
     weight = carray(_f32(norms[2 * layers]), (d,))  # noqa: F821
@@ -454,7 +462,8 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
         carray(_f32(frame.keys), cache),  # noqa: F821
         carray(_f32(frame.values), cache),  # noqa: F821
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
-        carray(_f32(frame.shared), (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),  # noqa: F821
+        carray(_f32(frame.shared),  # noqa: F821
+               (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),
         carray(_f32(frame.logits), (max(frame.outputs_count, 1), frame.vocab)),  # noqa: F821
         carray(_i64(frame.windows), (layers,)),  # noqa: F821
     )
@@ -474,7 +483,8 @@ class CompiledStep(NamedTuple):
     namespace: dict
 
 
-_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _share, _step)
+_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _add_rows, _share,
+           _step)
 _EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 

@@ -310,21 +310,17 @@ ALLOWED = {
     "serve": {"functional", "masks", "nn", "models", "hf", "interpret", "viz", "runtime"},  # viz: the page's views
     "hf": {"attnkit", "functional", "masks", "nn", "torch", "runtime"},
     "bench": {"attnkit", "functional", "kernels", "masks", "nn", "models", "quant", "torch", "hf", "interpret",
-              "runtime"},
+              "serve", "runtime"},  # serve: `attnkit bench serve` runs the server it measures
 }
 for _layer, _below in ALLOWED.items():  # runtime's neighbours sit under every layer
     if "runtime" in _below:
         _below |= {"deprecation", "extras"}
 
 # Deprecated aliases (CHANGELOG.md), kept one release where a name used to live: each may
-# import its names' new home, wherever that is, and nothing else imports it.
-MOVED = {f"attnkit.viz.{name}": f"attnkit.serve.{name}"
-         for name in ("openai_api", "openai_models", "openai_requests", "server", "http_checks")}
-MOVED["attnkit.kernels.decode"] = "attnkit.models.llama"
-MOVED["attnkit.kernels.quant"] = "attnkit.quant"
-MOVED["attnkit.models.quantized"] = "attnkit.quant"
-# An old spelling that forwards to another old spelling (viz.create_app -> the viz.server shim).
-FORWARDS = {("attnkit.viz", "attnkit.viz.server")}
+# import its names' new home, wherever that is, and nothing else imports it. (The moved
+# module paths of 0.2, `attnkit.viz.server`, `attnkit.kernels.quant`, ..., are no files:
+# `attnkit/__init__.py`'s MOVED_MODULES maps them to their new homes.)
+MOVED = {"attnkit.models.quantized": "attnkit.quant"}
 
 
 def test_layers_import_downward_only():
@@ -340,9 +336,53 @@ def test_layers_import_downward_only():
         and not (a in MOVED and b.startswith(MOVED[a]))
     ]
     importers = [f"{a} imports the deprecated {b}" for a, targets in graph.items() for b in targets
-                 if b in MOVED and (a, b) not in FORWARDS]
+                 if b in MOVED]
     assert not importers, "\n".join(importers)
     assert not upward, "imports against the layers' direction:\n" + "\n".join(upward)
+
+
+def test_moved_module_paths_are_no_files_and_import_with_a_warning():
+    """0.2's moved module paths (`attnkit.MOVED_MODULES`) are no files under the layer below
+    their new home (no arrow points up at it, not even by name); importing one warns, naming
+    the new home, and gives the module that holds its names; no module of the package
+    imports an old path."""
+    import importlib
+    import re
+
+    pytest.importorskip("fastapi")
+    moved = attnkit.MOVED_MODULES.moved
+    assert {"attnkit.viz.server", "attnkit.kernels.quant", "attnkit.kernels.decode"} <= set(moved)
+    modules = _module_files()
+    for old, (target, home) in moved.items():
+        assert old not in modules and target in modules, old
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=re.escape(f"{old} is deprecated: use {home}")):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(target)
+    importers = []
+    for name, (path, is_package) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node.level, node.module)
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            importers += [f"{name} (line {node.lineno}) imports {n}" for n in names if n in moved]
+    assert not importers, "\n".join(importers)
+
+
+def test_moved_modules_take_a_table_of_strings_and_install_once():
+    from attnkit.deprecation import MovedModules
+
+    before = list(sys.meta_path)
+    assert MovedModules(dict(attnkit.MOVED_MODULES.moved)).install() is attnkit.MOVED_MODULES
+    assert sys.meta_path == before  # an equal table is not installed twice
+    with pytest.raises(TypeError, match=r"expected old path -> \(module, new home\) strings, got 'a.b': 'c.d'"):
+        MovedModules({"a.b": "c.d"})
+    hook = MovedModules({"attnkit_test_old.path": ("json", "json")})
+    assert hook.find_spec("json") is None and hook.find_spec("attnkit_test_old.path").loader is hook
 
 
 # ----------------------------------------------------------------------------- extras

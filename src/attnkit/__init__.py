@@ -13,7 +13,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from attnkit.deprecation import MovedModules
+
 __version__ = "0.1.0"
+
+# Module paths that moved in 0.2, importable until 0.3.0 with a DeprecationWarning
+# (CHANGELOG.md): old path -> (the module given in its place, the new home the warning
+# names). The table lives here, at the top, so that no module points up at the layer its
+# names moved to; nothing is imported until an old path is.
+MOVED_MODULES = MovedModules({
+    **{f"attnkit.viz.{name}": (f"attnkit.serve.{name}", f"attnkit.serve.{name}")
+       for name in ("server", "openai_api", "openai_models", "openai_requests", "http_checks")},
+    "attnkit.kernels.quant": ("attnkit.quant._kernels_quant", "attnkit.quant"),
+    "attnkit.kernels.decode": ("attnkit.models.llama._kernels_decode", "attnkit.models.llama.step"),
+}).install()
 
 # Every public name loads on first use (PEP 562), so `import attnkit` costs nothing
 # until something is used: the command line can take Ctrl+C from its first line on.

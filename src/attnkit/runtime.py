@@ -114,21 +114,21 @@ class FastestSchedule:
     except that every `retime_every`-th call re-times one of the others in turn (the
     machine's load changes, and with it which is fastest). A re-timed schedule that is still
     the slower waits twice as long for its next turn (up to 64 x `retime_every`), so a
-    schedule far slower on a busy machine (two threads spinning against other work: 20x
-    a decode step here) costs a few percent, not half the time; one that wins again brings
+    schedule far slower on a busy machine (two threads spinning against other work) costs
+    a few percent, not half the time; one that wins again brings
     the interval back to `retime_every`. `timed(schedule, seconds)` records one run's
     time (per unit of work); a schedule's estimate (`seconds`) is the median of its last
     three kept runs (the smaller of two), so one stalled run (a page fault storm, the
-    VM's neighbour: a 645 ms batch among 125-150 ms ones moved a running average 1.6x and
-    sent the encoder to its slower schedule for the next 32 batches) moves nothing,
+    VM's neighbour: one such batch moved a running average enough to send the encoder to
+    its slower schedule for the next 32 batches; docs/benchmarks.md) moves nothing,
     while two slow runs of three (the machine got busy) do.
 
     The first run of all, and the first run of a schedule after another one ran, is a
     warm-up: its time is not kept and `choose()` names the same schedule again (a first run
-    loads compiled code: a first decode step took 2.5 s, and kept, it made the faster
-    schedule look 100x slower). Switching leaves the previous schedule's
-    threads busy for a while (OpenBLAS's spin about 0.1 s after a threaded call before they
-    sleep, taking a core from whatever runs next), so that run would be timed slow.
+    loads compiled code, and kept, its time made the faster schedule look the slowest by
+    far). Switching leaves the previous schedule's threads busy for a while (OpenBLAS's
+    spin after a threaded call before they sleep, taking a core from whatever runs next),
+    so that run would be timed slow.
 
         schedule = choice.choose()
         start = time.perf_counter()
@@ -228,8 +228,8 @@ def scratch_arrays(shapes: Sequence[tuple[int, ...]], dtype: Any) -> list:
     """Arrays of these shapes for one call's temporaries (uninitialized), carved
     from one block: the calling thread's scratch when they fit ARENA_BYTES,
     else a fresh block. Fresh arrays are faulted in page by page on first touch,
-    and glibc hands large freed blocks back to the OS: a flash backward at
-    L = 1024, H = 8 took ~7,500 page faults, ~16 ms of its ~60, on the 2-core AMD VM."""
+    and glibc hands large freed blocks back to the OS: page faults were a large share
+    of a flash backward's time (docs/benchmarks.md)."""
     import numpy as np
 
     dtype = np.dtype(dtype)
@@ -248,15 +248,15 @@ def scratch_tile(name: str, rows: int, cols: int, dtype: Any) -> Any:
     return scratch_buffer(name, rows * cols, dtype)[: rows * cols].reshape(rows, cols)
 
 
-SERIAL_BELOW = 1 << 21  # score elements per thread (~10 ms of tiles): below, a second thread costs more than it saves
+SERIAL_BELOW = 1 << 21  # score elements per thread: below, a second thread costs more than it saves
 
 
 def useful_threads(num_threads: int, work: int) -> int:
     """The threads a call of `work` score elements can use: one per SERIAL_BELOW
     elements, at most num_threads, at least 1. Plans are made for this count, not
     for num_threads: work that runs on one thread anyway keeps one thread's tiles
-    and heads per task (cut for threads it would never use, a decode step over a
-    4096-key cache ran 1.5x slower at num_threads=2 than at 1)."""
+    and heads per task (cut for threads it would never use, a decode step over a long
+    cache ran slower at num_threads=2 than at 1; docs/benchmarks.md)."""
     return max(1, min(num_threads, work // SERIAL_BELOW))
 
 

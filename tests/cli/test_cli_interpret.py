@@ -52,6 +52,7 @@ def loss(model, ids) -> float:
 # ----------------------------------------------------------------------------- heads
 
 
+@pytest.mark.slow  # a forward per head of the model, each ablated: 16 s under load (the quick loop's slowest)
 def test_importance_is_the_loss_of_one_ablated_forward_per_head(tiny_model):
     """The batched run (each layer's heads as one batch from that layer up) against the plain
     route: `ablate` one head, run the whole model, take the loss."""

@@ -229,3 +229,19 @@ def test_mods_reject_bad_arguments():
     q = np.ones((1, 3, 4, 2))
     with pytest.raises(ValueError, match="3 slopes|slopes but was called for head"):
         attnkit.flash_attention(q, q, q, score_mod=mods.alibi(slopes=[0.5, 0.25]))
+
+
+def test_softcap_rounds_a_float32_tile_once():
+    """mods.softcap on float32 scores is cap * tanh(score / cap) rounded once to
+    float32 (within half an ulp of the float64 value, and a hair for tanh's own
+    float64 rounding): NumPy's float32 tanh and the two float32 roundings around
+    it were off by more than an ulp, which put dQ at 3.2x torch's error on
+    FlashAttention's softcap grid case (test_flash_grid)."""
+    cap = mods.softcap(50.0)
+    score = (np.random.default_rng(0).standard_normal((256, 512)) * 80).astype(np.float32)
+    q_idx, kv_idx = np.arange(256)[:, None], np.arange(512)[None, :]
+    got = np.asarray(cap(score, 0, 0, q_idx, kv_idx)).astype(np.float32)  # as a kernel stores it
+    truth = np.tanh(score.astype(np.float64) / 50.0) * 50.0
+    ulp = np.spacing(np.abs(truth).astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got - truth) / ulp) <= 0.5 + 1e-6
+    assert cap(score.astype(np.float64), 0, 0, q_idx, kv_idx).dtype == np.float64

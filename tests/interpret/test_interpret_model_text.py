@@ -37,11 +37,10 @@ def test_a_model_and_ids_give_the_map_of_its_attention(model, function):
 
 
 def test_a_model_and_a_text_use_its_tokenizer(minilm_folder):
-    from attnkit.interpret._model import attention_maps
-    from attnkit.models.bert import SentenceEncoder
+    from attnkit.models.sentence import SentenceEncoder
 
     encoder = SentenceEncoder.from_pretrained(minilm_folder)
-    maps = attention_maps(encoder, "the cat sat")
+    _, maps = encoder.attention("the cat sat")  # the model's own tokens, its maps (layers, heads, T, T)
     np.testing.assert_allclose(rollout(encoder, "the cat sat"), rollout(maps), rtol=1e-6)
 
 

@@ -192,6 +192,35 @@ def test_gemma3_greedy_equals_transformers(torch, gemma3_transformers, gemma3_mo
     assert text.startswith(" the capital of the country of France. It is the largest"), text
 
 
+@pytest.mark.slow
+def test_gemma3_128_greedy_tokens_equal_transformers(torch, gemma3_transformers, gemma3_model):
+    """128 greedy tokens of "The capital of France is" equal transformers' from the same GGUF.
+    Where they part, the float64 truth at that step decides: attnkit's token must be the
+    truth's, and the two tokens a near-tie in it (their gap within 2x transformers' own
+    float32 error of the truth)."""
+    ids = gemma3_model.tokenizer.encode(CAPITAL)
+    with torch.no_grad():
+        expected = gemma3_transformers.generate(torch.tensor([ids]), max_new_tokens=128, do_sample=False,
+                                                min_new_tokens=128)[0].tolist()[len(ids):]
+    got = [int(t) for t in np.ravel(gemma3_model.generate(np.array(ids), 128, stop=()))][len(ids):]
+    assert len(got) == len(expected) == 128
+    if got == expected:
+        print(f"128 greedy tokens equal: {gemma3_model.tokenizer.decode(got)!r}")
+        return
+    step = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    prefix = ids + expected[:step]
+    truth = hf_logits(torch, float64_truth(torch, gemma3_transformers), prefix)[-1]
+    theirs = hf_logits(torch, gemma3_transformers, prefix)[-1]
+    ours, other = got[step], expected[step]
+    gap = truth[ours] - truth[other]
+    error = np.abs(theirs - truth).max()
+    print(f"parted at step {step}: float64 gap {gap:.3g}, transformers' float32 error {error:.3g}")
+    assert gap >= 0 and gap <= 2 * error, (
+        f"step {step}: attnkit {ours} ({gemma3_model.tokenizer.decode([ours])!r}), transformers {other} "
+        f"({gemma3_model.tokenizer.decode([other])!r}); float64 gap {gap:.3g}, transformers' float32 error "
+        f"{error:.3g}")
+
+
 # ----------------------------------------------------------------------------- names and the command line
 
 

@@ -161,6 +161,27 @@ def test_products_within_budget(kind, compiled, gguf):
             check_product(y, x, weights, f"{kind} {rows}x{K}, {n} rows of x")
 
 
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_four_row_float32_loops_of_q5_0_and_k_quants(kind, gguf):
+    """Q5_0, Q4_K and Q6_K on float32 x have four-row IR loops of their own (`_matvec_q5_0`,
+    `_matvec_k`); called directly on a row range (5 rows: a short last group), they give the
+    product of the dequantized weights within the budget, and write only their rows."""
+    compiled_or_skip()
+    loops = quant_compiled.compiled().loops
+    rng = np.random.default_rng(11)
+    K = 2 * columns_of(kind)
+    raw = random_blocks(kind, 9, K, rng)
+    weights = oracle(raw, kind, K)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    out = np.full((3, 9), -7.0, np.float32)
+    if kind == "Q5_0":
+        loops["_matvec_q5_0"](raw, x, out, 2, 7)
+    else:
+        loops["_matvec_k"](raw, int(quant.GGMLType[kind]), x, out, 2, 7)
+    check_product(out[:, 2:7], x, weights[2:7], f"{kind} four-row loop, rows 2..6")
+    assert (out[:, :2] == -7.0).all() and (out[:, 7:] == -7.0).all()
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
 def test_two_threads_give_the_same_bits(kind, gguf):
     compiled_or_skip()

@@ -172,9 +172,9 @@ def run(*, quick: bool, progress: Progress, threads: int | None = None) -> Bench
                             continue
                         chosen[impl] = contenders[(impl, passes)]
                     progress.step(f"timing {', '.join(chosen)} {tag}")
-                    # settle 0.15 s in both modes: after NumPy naive's multithreaded BLAS call,
-                    # OpenBLAS's workers spin about 0.1 s, and with 0.05 s flash at L = 1024 ran
-                    # at 60-100 ms against 58 ms alone (Zen 1 EPYC, 2 CPUs)
+                    # settle in both modes for longer than OpenBLAS's workers spin after NumPy
+                    # naive's multithreaded BLAS call: with a shorter pause flash was timed slow
+                    # (docs/benchmarks.md, "Measurements behind design choices")
                     timed = best_times_interleaved(chosen, budget_s=budget, max_rounds=3 if quick else 8,
                                                    min_rounds=1 if quick else 3, settle_s=0.15)
                     results = {}

@@ -60,8 +60,8 @@ def best_times_interleaved(fns: dict[str, Callable[[], object]], budget_s: float
     (then its first run counts and it runs at most twice). At least
     `min_rounds` rounds for the others, at most `max_rounds`, as the budget allows.
     `settle_s` is a pause before each call: BLAS and OpenMP worker threads spin
-    for a while after a multithreaded call (OpenBLAS ~0.1 s), and would
-    otherwise eat the next contender's CPU (20% of flash's time after NumPy naive).
+    for a while after a multithreaded call, and would otherwise eat the next
+    contender's CPU (the figures: docs/benchmarks.md, "Measurements behind design choices").
     Returns {name: (best seconds, all timed runs)}.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}

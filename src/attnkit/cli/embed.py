@@ -7,7 +7,7 @@ clean for pipes.
 `embed` streams: it reads, encodes and writes `STREAM_SENTENCES` sentences at a
 time, the JSON document written piece by piece, so its memory is bounded by that
 window and not by the input (a 64 MiB file holds millions of short lines; kept
-whole, their tokens and a billion Python floats took more than 6 GiB). What it
+whole, their tokens and Python floats took gigabytes: docs/benchmarks.md). What it
 holds beyond the window is the input text itself, read and checked (UTF-8, at
 most 64 MiB) before anything is printed. `similarity` needs every embedding for
 its n x n matrix, so it takes at most `MAX_SIMILARITY_SENTENCES`.

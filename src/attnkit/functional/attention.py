@@ -65,7 +65,7 @@ from attnkit.functional._checks import (
 )
 from attnkit.functional.band import Band
 from attnkit.functional.mods import DifferentiableScoreMod, bound, create_mask
-from attnkit.functional.precision import all_finite, needs_float64, start_dtype
+from attnkit.functional.precision import FEW_ROWS, all_finite, matmul_in_chunks, needs_float64, start_dtype
 from attnkit.functional.sinks import AttentionSinkGrads, check_sinks, sink_factors, sink_grad
 from attnkit.kernels import elementwise as compiled
 
@@ -333,7 +333,7 @@ def scaled_dot_product_attention(
             rng = check_rng(rng)
             keep = rng.random(weights.shape) >= dropout_p
             weights = np.where(keep, weights * cd.type(1.0 / (1.0 - dropout_p)), cd.type(0))
-        out = np.matmul(_group_queries(weights, shapes), v.astype(cd, copy=False))  # (..., Hkv, g*L, Ev)
+        out = _few_rows_matmul(_group_queries(weights, shapes), v.astype(cd, copy=False))  # (..., Hkv, g*L, Ev)
         out = _ungroup_queries(out, shapes).astype(shapes.dtype, copy=False)  # (..., Hq, L, Ev)
 
     if drop:
@@ -502,6 +502,17 @@ def scaled_dot_product_attention_backward(
     return AttentionSinkGrads(*grads, sink_grad(sinks, lse, rows[0]).astype(shapes.dtype))
 
 
+def _few_rows_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b over the keys, a (..., rows, S): with fewer than FEW_ROWS rows (a decode
+    step, a short chunk) the sum over S runs in chunks (`matmul_in_chunks`), as
+    flash's few-row tiles do; OpenBLAS would round each output over all S keys
+    in one run (3 rows over 799 keys: 2.2x torch's error). More rows keep one
+    product (an inner side of 128 slows a large sgemm down)."""
+    if a.shape[-2] < FEW_ROWS:
+        return matmul_in_chunks(a, b)
+    return np.matmul(a, b)
+
+
 def _mod_grad(score_mod, q, k, shapes, scale, dtype):
     """d score_mod / d raw score at the raw scaled scores, (..., Hq, L, S) in `dtype`;
     None without a score_mod or for an additive one (derivative 1)."""
@@ -533,7 +544,7 @@ def _attention_grads(P, d_out, q, k, v, shapes, scale, dtype, mod_grad=None, row
     # forward: scores = (query * scale) @ key^T. The scale multiplies key and query
     # before the products: grad_scores @ key of tiny factors would underflow before
     # a large scale could bring it back.
-    grad_query = np.matmul(grad_scores, k * dtype.type(scale))  # (..., Hkv, g*L, E)
+    grad_query = _few_rows_matmul(grad_scores, k * dtype.type(scale))  # (..., Hkv, g*L, E)
     q_scaled = _group_queries(q * dtype.type(scale), shapes)  # (..., Hkv, g*L, E)
     grad_key = np.matmul(np.swapaxes(grad_scores, -1, -2), q_scaled)  # (..., Hkv, S, E)
     return _ungroup_queries(grad_query, shapes), grad_key, grad_value  # (..., Hq, L, E), ...

@@ -307,7 +307,16 @@ def alibi(num_heads: int | None = None, *, slopes=None, align: str = "top_left")
 
 def softcap(cap: float) -> ScoreMod:
     """Logit soft-capping (Gemma 2, Grok): cap * tanh(score / cap), keeping
-    scores in (-cap, cap). Derivative 1 - tanh(score / cap)^2."""
+    scores in (-cap, cap). Derivative 1 - tanh(score / cap)^2.
+
+    A float32 tile is capped in float64 and rounded once (returned in float64;
+    the kernels store it in their float32 tile): NumPy's float32 tanh is off by
+    up to 1.4 ulps (torch's 0.6), and with the division and the product the
+    capped scores near the cap (ulp 4e-6 at 50) moved the weights enough to
+    put dQ at 3.2x torch's error on FlashAttention's softcap grid case (6.4e-7
+    -> 3.5e-7 here; docs/flash.md). It costs a float64 tanh per score (45 us
+    against 9 on a 128 x 256 tile); the derivative stays in the tile's dtype
+    (its rounding did not matter there)."""
     if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, float, np.integer, np.floating)):
         raise TypeError(f"expected cap to be a positive number, got {type(cap).__name__}")
     cap = float(cap)
@@ -315,9 +324,9 @@ def softcap(cap: float) -> ScoreMod:
         raise ValueError(f"expected a finite cap > 0, got {cap}")
 
     def fn(score, b, h, q_idx, kv_idx):
-        c = score.dtype.type(cap)
-        out = np.tanh(score / c)
-        out *= c
+        out = np.multiply(score, 1 / cap, dtype=np.promote_types(score.dtype, np.float64))
+        np.tanh(out, out=out)
+        out *= cap
         return out
 
     def grad(score, b, h, q_idx, kv_idx):

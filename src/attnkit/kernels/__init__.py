@@ -15,8 +15,8 @@ Which path runs:
   before any command runs).
 - numba installed but broken (its import fails): the first use of the loops tries the
   import, gets the NumPy reference instead, and from then on `enabled()` is False and
-  `reason_disabled()` says why. `enabled()` itself does not import numba (0.6 s that a
-  short command never pays), so before that first use it answers from the installation.
+  `reason_disabled()` says why. `enabled()` itself does not import numba (slow next to a
+  short command, which never pays it), so before that first use it answers from the installation.
 - The decoder's kernels (quantized products, the decode step) also run from a native
   library built once per version and CPU (`attnkit.kernels.native`): a process that
   finds it never imports numba. `ATTNKIT_KERNELS=numba` runs them in-process instead.
@@ -111,7 +111,7 @@ def setting() -> str:
 @lru_cache(maxsize=None)
 def _choice() -> str:
     """Why the NumPy reference runs, or '' when the kernels may: answered without importing
-    numba (its import costs about 0.6 s; a short command never pays it). A ValueError for
+    numba (its import is slow next to a short command, which never pays it). A ValueError for
     an ATTNKIT_KERNELS outside SETTINGS (not cached: asked again, it is read again)."""
     if setting() == "numpy":
         return f"{_FORCE_VARIABLE}=numpy"

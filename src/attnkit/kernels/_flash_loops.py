@@ -11,7 +11,8 @@ pass over the scores in the forward and two in the backward:
   bitwise), the backward with extra = lse - shift and its per-row factor f: both form
   the same s - shift, so the backward rebuilds exactly the weights whose sums the
   forward saved. (Its loops over a row's three spans each run from 0: a loop over
-  range(j0, j1) did not vectorize, numba's index could be negative, and ran 15x slower.)
+  range(j0, j1) did not vectorize, numba's index could be negative, and ran many times
+  slower: docs/benchmarks.md.)
 - `grad_scores_rows`: dS = P (dP - D) per row, a dominant key's dS left out (a weight
   above `peak`, recorded in `top`), and the row's sum of the dS kept.
 

@@ -1,9 +1,9 @@
 """When the compiled loops start in a process: not before the work would pay for them.
 
-Loading them costs about a second once per process (numba's import, then the first
-dispatch of each loop, even from the on-disk cache: 0.65 s + 1.1 s measured on this
-project's busy 2-CPU machine). A short command (`attnkit show` on one sentence, a few
-small flash calls) would lose that second and gain microseconds. So, the rule of renting
+Loading them costs time once per process (numba's import, then the first dispatch of
+each loop, even from the on-disk cache; the figures: docs/benchmarks.md, "Measurements
+behind design choices"). A short command (`attnkit show` on one sentence, a few small
+flash calls) would lose that load and gain far less. So, the rule of renting
 skis: the NumPy reference runs while the time the loops would have saved, summed over the
 process, stays under what loading them costs; past it they load and run from then on.
 That wastes at most the load time in a short process, and nothing in a long one.

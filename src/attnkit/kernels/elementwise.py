@@ -30,8 +30,8 @@ __all__ = ["SAVED_NS", "add_bias_to_leading_columns", "add_layer_norm", "attenti
 
 
 SAVED_NS = 4.0
-"""What the compiled loops save over NumPy's passes per element, about (GELU 7 ns,
-LayerNorm with its adds 1.5 ns): counts towards starting them."""
+"""What the compiled loops save over NumPy's passes per element, in nanoseconds: a round
+figure between GELU's saving and LayerNorm's (docs/benchmarks.md); counts towards starting them."""
 
 
 def usable(*arrays: np.ndarray) -> bool:

@@ -36,12 +36,13 @@ NO_BAND = 1 << 62
 
 SMALL_TILE = 1024
 """Tiles with fewer elements stay on NumPy: below about this size a compiled call's
-dispatch (~0.8 µs) costs more than NumPy's exp (decode steps, thin band pieces)."""
+dispatch costs more than NumPy's exp (decode steps, thin band pieces; docs/benchmarks.md)."""
 
 
 SAVED_NS = 1.0
-"""What the compiled exp saves over NumPy's per element, about (0.2 ns with NumPy's
-AVX-512 exp, 5 ns where NumPy's float32 exp is scalar): counts towards starting them."""
+"""What the compiled exp saves over NumPy's per element, in nanoseconds: a round figure
+between CPUs where NumPy's float32 exp is vectorized (AVX-512) and where it is scalar
+(docs/benchmarks.md); counts towards starting them."""
 
 
 def usable(*arrays: np.ndarray) -> bool:
@@ -191,8 +192,8 @@ def _band_exp_tile(s: np.ndarray, shift: np.ndarray, extra: np.ndarray, scale: n
 
 def _band_exp_loop():
     """The compiled loop behind `band_exp_tile`, unchecked, for the flash forward's many
-    small pieces, which hold their arguments in the loop's layout already (a dispatch
-    costs ~1.2 us, `band_exp_tile`'s checks and conversions as much again):
+    small pieces, which hold their arguments in the loop's layout already
+    (`band_exp_tile`'s checks and conversions cost about as much as the dispatch):
     `loop(s, shift, extra, scale, sums, period, lo, hi)` with s (n, cols) and the
     per-row vectors (n,) C-contiguous float32, `period` the rows of one head (>= 1) and
     lo, hi within +-NO_BAND, as `band_exp_tile` passes them. Memory is only safe with

@@ -69,7 +69,8 @@ class CausalLM(Module):
     Threads. A decode step (one new token per sequence) is a chain of memory-bound
     matrix-vector products: a second OpenBLAS thread reads the weights faster on an idle
     CPU, but costs a lot on a busy one (its threads spin while they wait for each other;
-    on a shared 2-core machine two threads made decoding 2-5x slower). So with more than
+    on a shared 2-core machine two threads made decoding several times slower, see
+    docs/benchmarks.md, "Measurements behind design choices"). So with more than
     one BLAS thread allowed (`attnkit.runtime.blas_thread_count()`), decode steps time one
     BLAS thread against all of them as they go (`attnkit.runtime.FastestSchedule`: each on
     the first steps, then the faster one, re-timing the other every
@@ -77,16 +78,16 @@ class CausalLM(Module):
     slower for long. `single_thread_decode` (default None: choose by timing) fixes the
     choice: True, one thread; False, every thread. A short prompt, a forward pass over at
     most `single_thread_rows` (default 64) token rows in all (B * T), runs on one thread
-    unless `single_thread_decode` is False: its products are too small to split (the
-    50-token prefill of `attnkit bench decoder` took 0.6 s on one thread and 4-12 s on two
-    under load, and two threads would save about 0.1 s of it on an idle machine); a model on
+    unless `single_thread_decode` is False: its products are too small to split (under
+    load two threads took many times one thread's time, and on an idle machine they saved
+    little); a model on
     quantized blocks still spreads such a pass's products over the threads allowed, each
     thread claiming dequantized tiles as it comes free with its own one-thread BLAS call
     (`attnkit.runtime.run_claimed`: a thread held up elsewhere leaves its tiles to the others,
-    so a busy CPU costs at most one tile; SmolLM2's 50-token prefill 0.22 -> 0.15 s at two
-    threads). Longer prompts keep every BLAS thread. After such a pass OpenBLAS's threads
-    spin for about 0.1 s before they sleep, taking a CPU from the decode steps that follow
-    (a first two-thread step after a threaded prefill took 85 ms against 3.5): steps that
+    so a busy CPU costs at most one tile). Longer prompts keep every BLAS thread. After such
+    a pass OpenBLAS's threads spin for a while before they sleep, taking a CPU from the
+    decode steps that follow (a first two-thread step after a threaded prefill was timed
+    many times too slow): steps that
     start within `BLAS_SPIN_SECONDS` of it run on the current choice but are not timed.
     """
 

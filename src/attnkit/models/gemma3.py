@@ -36,96 +36,41 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from attnkit.models.causal_lm import CausalLM
 from attnkit.models.chat import folder_tokenizer
-from attnkit.models.checkpoint import (
-    CheckpointError,
-    ConfigReader,
-    check_folder,
-    check_tensors,
-    check_tied_copy,
-    find_safetensors,
-    is_model_file,
-    read_config,
-    read_header,
-    read_json,
-    read_safetensors,
+from attnkit.models.checkpoint import check_folder, check_tensors, check_tied_copy, find_safetensors, read_config, \
+    read_header, read_safetensors
+from attnkit.models.gemma3_config import (  # noqa: F401 - re-exported: the names' home before the split
+    FULL,
+    SLIDING,
+    Gemma3Config,
+    _with_generation_config,
+    config_from_gguf,
+    config_from_hf,
+    default_layer_types,
 )
-from attnkit.models.gguf import GGUFFile, check_metadata_keys, tokenizer_from_gguf
-from attnkit.quant.layers import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, quantized_types
+from attnkit.models.gemma3_weights import (  # noqa: F401 - re-exported
+    _GGUF_NAMES,
+    _hf_names,
+    _runs_quantized,
+    hf_tensor_shapes,
+    random_weights,
+    state_from_gguf,
+)
+from attnkit.models.gguf import GGUFFile, tokenizer_from_gguf
+from attnkit.quant.layers import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import RMSNorm, RotaryEmbedding
 from attnkit.nn.interface import AttentionModule
 from attnkit.nn.layers import gelu_tanh
 from attnkit.nn.linear import Linear
 from attnkit.nn.module import Module, ModuleList, make_rng
-from attnkit.nn.positional import RopeScaling
 
 __all__ = ["Gemma3Attention", "Gemma3Block", "Gemma3Config", "Gemma3ForCausalLM", "Gemma3MLP"]
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-def default_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
-    """Gemma 3's pattern: every `pattern`-th layer global, the others local."""
-    return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
-
-
-@dataclass(frozen=True)
-class Gemma3Config:
-    """Hyperparameters of a Gemma 3 text decoder (defaults: Gemma 3 270M)."""
-
-    vocab_size: int = 262144
-    hidden_size: int = 640  # d_model
-    intermediate_size: int = 2048  # d_ff of the gated MLP
-    num_layers: int = 18  # num_hidden_layers
-    num_heads: int = 4  # num_attention_heads
-    num_kv_heads: int = 1  # num_key_value_heads
-    head_dim: int = 256
-    rope_theta: float = 1_000_000.0  # global layers (rope_parameters["full_attention"])
-    rope_local_theta: float = 10_000.0  # local layers (rope_parameters["sliding_attention"])
-    rope_scaling: RopeScaling | None = None  # global layers only (linear for the larger Gemma 3)
-    rms_norm_eps: float = 1e-6
-    sliding_window: int = 512  # a local layer's query sees its last `sliding_window` keys, itself included
-    layer_types: tuple[str, ...] | None = None  # None: default_layer_types(num_layers)
-    query_pre_attn_scalar: float = 256.0  # scores scaled by query_pre_attn_scalar ** -0.5
-    final_logit_softcapping: float | None = None
-    max_position_embeddings: int = 32768
-    bos_token_id: int | None = 2
-    eos_token_id: tuple[int, ...] = (1,)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.eos_token_id, (int, np.integer)):
-            object.__setattr__(self, "eos_token_id", (int(self.eos_token_id),))
-        if self.layer_types is None:
-            object.__setattr__(self, "layer_types", default_layer_types(self.num_layers))
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL, SLIDING}:
-            raise ValueError(
-                f"expected layer_types to give {FULL!r} or {SLIDING!r} for each of the {self.num_layers} layers, "
-                f"got {self.layer_types!r}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"expected num_heads ({self.num_heads}) to be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"expected an even head_dim for rotary embeddings, got {self.head_dim}")
-        if self.sliding_window < 1:
-            raise ValueError(f"expected sliding_window >= 1, got {self.sliding_window}")
-
-    def window_of(self, layer: int) -> int | None:
-        """The sliding window of `layer` (None: a global layer)."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
-
-    @property
-    def scale(self) -> float:
-        return float(self.query_pre_attn_scalar) ** -0.5
 
 
 # ----------------------------------------------------------------------------- modules
@@ -348,297 +293,3 @@ class Gemma3ForCausalLM(CausalLM):
             weight = np.asarray(tensors[name], np.float32)
             state[ours] = weight + np.float32(1) if ours.endswith("norm.weight") else weight
         return cls(config, tokenizer=tokenizer, weights=state)
-
-
-# ----------------------------------------------------------------------------- random weights
-
-
-def random_weights(config: Gemma3Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Weights drawn like torch's defaults (uniform +-1/sqrt(fan_in), N(0, 1) embedding), norms
-    as multipliers near 1: for tests and tiny models."""
-    c = config
-    d, q, kv, ff, E = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size, \
-        c.head_dim
-
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        bound = 1.0 / math.sqrt(cols)
-        return rng.uniform(-bound, bound, (rows, cols)).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    state = {"embed.weight": rng.standard_normal((c.vocab_size, d), dtype=np.float32), "norm.weight": norm(d)}
-    for i in range(c.num_layers):
-        p = f"layers.{i}."
-        state.update({
-            p + "attn_norm.weight": norm(d), p + "post_attn_norm.weight": norm(d),
-            p + "mlp_norm.weight": norm(d), p + "post_mlp_norm.weight": norm(d),
-            p + "attn.q_norm.weight": norm(E), p + "attn.k_norm.weight": norm(E),
-            p + "attn.q_proj.weight": matrix(q, d), p + "attn.k_proj.weight": matrix(kv, d),
-            p + "attn.v_proj.weight": matrix(kv, d), p + "attn.out_proj.weight": matrix(d, q),
-            p + "mlp.gate_proj.weight": matrix(ff, d), p + "mlp.up_proj.weight": matrix(ff, d),
-            p + "mlp.down_proj.weight": matrix(d, ff),
-        })
-    return state
-
-
-# ----------------------------------------------------------------------------- Hugging Face folders
-
-_HF_KEYS = {
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rope_theta", "rope_local_base_freq", "rope_parameters", "rope_scaling",
-    "rms_norm_eps", "sliding_window", "layer_types", "sliding_window_pattern", "_sliding_window_pattern",
-    "query_pre_attn_scalar", "final_logit_softcapping", "max_position_embeddings", "bos_token_id",
-    "eos_token_id", "hidden_activation", "model_type",
-}
-_HF_HARMLESS = {
-    "pad_token_id", "initializer_range", "attention_dropout", "use_cache", "torch_dtype", "dtype",
-    "architectures", "transformers_version", "cache_implementation", "tie_word_embeddings",
-}
-_HF_NEUTRAL = {
-    "attn_logit_softcapping": (None,),
-    "attention_bias": (False,),
-    "use_bidirectional_attention": (False, None),
-    "hidden_act": ("gelu_pytorch_tanh", None),
-}
-
-
-def _hf_rope(config: dict[str, Any], source) -> tuple[float, float, RopeScaling | None]:
-    """(global base, local base, global scaling) from `rope_parameters` (transformers 5: one
-    entry per layer type) or the older `rope_theta` / `rope_local_base_freq` / `rope_scaling`."""
-    params = config.get("rope_parameters") or config.get("rope_scaling")
-    if isinstance(params, dict) and {FULL, SLIDING} & set(params):
-        full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
-    else:
-        full = dict(params or {}, rope_theta=config.get("rope_theta", 1_000_000.0))
-        local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
-    for kind, entry in ((FULL, full), (SLIDING, local)):
-        rope_type = entry.get("rope_type", entry.get("type", "default"))
-        allowed = ("default", "linear") if kind == FULL else ("default",)
-        if rope_type not in allowed:
-            raise CheckpointError(f"{source}: rope type {rope_type!r} of the {kind} layers is not supported by "
-                                  f"attnkit's Gemma 3 (expected {' or '.join(allowed)})")
-    scaling = None
-    if full.get("rope_type", full.get("type")) == "linear":
-        scaling = RopeScaling(rope_type="linear", factor=float(full["factor"]))
-    return float(full.get("rope_theta", 1_000_000.0)), float(local.get("rope_theta", 10_000.0)), scaling
-
-
-def config_from_hf(config: dict[str, Any], source: str | os.PathLike[str] = "config.json") -> Gemma3Config:
-    """A `Gemma3Config` from a `gemma3_text` config.json (every key read, harmless, or refused)."""
-    read = ConfigReader(config, source)
-    if config.get("model_type") != "gemma3_text":
-        raise CheckpointError(f"{source}: expected model_type 'gemma3_text', got {config.get('model_type')!r}")
-    read.check_keys(_HF_KEYS, neutral=_HF_NEUTRAL, harmless=_HF_HARMLESS, what="attnkit's Gemma 3")
-    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
-    if activation != "gelu_pytorch_tanh":
-        raise CheckpointError(f"{source}: expected hidden_activation 'gelu_pytorch_tanh', got {activation!r}")
-    if config.get("tie_word_embeddings", True) is not True:
-        raise CheckpointError(f"{source}: attnkit's Gemma 3 ties its output head to the embedding; "
-                              "tie_word_embeddings false is not supported")
-    layers = read.integer("num_hidden_layers")
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        layer_types = default_layer_types(layers, int(config.get("sliding_window_pattern", 6)))
-    rope_theta, rope_local_theta, scaling = _hf_rope(config, source)
-    cap = config.get("final_logit_softcapping")
-    eos = read.token_ids("eos_token_id")
-    bos = read.token_ids("bos_token_id")
-    try:
-        return Gemma3Config(
-            vocab_size=read.integer("vocab_size"),
-            hidden_size=read.integer("hidden_size"),
-            intermediate_size=read.integer("intermediate_size"),
-            num_layers=layers,
-            num_heads=read.integer("num_attention_heads"),
-            num_kv_heads=read.integer("num_key_value_heads"),
-            head_dim=read.integer("head_dim"),
-            rope_theta=rope_theta,
-            rope_local_theta=rope_local_theta,
-            rope_scaling=scaling,
-            rms_norm_eps=read.number("rms_norm_eps", 1e-6, positive=True),
-            sliding_window=read.integer("sliding_window"),
-            layer_types=tuple(layer_types),
-            query_pre_attn_scalar=read.number("query_pre_attn_scalar", 256.0, positive=True),
-            final_logit_softcapping=None if cap is None else float(cap),
-            max_position_embeddings=read.integer("max_position_embeddings", 32768),
-            bos_token_id=bos[0] if bos else None,
-            eos_token_id=eos or (1,),
-        )
-    except ValueError as error:
-        if isinstance(error, CheckpointError):
-            raise
-        raise CheckpointError(f"{source}: {error}") from None
-
-
-def _with_generation_config(config: Gemma3Config, folder: Path) -> Gemma3Config:
-    path = folder / "generation_config.json"
-    if not is_model_file(path):
-        return config
-    eos = ConfigReader(read_json(path), path).token_ids("eos_token_id")
-    return replace(config, eos_token_id=eos) if eos else config
-
-
-def _hf_names(config: Gemma3Config) -> dict[str, str]:
-    """Hugging Face tensor name -> attnkit's."""
-    names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
-    parts = {
-        "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
-        "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm",
-        "self_attn.q_proj": "attn.q_proj", "self_attn.k_proj": "attn.k_proj", "self_attn.v_proj": "attn.v_proj",
-        "self_attn.o_proj": "attn.out_proj", "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
-        "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
-    }
-    for i in range(config.num_layers):
-        for theirs, ours in parts.items():
-            names[f"model.layers.{i}.{theirs}.weight"] = f"layers.{i}.{ours}.weight"
-    return names
-
-
-def hf_tensor_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape for `config`."""
-    ours = _shapes(config)
-    return {theirs: ours[name] for theirs, name in _hf_names(config).items()}
-
-
-def _shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
-    """attnkit's weight name -> shape."""
-    c = config
-    d, q, kv, ff, E = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size, \
-        c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, d), "norm.weight": (d,)}
-    for i in range(c.num_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (d,), p + "post_attn_norm.weight": (d,), p + "mlp_norm.weight": (d,),
-            p + "post_mlp_norm.weight": (d,), p + "attn.q_norm.weight": (E,), p + "attn.k_norm.weight": (E,),
-            p + "attn.q_proj.weight": (q, d), p + "attn.k_proj.weight": (kv, d), p + "attn.v_proj.weight": (kv, d),
-            p + "attn.out_proj.weight": (d, q), p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
-            p + "mlp.down_proj.weight": (d, ff),
-        })
-    return shapes
-
-
-# ----------------------------------------------------------------------------- GGUF files
-
-_GGUF_KEYS = {  # any other gemma3.* key (attn_logit_softcapping, rope.scaling.*, ...) is refused by name
-    "final_logit_softcapping", "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
-    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
-    "rope.freq_base", "attention.sliding_window", "rope.dimension_count", "vocab_size",
-}
-_GGUF_NAMES = {
-    "token_embd.weight": "embed.weight",
-    "output_norm.weight": "norm.weight",
-    "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
-    "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attn_norm.weight",
-    "blk.{i}.ffn_norm.weight": "layers.{i}.mlp_norm.weight",
-    "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_mlp_norm.weight",
-    "blk.{i}.attn_q_norm.weight": "layers.{i}.attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "layers.{i}.attn.k_norm.weight",
-    "blk.{i}.attn_q.weight": "layers.{i}.attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "layers.{i}.attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "layers.{i}.attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "layers.{i}.attn.out_proj.weight",
-    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
-}
-
-
-def config_from_gguf(gguf_file: GGUFFile) -> Gemma3Config:
-    """A `Gemma3Config` from llama.cpp's "gemma3" metadata: the layer pattern (every sixth layer
-    global) and the local rope base (10 000) are llama.cpp's fixed choices, not in the file."""
-    source = gguf_file.path
-    if gguf_file.architecture != "gemma3":
-        raise CheckpointError(f"{source}: expected a GGUF of architecture 'gemma3', got {gguf_file.architecture!r}")
-    metadata = gguf_file.metadata
-    check_metadata_keys(gguf_file, "gemma3", known=_GGUF_KEYS, harmless=set(),
-                        neutral={}, what="attnkit's Gemma 3")
-    read = ConfigReader(metadata, source, prefix="gemma3.")
-    head_dim = read.integer("attention.key_length")
-    if read.integer("attention.value_length", head_dim) != head_dim:
-        raise CheckpointError(f"{source}: expected gemma3.attention.value_length equal to the key length {head_dim}")
-    if read.integer("rope.dimension_count", head_dim) != head_dim:
-        raise CheckpointError(f"{source}: expected gemma3.rope.dimension_count equal to the head dimension {head_dim}")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise CheckpointError(f"{source} lacks tokenizer.ggml.tokens (the vocabulary), which a Gemma 3 GGUF needs")
-    vocab_size = read.integer("vocab_size", len(tokens))
-    if vocab_size != len(tokens):
-        raise CheckpointError(f"{source}: gemma3.vocab_size is {vocab_size} but the vocabulary has {len(tokens)} tokens")
-    special = ConfigReader(metadata, source, prefix="tokenizer.ggml.")
-    stop_ids = [i for key in ("eos_token_id", "eot_token_id") for i in special.token_ids(key)]
-    # "<end_of_turn>" ends a turn as EOS does (llama.cpp stops on it too)
-    if "<end_of_turn>" in tokens:
-        stop_ids.append(tokens.index("<end_of_turn>"))
-    bos = special.token_ids("bos_token_id")
-    layers = read.integer("block_count")
-    cap = read.get("final_logit_softcapping")
-    try:
-        return Gemma3Config(
-            vocab_size=vocab_size,
-            hidden_size=read.integer("embedding_length"),
-            intermediate_size=read.integer("feed_forward_length"),
-            num_layers=layers,
-            num_heads=read.integer("attention.head_count"),
-            num_kv_heads=read.integer("attention.head_count_kv"),
-            head_dim=head_dim,
-            rope_theta=read.number("rope.freq_base", 1_000_000.0, positive=True),
-            rms_norm_eps=read.number("attention.layer_norm_rms_epsilon", 1e-6, positive=True),
-            sliding_window=read.integer("attention.sliding_window"),
-            query_pre_attn_scalar=float(head_dim),  # llama.cpp: 1/sqrt(head dim) (all but the 27B)
-            final_logit_softcapping=None if cap is None else float(cap),
-            max_position_embeddings=read.integer("context_length", 32768),
-            bos_token_id=bos[0] if bos else None,
-            eos_token_id=tuple(dict.fromkeys(stop_ids)),
-        )
-    except ValueError as error:
-        if isinstance(error, CheckpointError):
-            raise
-        raise CheckpointError(f"{source}: {error}") from None
-
-
-def _gguf_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
-    ours = _shapes(config)
-    shapes = {}
-    for theirs, name in _GGUF_NAMES.items():
-        for i in range(config.num_layers) if "{i}" in theirs else [None]:
-            shapes[theirs.format(i=i)] = ours[name.format(i=i)]
-    return shapes
-
-
-def _runs_quantized(gguf_file: GGUFFile) -> bool:
-    from attnkit.quant import compiled_available
-
-    runs = set(quantized_types())
-    return compiled_available() and all(
-        info.dtype in runs for info in gguf_file.tensor_infos.values() if len(info.shape) == 2)
-
-
-def state_from_gguf(gguf_file: GGUFFile, config: Gemma3Config, *, quantized: bool = False) -> dict[str, Any]:
-    """Every tensor of a Gemma 3 GGUF under attnkit's names (checked against `config` first):
-    matrices as float32, or as `QuantizedTensor`s on the file's blocks with `quantized`; norms
-    as stored (llama.cpp stores 1 + w). No row permutation: llama.cpp rotates Gemma's halves
-    (NeoX order), as Hugging Face does."""
-    expected = _gguf_shapes(config)
-    c = config
-    check_tensors(gguf_file.tensor_infos, expected, optional={}, dtypes=None, source=gguf_file.path,
-                  config=f"embedding_length={c.hidden_size}, block_count={c.num_layers}, head_count={c.num_heads}, "
-                         f"head_count_kv={c.num_kv_heads}, key_length={c.head_dim}, vocabulary {c.vocab_size}")
-    if quantized:
-        runs = quantized_types()
-        for name, info in gguf_file.tensor_infos.items():
-            if len(info.shape) == 2 and info.dtype not in runs:
-                raise ValueError(f"tensor {name!r} in {str(gguf_file.path)!r} has GGML type {info.dtype}, which "
-                                 f"attnkit's quantized products do not run; load it with quantized=False")
-    else:
-        gguf_file.check_tensor_types()
-    state: dict[str, Any] = {}
-    for theirs, ours in _GGUF_NAMES.items():
-        for i in range(c.num_layers) if "{i}" in theirs else [None]:
-            name, shape = theirs.format(i=i), expected[theirs.format(i=i)]
-            if quantized and len(shape) == 2:
-                state[ours.format(i=i)] = QuantizedTensor(gguf_file.raw(name), gguf_file.tensor_type(name), shape[1])
-            else:
-                state[ours.format(i=i)] = gguf_file.tensor(name)
-    return state

@@ -98,7 +98,7 @@ def _pieces_of(pairs: np.ndarray, tokens: Sequence[str]) -> list[tuple[str, str]
 
 
 # The merges of a vocabulary are a pure function of its pieces, and deriving them is most of a
-# Gemma tokenizer's load (1.0 of 1.8 s for 262 144 pieces); they are kept, as ids, in the user
+# Gemma tokenizer's load (docs/benchmarks.md); they are kept, as ids, in the user
 # cache under a digest of the pieces (and of this rule's version), so a warm load reads 4 MB.
 _MERGES_VERSION = 1
 

@@ -374,7 +374,7 @@ class SentenceEncoder:
         batches, runs the fastest, and re-times the others every RETIME_EVERY
         batches (`attnkit.runtime.FastestSchedule`; the first batch after a
         switch is a warm-up, not timed: the previous schedule's BLAS threads
-        still spin for ~0.1 s): which is fastest depends on the CPU, the BLAS and
+        still spin for a while): which is fastest depends on the CPU, the BLAS and
         the machine's load (BLAS threads synchronize in every matrix product and
         stall when a core is busy elsewhere; worker threads contend for the GIL
         between small NumPy calls), and one thread is among them, so more

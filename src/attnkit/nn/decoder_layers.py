@@ -250,8 +250,8 @@ class SwiGLU(Module):
             self._gate_up_bias = None if gate.bias is None else np.concatenate([gate.bias, up.bias])
             # down.weight (d_model, d_ff) kept row-major and read as its transpose: a decode
             # step's vector-matrix product then runs BLAS's transposed gemv, a dot product per
-            # row (d_ff long), which read memory 13-30% faster than over a (d_ff, d_model) copy
-            # for SmolLM2's 1536 x 576 (AMD EPYC, OpenBLAS 0.3.31, 1-2 threads)
+            # row (d_ff long), which reads memory faster than over a (d_ff, d_model) copy
+            # (docs/benchmarks.md, "Measurements behind design choices")
             self._down_t = np.ascontiguousarray(down.weight).T
             self._fused_from = sources
         return self._gate_up_t, self._gate_up_bias, self._down_t

@@ -61,7 +61,7 @@ class Linear(Module):
         rng = make_rng(seed)
         bound = 1.0 / math.sqrt(self.in_features)
         # Stored column-major: weight.T is then a row-major (in, out) array and
-        # x @ weight.T a plain GEMM, up to 2x faster in OpenBLAS for few rows.
+        # x @ weight.T a plain GEMM, faster in OpenBLAS for few rows (docs/benchmarks.md).
         weight = rng.uniform(-bound, bound, (self.out_features, self.in_features))
         self.register_parameter("weight", weight, order="F")
         self.register_parameter("bias", np.zeros(self.out_features) if bias else None)

@@ -51,6 +51,7 @@ def compiled() -> Compiled:
     namespace["_dequantize_frame"] = native.pointer(loops.DEQUANTIZE_FRAME)
     for kind in ir.FLOAT_TYPES:
         namespace[ir.loop_name("_rows4f", kind)] = ir.rows4f_intrinsic(kind)
+    for kind in ir.MANY_TYPES:
         for many in (1, 2, ir.MANY_X_ROWS):
             namespace[ir.loop_name(f"_rows4f{many}", kind)] = ir.rows4f_many_intrinsic(kind, many)
     for kind in ir.INT8_LOOP_TYPES:

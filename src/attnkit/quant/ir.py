@@ -6,7 +6,9 @@ Python kept their accumulators in memory (a store and a reload every block) and 
 name the integer dot-product instructions:
 
 - `rows4f_intrinsic(kind)`: `_rows4f_<kind>(raw, r0, r1, r2, r3, xlo, xhi, xsum)`, four
-  rows of Q4_0, Q4_1 or Q8_0 blocks against float32 x (16 float32 lanes a row);
+  rows of Q4_0, Q4_1 or Q8_0 blocks against float32 x (16 float32 lanes a row); Q5_0's
+  (`_rows4f_q5_0_codegen`: its fifth bits put in by a variable shift a vector), Q4_K's and
+  Q6_K's (`_rows4f_k_codegen`: runs of 32 lanes, x given whole) beside them;
 - `rows4f_many_intrinsic(kind, m)`: `_rows4f<m>_<kind>`, the same four rows against m rows
   of x, each block decoded once for them all (a batched decode step), each sum the bits of
   the one-row loop;
@@ -23,8 +25,8 @@ from __future__ import annotations
 from attnkit import kernels
 from attnkit.quant.types import GGMLType
 
-__all__ = ["FLOAT_TYPES", "INT8_LOOP_TYPES", "MANY_X_ROWS", "PREFETCH_ROWS", "dot_instructions", "rows4_intrinsic",
-           "rows4f_intrinsic", "rows4f_many_intrinsic"]
+__all__ = ["FLOAT_TYPES", "INT8_LOOP_TYPES", "MANY_TYPES", "MANY_X_ROWS", "PREFETCH_ROWS", "dot_instructions",
+           "rows4_intrinsic", "rows4f_intrinsic", "rows4f_many_intrinsic"]
 
 PREFETCH_ROWS = 16
 """How far ahead (in rows) the decode loops prefetch W's blocks."""
@@ -34,8 +36,11 @@ MANY_X_ROWS = 4
 accumulators, the decoded block in 2 and x's values in 8 (AVX-512's 32 registers); the
 rows left over go two (`_rows4f2_<kind>`) or one (`_rows4f1_<kind>`) at a time."""
 
-FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
-"""The types with a four-row loop on float32 x (`_rows4f_<name>`)."""
+FLOAT_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K)
+"""The types with a four-row loop on float32 x (`_rows4f_<name>`; Q5_0's is `_rows4f_q5_0_codegen`,
+Q4_K's and Q6_K's `_rows4f_k_codegen`)."""
+MANY_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
+"""The types whose four-row loop also comes for several rows of x (`rows4f_many_intrinsic`)."""
 INT8_LOOP_TYPES = (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0)
 """The types with a four-row loop on 8-bit x (`_rows4_<name>`)."""
 
@@ -308,6 +313,197 @@ def _rows4f_codegen(kind, many=None):  # pragma: no cover - compiled
     return codegen
 
 
+
+def _rows4f_q5_0_codegen():  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4f_q5_0(raw, r0, r1, r2, r3, xlo, xhi, xsum)`: `_rows4f_codegen`'s
+    four rows on float32 x for Q5_0 blocks (d, 32 high bits qh, 16 bytes of nibbles). Per
+    block and row: the nibbles widened to 16 int32 lanes each, the fifth bits put in from
+    qh shifted by the lane's position (0..15 for the low nibbles, 16..31 for the high ones:
+    one variable shift a vector), converted (exact), lo * xlo + hi * xhi scaled by d_b into
+    16 float32 lanes; the offset's term -16 d_b xsum_b in a float32 scalar. Rows 16 ahead
+    are prefetched."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = GGMLType.Q5_0.type_size
+    fast = ("contract", "reassoc", "nsz")
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, xlo, xhi, xsum = args
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        lanes, ints = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+        bytes16 = ir.VectorType(i8, 16)
+        proxy = cgutils.create_struct_proxy
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
+        xl_data = proxy(signature.args[5])(context, builder, value=xlo).data
+        xh_data = proxy(signature.args[6])(context, builder, value=xhi).data
+        xs_array = proxy(signature.args[7])(context, builder, value=xsum)
+        blocks = builder.extract_value(xs_array.shape, 0)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+        low_shifts = ir.Constant(ints, list(range(16)))
+        high_shifts = ir.Constant(ints, list(range(16, 32)))
+
+        def spread(value, vector):
+            one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+        def fifth_bits(qh, shifts):  # (qh >> position) & 1, moved to bit 4
+            bits = builder.and_(builder.lshr(qh, shifts), ir.Constant(ints, [1] * 16))
+            return builder.shl(bits, ir.Constant(ints, [4] * 16))
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            _ir_prefetch_ahead(builder, rows, stride, offset)
+            at = builder.mul(b, ir.Constant(b.type, 16))
+            xl = builder.load(builder.bitcast(builder.gep(xl_data, [at]), lanes.as_pointer()), align=4)
+            xh = builder.load(builder.bitcast(builder.gep(xh_data, [at]), lanes.as_pointer()), align=4)
+            s = builder.load(builder.gep(xs_array.data, [b]))
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                d = _ir_half(builder, block)
+                qh_pointer = builder.bitcast(builder.gep(block, [ir.Constant(i32, 2)]), i32.as_pointer())
+                qh = spread(builder.load(qh_pointer, align=1), ints)  # little-endian, as the file stores it
+                packed = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, 6)]), bytes16.as_pointer()),
+                                      align=1)
+                low = builder.zext(builder.and_(packed, ir.Constant(bytes16, [15] * 16)), ints)
+                high = builder.zext(builder.lshr(packed, ir.Constant(bytes16, [4] * 16)), ints)
+                low = builder.uitofp(builder.or_(low, fifth_bits(qh, low_shifts)), lanes)
+                high = builder.uitofp(builder.or_(high, fifth_bits(qh, high_shifts)), lanes)
+                mixed = builder.fadd(builder.fmul(low, xl, flags=fast), builder.fmul(high, xh, flags=fast), flags=fast)
+                updated = builder.fadd(builder.load(total), builder.fmul(spread(d, lanes), mixed, flags=fast),
+                                       flags=fast)
+                builder.store(updated, total)
+                part = builder.fmul(builder.fmul(d, ir.Constant(f32, -16.0), flags=fast), s, flags=fast)
+                builder.store(builder.fadd(builder.load(term), part, flags=fast), term)
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, lanes]),
+                                                "llvm.vector.reduce.fadd.v16f32")
+        results = []
+        for total, term in zip(sums, terms):
+            summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)
+            results.append(builder.fadd(summed, builder.load(term), flags=fast))
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
+def _rows4f_k_codegen(kind):  # pragma: no cover - compiled
+    """The LLVM IR of `_rows4f_q4_k` / `_rows4f_q6_k(raw, r0, r1, r2, r3, x, x, xsum)`: four
+    rows of Q4_K or Q6_K blocks (256 weights each) against one row of float32 x (given
+    whole; xsum its sums over each 32 values), returning their four sums. Per block and row,
+    runs of 32 weights are widened to 32 float32 lanes (exact), multiplied with x's 32 values
+    (loaded once for the four rows) and added to 32 lanes per row, scaled by the run's
+    scale: Q4_K's run s (the low or high nibbles of 32 bytes) by d sc_s, its minimum's term
+    -dmin mn_s xsum in a float32 scalar; Q6_K's run (four-bit low from ql, two-bit high
+    from qh, minus 32) by d scale per 16 lanes. Rows 16 ahead are prefetched."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    size = kind.type_size
+    fast = ("contract", "reassoc", "nsz")
+
+    def codegen(context, builder, signature, args):
+        raw, r0, r1, r2, r3, xrow, _, xsum = args
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        lanes, bytes32 = ir.VectorType(f32, 32), ir.VectorType(i8, 32)
+        proxy = cgutils.create_struct_proxy
+        rows, stride = _ir_four_rows(context, builder, signature, raw, (r0, r1, r2, r3))
+        x_data = proxy(signature.args[5])(context, builder, value=xrow).data
+        xs_array = proxy(signature.args[7])(context, builder, value=xsum)
+        blocks = builder.udiv(builder.extract_value(xs_array.shape, 0), ir.Constant(stride.type, 8))
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 32)) for _ in range(4)]
+        terms = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+
+        def splat(value, count=32):
+            one = builder.insert_element(ir.Constant(ir.VectorType(f32, count), ir.Undefined), value,
+                                         ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, count), [0] * count))
+
+        def two_scales(first, second):  # 16 lanes of `first`, then 16 of `second`
+            pair = builder.insert_element(builder.insert_element(ir.Constant(ir.VectorType(f32, 2), ir.Undefined),
+                                                                 first, ir.Constant(i32, 0)),
+                                          second, ir.Constant(i32, 1))
+            return builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(i32, 32), [0] * 16 + [1] * 16))
+
+        def byte(block, at):
+            return builder.load(builder.gep(block, [ir.Constant(i32, at)]))
+
+        def bytes_at(block, at):
+            return builder.load(builder.bitcast(builder.gep(block, [ir.Constant(i32, at)]), bytes32.as_pointer()),
+                                align=1)
+
+        def unsigned(value):  # an i8 as a float32 (0..255)
+            return builder.uitofp(value, f32)
+
+        with cgutils.for_range(builder, blocks) as loop:
+            b = loop.index
+            offset = builder.mul(b, ir.Constant(b.type, size))
+            _ir_prefetch_ahead(builder, rows, stride, offset)
+            first_x = builder.mul(b, ir.Constant(b.type, 256))
+            xs = [builder.load(builder.bitcast(builder.gep(x_data, [builder.add(first_x, ir.Constant(b.type, 32 * t))]),
+                                               lanes.as_pointer()), align=4) for t in range(8)]  # x by runs of 32
+            if kind == GGMLType.Q4_K:
+                xsums = [builder.load(builder.gep(xs_array.data, [builder.add(builder.mul(b, ir.Constant(b.type, 8)),
+                                                                              ir.Constant(b.type, t))]))
+                         for t in range(8)]
+            for row, total, term in zip(rows, sums, terms):
+                block = builder.gep(row, [offset])
+                acc = builder.load(total)
+                if kind == GGMLType.Q4_K:
+                    d = _ir_half(builder, block)
+                    dmin = _ir_half(builder, builder.gep(block, [ir.Constant(i32, 2)]))
+                    s = [byte(block, 4 + t) for t in range(12)]
+                    c63, c15 = ir.Constant(i8, 63), ir.Constant(i8, 15)
+                    c6, c4 = ir.Constant(i8, 6), ir.Constant(i8, 4)
+                    minimum = builder.load(term)
+                    for sub in range(8):
+                        if sub < 4:
+                            sc, mn = builder.and_(s[sub], c63), builder.and_(s[sub + 4], c63)
+                        else:
+                            sc = builder.or_(builder.and_(s[sub + 4], c15),
+                                             builder.shl(builder.lshr(s[sub - 4], c6), c4))
+                            mn = builder.or_(builder.lshr(s[sub + 4], c4), builder.shl(builder.lshr(s[sub], c6), c4))
+                        packed = bytes_at(block, 16 + 32 * (sub // 2))
+                        nibbles = builder.and_(packed, ir.Constant(bytes32, [15] * 32)) if sub % 2 == 0 else \
+                            builder.lshr(packed, ir.Constant(bytes32, [4] * 32))
+                        product = builder.fmul(builder.uitofp(nibbles, lanes), xs[sub], flags=fast)
+                        scale = builder.fmul(d, unsigned(sc), flags=fast)
+                        acc = builder.fadd(acc, builder.fmul(splat(scale), product, flags=fast), flags=fast)
+                        low = builder.fmul(builder.fmul(dmin, unsigned(mn), flags=fast), xsums[sub], flags=fast)
+                        minimum = builder.fsub(minimum, low, flags=fast)
+                    builder.store(minimum, term)
+                else:  # Q6_K
+                    d = _ir_half(builder, builder.gep(block, [ir.Constant(i32, 208)]))
+                    c3, c15, c32 = ir.Constant(bytes32, [3] * 32), ir.Constant(bytes32, [15] * 32), \
+                        ir.Constant(bytes32, [32] * 32)
+                    for h in range(2):
+                        lows = (bytes_at(block, 64 * h), bytes_at(block, 64 * h + 32))
+                        highs = bytes_at(block, 128 + 32 * h)
+                        for run in range(4):  # positions 128h + 32 run .. + 31
+                            quad = builder.and_(lows[run % 2], c15) if run < 2 else \
+                                builder.lshr(lows[run % 2], ir.Constant(bytes32, [4] * 32))
+                            pair = builder.and_(builder.lshr(highs, ir.Constant(bytes32, [2 * run] * 32)), c3)
+                            value = builder.sub(builder.or_(quad, builder.shl(pair, ir.Constant(bytes32, [4] * 32))),
+                                                c32)  # -32 .. 31
+                            product = builder.fmul(builder.sitofp(value, lanes), xs[4 * h + run], flags=fast)
+                            at = 192 + 8 * h + 2 * run
+                            first = builder.fmul(d, builder.sitofp(byte(block, at), f32), flags=fast)
+                            second = builder.fmul(d, builder.sitofp(byte(block, at + 1), f32), flags=fast)
+                            acc = builder.fadd(acc, builder.fmul(two_scales(first, second), product, flags=fast),
+                                               flags=fast)
+                builder.store(acc, total)
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, lanes]),
+                                                "llvm.vector.reduce.fadd.v32f32")
+        results = []
+        for total, term in zip(sums, terms):
+            summed = builder.call(reduce, [ir.Constant(f32, 0.0), builder.load(total)], fastmath=fast)
+            results.append(builder.fadd(summed, builder.load(term), flags=fast))
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return codegen
+
+
 def rows4_intrinsic(kind: GGMLType, dot: str | None = None):
     """The numba intrinsic `_rows4_<kind>(raw, r0, r1, r2, r3, q, dx, xs, qsum)` -> four
     float32 sums, its block dots on `dot` ("vnni", "avx2", "generic"; default: the host's)."""
@@ -339,8 +535,15 @@ def rows4f_intrinsic(kind: GGMLType):
     from numba import types
     from numba.extending import intrinsic
 
+    if kind == GGMLType.Q5_0:
+        codegen = _rows4f_q5_0_codegen()
+    elif kind in (GGMLType.Q4_K, GGMLType.Q6_K):
+        codegen = _rows4f_k_codegen(kind)
+    else:
+        codegen = _rows4f_codegen(kind)
+
     def _rows4f_typing(typingctx, raw, r0, r1, r2, r3, xlo, xhi, xsum):
-        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, xlo, xhi, xsum), _rows4f_codegen(kind)
+        return types.UniTuple(types.float32, 4)(raw, r0, r1, r2, r3, xlo, xhi, xsum), codegen
 
     return intrinsic(_rows4f_typing)
 

@@ -9,6 +9,9 @@ W's rows, written element by element so that numba compiles it to machine code:
   block decoded once for four rows of x (`_rows4f4_*`), each sum the one-row loop's bits;
 - `_quantize_x`, `_matvec_int8`: x quantized to 8 bits per block of 32, then exact
   integer block dot products (`_rows4_*`), as llama.cpp computes them;
+- `_matvec_q5_0`, `_matvec_k`: float32 x against Q5_0, Q4_K or Q6_K blocks, four rows at
+  a time through the IR loops `_rows4f_q5_0`, `_rows4f_q4_k`, `_rows4f_q6_k`
+  (`_matvec_rows` sends those types there);
 - `_dequantize_row`, `_dequantize_rows`, `_matvec_rows`: every type, a row into float32
   (what a prefill tile and the other types' products use);
 - `product_entry`, `dequantize_entry`: the native entries (`attnkit.kernels.native`),
@@ -401,8 +404,70 @@ def _dequantize_rows(raw, values, start, code, half, out):  # pragma: no cover -
         _dequantize_row(raw, values, start + t, code, half, out[t])
 
 
+# ----------------------------------------------------------------------------- Q5_0, Q4_K, Q6_K on float32 x
+# Four rows at a time through their IR loops, as Q4_0/Q4_1 (`_matvec_q4`): the weights
+# widened in vector lanes block by block and multiplied with x at once, never written out as
+# a float32 row. (Loops written here in Python ran at 4-5.5 GMAC/s on Gemma 3's matrices:
+# numba's integer lanes are 64-bit, and short loops per block paid their set-up each time;
+# the row dequantized first, then summed, at 2-4.)
+
+def _matvec_q5_0(raw, x, out, first, stop):  # pragma: no cover - compiled
+    """Q5_0 on float32 x, four rows of W at a time through the IR loop `_rows4f_q5_0`
+    (`attnkit.quant.ir`), x split as the Q4 loops read it (`_split_x`): per block of 32,
+    d (f16), 32 high bits qh, 16 bytes of nibbles, W[32b + j] = d (lo_j + 16 bit_j - 16),
+    W[32b + 16 + j] = d (hi_j + 16 bit_{16+j} - 16), so
+    sum_k W[r, k] x[k] = sum_b d_b sum_j (v_j xlo[16b + j] + v'_j xhi[16b + j]) - 16 d_b xsum[b].
+    """
+    n, columns = x.shape[0], x.shape[1]
+    xl, xh = np.empty(columns // 2, np.float32), np.empty(columns // 2, np.float32)
+    xs = np.empty(columns // 32, np.float32)
+    for i in range(n):
+        _split_x(x[i], xl, xh, xs)
+        for r0 in range(first, stop, 4):
+            r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
+            r2 = min(r0 + 2, stop - 1)
+            r3 = min(r0 + 3, stop - 1)
+            s0, s1, s2, s3 = _rows4f_q5_0(raw, r0, r1, r2, r3, xl, xh, xs)  # noqa: F821 - bound when compiled
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
+
+
+def _matvec_k(raw, code, x, out, first, stop):  # pragma: no cover - compiled
+    """Q4_K or Q6_K (`code`) on float32 x, four rows of W at a time through the IR loops
+    `_rows4f_q4_k` / `_rows4f_q6_k` (`attnkit.quant.ir`): x whole, and its sums over each
+    32 values (Q4_K's minimums' term)."""
+    n, columns = x.shape[0], x.shape[1]
+    xl, xh = np.empty(columns // 2, np.float32), np.empty(columns // 2, np.float32)
+    xs = np.empty(columns // 32, np.float32)
+    for i in range(n):
+        xi = x[i]
+        _split_x(xi, xl, xh, xs)
+        for r0 in range(first, stop, 4):
+            r1 = min(r0 + 1, stop - 1)  # a short last group computes its last row again
+            r2 = min(r0 + 2, stop - 1)
+            r3 = min(r0 + 3, stop - 1)
+            if code == Q4_K:
+                s0, s1, s2, s3 = _rows4f_q4_k(raw, r0, r1, r2, r3, xi, xi, xs)  # noqa: F821 - bound when compiled
+            else:
+                s0, s1, s2, s3 = _rows4f_q6_k(raw, r0, r1, r2, r3, xi, xi, xs)  # noqa: F821
+            out[i, r0] = s0
+            out[i, r1] = s1
+            out[i, r2] = s2
+            out[i, r3] = s3
+
+
 def _matvec_rows(raw, values, code, half, x, out, first, stop):  # pragma: no cover - compiled
-    """x @ W.T for the types without a fused loop: each row dequantized into a scratch row."""
+    """x @ W.T for the types the entries do not send to a loop of their own: Q5_0, Q4_K and
+    Q6_K through their four-row loops above, the others each row dequantized into a scratch
+    row."""
+    if code == Q5_0:
+        _matvec_q5_0(raw, x, out, first, stop)
+        return
+    if code == Q4_K or code == Q6_K:
+        _matvec_k(raw, code, x, out, first, stop)
+        return
     n, columns = x.shape[0], x.shape[1]
     row = np.empty(columns, np.float32)
     for r in range(first, stop):
@@ -492,7 +557,7 @@ def dequantize_entry(frame_address, part):  # pragma: no cover - compiled
 
 
 LOOPS = (_matvec_q4, _matvec_q4_1, _matvec_q4_0, _matvec_q8_0, _matmat_q4, _matmat_q8_0, _quantize_x, _matvec_int8,
-         _dequantize_row, _dequantize_rows, _matvec_rows, _part_rows, _split_x)
+         _dequantize_row, _dequantize_rows, _matvec_q5_0, _matvec_k, _matvec_rows, _part_rows, _split_x)
 """The loops `attnkit.quant.compiled` compiles with numba (by name, into its namespace)."""
 ENTRIES = {"product": product_entry, "dequantize": dequantize_entry}
 """The native entries (`attnkit.kernels.native`) by name."""

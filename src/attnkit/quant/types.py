@@ -86,8 +86,9 @@ TRAITS: dict[GGMLType, Traits] = {
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 """The types whose decode products can run on 8-bit activations (`activations("int8")`):
 x is quantized per block of 32 (`quantize_activations`) and each block's dot product is an
-exact integer sum, as llama.cpp computes them. Not the default: a SmolLM2 step runs 1.6x
-faster, with llama.cpp's size of logit error instead of float32's; docs/kernels.md."""
+exact integer sum, as llama.cpp computes them. Not the default: a step runs faster
+(docs/benchmarks.md), with llama.cpp's size of logit error instead of float32's;
+docs/kernels.md."""
 
 
 def ggml_type(kind: str | int | GGMLType) -> GGMLType:

@@ -56,8 +56,8 @@ def default_block(L: int, S: int) -> int:
     """The tile side `flash_attention` uses when none is given. Each tile costs a
     fixed dozen or so torch calls besides its two products: 128 x 128 tiles keep
     short sequences' last tiles small, and from 2048 on 256 x 256 tiles halve the
-    calls per row (fwd+bwd against torch SDPA, 1 thread, H=4, E=64, L=4096:
-    0.72x -> 0.82x causal, 0.67x -> 0.80x full; at L=1024 128 stays ahead)."""
+    calls per row (fwd+bwd against torch SDPA: docs/benchmarks.md; at L=1024 128 stays
+    ahead)."""
     return 256 if max(L, S) >= 2048 else 128
 
 

@@ -154,7 +154,7 @@ def train_on_local_ranks(config: InductionConfig, world_size: int, *, layout: st
 LAUNCH = "torchrun --nproc-per-node 2 -m attnkit.torch.train_cp"
 # The example's default run: InductionConfig's model and learning rate, half its steps. The
 # one-process run (the same loss curve) reaches 99.9-100% held-out accuracy at 200 steps for
-# seeds 0, 1 and 2; two processes trained them in 62.5 s on a 2-core machine under load 13-16.
+# seeds 0, 1 and 2 (two processes' time for it: docs/benchmarks.md).
 DEFAULT_STEPS = 200
 
 

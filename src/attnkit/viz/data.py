@@ -46,6 +46,12 @@ class AttentionMaps:
         layer_names: a name per layer where layers are not all alike (an encoder-decoder:
             "encoder 0", "decoder 0", "decoder 0 cross attention"), shown in `label`; None
             when every layer is a plain self-attention layer.
+        windows: per layer, the sliding window of a local layer (a query sees its last
+            `window` tokens, itself included) or None for a global one (Gemma 3: five local
+            layers of 512 to one global); shown in `label`, drawn by the views
+            (`outside_window`). None when no layer has a window.
+        positions: each token's position in the model's input (`hide_special` drops some);
+            None: 0 .. T - 1.
     """
 
     tokens: tuple[str, ...]
@@ -58,6 +64,8 @@ class AttentionMaps:
     special: tuple[bool, ...] | None = None
     hidden: int = 0
     layer_names: tuple[str, ...] | None = None
+    windows: tuple[int | None, ...] | None = None
+    positions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         tokens = tuple(str(t) for t in self.tokens)
@@ -85,6 +93,16 @@ class AttentionMaps:
             if len(names) != weights.shape[0]:
                 raise ValueError(f"expected {weights.shape[0]} layer names like layers, got {len(names)}")
             object.__setattr__(self, "layer_names", names)
+        if self.windows is not None:
+            windows = tuple(None if w is None else _positive("window", w) for w in self.windows)
+            if len(windows) != weights.shape[0]:
+                raise ValueError(f"expected {weights.shape[0]} windows like layers, got {len(windows)}")
+            object.__setattr__(self, "windows", windows if any(w is not None for w in windows) else None)
+        if self.positions is not None:
+            positions = tuple(int(i) for i in self.positions)
+            if len(positions) != len(tokens) or any(b <= a for a, b in zip(positions, positions[1:])):
+                raise ValueError(f"expected {len(tokens)} increasing positions like tokens, got {list(positions)}")
+            object.__setattr__(self, "positions", positions)
 
     @property
     def num_layers(self) -> int:
@@ -124,8 +142,35 @@ class AttentionMaps:
         return f"{self._layer_label(layer)}, head {self.check_head(head)}"
 
     def _layer_label(self, layer: int) -> str:
-        """'layer 3', or 'layer 3 (decoder 0 cross attention)' where layers have names."""
-        return f"layer {layer}" if self.layer_names is None else f"layer {layer} ({self.layer_names[layer]})"
+        """'layer 3', or 'layer 3 (decoder 0 cross attention)' where layers have names, or
+        'layer 3 (local: window 512)' / 'layer 5 (global)' where some have windows."""
+        description = self.layer_description(layer)
+        return f"layer {layer}" if description is None else f"layer {layer} ({description})"
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer` (a query sees its last `window` tokens), None: global."""
+        layer = self.check_layer(layer)
+        return None if self.windows is None else self.windows[layer]
+
+    def layer_description(self, layer: int) -> str | None:
+        """The layer's name and, where some layers have windows, 'local: window 512' or
+        'global' (None: neither). Rollout and flow maps mix every layer below: no window."""
+        parts = [] if self.layer_names is None else [self.layer_names[layer]]
+        if self.windows is not None and self.meta.get("kind") not in ("rollout", "flow"):
+            window = self.windows[layer]
+            parts.append("global" if window is None else f"local: window {window}")
+        return ", ".join(parts) or None
+
+    def outside_window(self, layer: int) -> np.ndarray | None:
+        """(T, T) booleans, True where a local layer's query cannot see the key because it is
+        older than the window (key position <= query position - window); None for a global
+        layer, or one whose window reaches every key shown."""
+        window = self.window_of(layer)
+        if window is None:
+            return None
+        position = np.arange(self.num_tokens) if self.positions is None else np.asarray(self.positions)
+        outside = position[None, :] <= position[:, None] - window
+        return outside if outside.any() else None
 
     @property
     def hidden_note(self) -> str:
@@ -161,9 +206,11 @@ class AttentionMaps:
         weights = self.weights[:, :, keep][:, :, :, keep].astype(np.float64)  # (layers, heads, T', T')
         total = weights.sum(axis=-1, keepdims=True)
         weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+        positions = np.arange(self.num_tokens) if self.positions is None else np.asarray(self.positions)
         return replace(
             self, tokens=tuple(self.tokens[i] for i in keep), weights=weights.astype(self.weights.dtype),
             special=tuple(self.special[i] for i in keep), hidden=self.hidden + int(drop.size),
+            positions=tuple(int(positions[i]) for i in keep),
         )
 
 
@@ -199,6 +246,12 @@ def _stacked_weights(weights: Any) -> np.ndarray:
             )
         layers = [w[0] for w in layers]
     return np.stack(layers)  # (layers, H, T, T)
+
+
+def _positive(what: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"expected each {what} to be a positive int or None, got {value!r}")
+    return int(value)
 
 
 def _check_index(what: str, value: int, size: int, plural: str) -> int:

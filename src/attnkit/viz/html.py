@@ -54,7 +54,10 @@ def doc_payload(maps: AttentionMaps, level: int = 6) -> dict[str, Any]:
         "layers": maps.num_layers,
         "heads": maps.num_heads,
         "causal": maps.causal,
-        "layer_names": list(maps.layer_names) if maps.layer_names else None,  # encoder-decoders: which is which
+        # encoder-decoders: which is which; local/global layers: their windows
+        "layer_names": (None if maps.layer_names is None and maps.windows is None else
+                        [maps.layer_description(layer) for layer in range(maps.num_layers)]),
+        "windows": None if maps.windows is None else list(maps.windows),
         "kind": maps.meta.get("kind", "attention"),  # rollout/flow: one map per layer, heads averaged
         "truncated_from": maps.truncated_from,
         "hide": maps.hidden_tokens().tolist(),  # what "hide special tokens" drops

@@ -234,7 +234,8 @@ def _subset(maps: AttentionMaps, layers: list[int] | None, heads: list[int] | No
         names = tuple(f"model layer {i}" + (f", {maps.layer_names[i]}" if maps.layer_names else "") for i in layers)
     elif maps.layer_names:
         names = maps.layer_names
-    return replace(maps, weights=weights, layer_names=names)
+    windows = maps.windows if layers is None or maps.windows is None else tuple(maps.windows[i] for i in layers)
+    return replace(maps, weights=weights, layer_names=names, windows=windows)
 
 
 def _first_head(heads: Sequence[int] | None, head: int | None) -> int | None:

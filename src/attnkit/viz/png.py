@@ -31,6 +31,10 @@ MASKED_GREY = (0.82, 0.82, 0.82)
 not the same as weight 0 (the lowest colour of the scale)."""
 MASKED_KEY = "masked\n(later token)"
 """The words beside the grey square that every PNG of a causal model carries."""
+WINDOW_TINT = (0.93, 0.86, 0.74)
+"""The colour of the cells a local layer's window hides (keys older than the window)."""
+WINDOW_EDGE = (0.85, 0.1, 0.1)
+"""The colour of the line drawn along a local layer's window edge."""
 
 
 def _label_font(inches_per_token: float) -> float:
@@ -85,14 +89,27 @@ def masked_cells(maps: AttentionMaps) -> np.ndarray | None:
     return np.triu(np.ones((T, T), dtype=bool), k=1)
 
 
-def _masked_key(fig, x: float, y: float, width: float, height: float) -> None:
-    """The grey square and `MASKED_KEY` at (x, y) inches from the figure's bottom left."""
+def _masked_key(fig, x: float, y: float, width: float, height: float, colour=MASKED_GREY,
+                words: str = MASKED_KEY) -> None:
+    """A square of `colour` and `words` (default: the grey of `MASKED_KEY`) at (x, y) inches
+    from the figure's bottom left."""
     from matplotlib.patches import Rectangle
 
     fig.add_artist(Rectangle((x / width, y / height), 0.18 / width, 0.18 / height, transform=fig.transFigure,
-                             facecolor=MASKED_GREY, edgecolor="0.45", linewidth=0.6))
-    fig.text((x + 0.24) / width, (y + 0.09) / height, MASKED_KEY, fontsize=7, ha="left", va="center",
+                             facecolor=colour, edgecolor="0.45", linewidth=0.6))
+    fig.text((x + 0.24) / width, (y + 0.09) / height, words, fontsize=7, ha="left", va="center",
              linespacing=1.1)
+
+
+def _window_edge(ax, outside: np.ndarray) -> None:
+    """A line along the window's edge: left of each row's first key inside the window."""
+    T = outside.shape[0]
+    first = outside.sum(axis=1)  # outside cells are the oldest keys: the first inside is their count
+    xs, ys = [], []
+    for i in range(T):
+        xs += [first[i] - 0.5, first[i] - 0.5]
+        ys += [i - 0.5, i + 0.5]
+    ax.plot(xs, ys, color=WINDOW_EDGE, linewidth=2.0)
 
 
 def _pattern_line(maps: AttentionMaps, weights: np.ndarray) -> str:
@@ -103,7 +120,7 @@ def _pattern_line(maps: AttentionMaps, weights: np.ndarray) -> str:
     code, words = PATTERN_WORDS[pattern]
     if pattern in ("previous", "first", "self"):
         score = {"previous": summary.previous, "first": summary.first, "self": summary.self}[pattern][0, 0]
-        return f"Pattern {code}: {100 * score:.0f}% of each token's weight on the {words}"
+        return f"Pattern {code}: {100 * score:.0f}% of each token's weight on {'' if pattern == 'self' else 'the '}{words}"
     detail = f"entropy {summary.entropy[0, 0]:.1f} bits; uniform {summary.max_entropy[0, 0]:.1f}"
     if code:
         return f"Pattern {code}: {words} ({detail})"
@@ -171,10 +188,18 @@ def save_head_png(
     vmax = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
     image = ax.imshow(weights, cmap=_viridis(), norm=_norm(vmax, log_scale), interpolation="nearest", aspect="auto")
     masked = masked_cells(maps)
-    if masked is not None and masked.any():  # grey over the cells a causal model cannot attend to
+    outside = maps.outside_window(layer)
+    if masked is not None and masked.any() or outside is not None:  # the cells the model cannot attend to
         overlay = np.zeros((T, T, 4))  # (T, T, RGBA), transparent where the model may attend
-        overlay[masked] = (*MASKED_GREY, 1.0)
+        if masked is not None:
+            overlay[masked] = (*MASKED_GREY, 1.0)
+        if outside is not None:
+            overlay[outside] = (*WINDOW_TINT, 1.0)
         ax.imshow(overlay, interpolation="nearest", aspect="auto")
+    if outside is not None:
+        _window_edge(ax, outside)
+        ax.set_xlim(-0.5, T - 0.5)
+        ax.set_ylim(T - 0.5, -0.5)
     step = max(1, math.ceil(T / (MAX_MATRIX_INCHES / INCHES_PER_TOKEN)))
     ticks = np.arange(0, T, step)
     labels = [_short(maps.tokens[i]) for i in ticks]
@@ -193,6 +218,9 @@ def save_head_png(
     fig.colorbar(image, cax=cax, label="attention weight" + (" (log scale)" if log_scale else ""))
     if masked is not None and masked.any():  # under the colour bar
         _masked_key(fig, lay["left"] + lay["side"] + 0.25, lay["bottom"] - 0.45, width, height)
+    if outside is not None:  # under that
+        _masked_key(fig, lay["left"] + lay["side"] + 0.25, lay["bottom"] - 0.8, width, height, WINDOW_TINT,
+                    f"outside the\nwindow ({maps.window_of(layer)})")
     for line, text in enumerate((_pattern_line(maps, weights), LETTER_LEGEND)):
         fig.text(0.15 / width, (0.32 - 0.18 * line) / height, text, fontsize=8, ha="left", va="center",
                  parse_math=False)
@@ -232,12 +260,16 @@ def grid_image(maps: AttentionMaps, thumbnail: int = THUMBNAIL_PIXELS, *, log_sc
     # a pixel is grey when every cell it stands for is masked (a block mean of "may attend" of 0)
     grey = None if masked is None else resample((~masked).astype(np.float64), thumbnail) == 0  # (thumbnail,) * 2
     for layer in range(L):
+        outside = maps.outside_window(layer)
+        tinted = None if outside is None else resample((~outside).astype(np.float64), thumbnail) == 0
         for head in range(H):
             small = resample(maps.weights[layer, head].astype(np.float64), thumbnail)
             top = float(small.max())
             rgb = viridis(colour_scale(small, top if top > 0 else 1.0, log_scale))
             if grey is not None:
                 rgb[grey] = np.rint(np.asarray(MASKED_GREY) * 255).astype(np.uint8)
+            if tinted is not None:
+                rgb[tinted] = np.rint(np.asarray(WINDOW_TINT) * 255).astype(np.uint8)
             y = layer * row_step + label_band
             mosaic[y : y + thumbnail, head * step : head * step + thumbnail] = rgb
     return mosaic
@@ -247,13 +279,26 @@ GRID_MARGINS = {"left": 0.6, "right": 1.1, "top": 0.75, "bottom": 0.75, "min_wid
 """Inches around the grid's mosaic: room for the title, the labels, the colour bar and the legend."""
 
 
+def _grid_left(maps: AttentionMaps) -> float:
+    """Inches left of the mosaic: wider where the layer labels say local or global."""
+    return GRID_MARGINS["left"] + (0.45 if maps.windows is not None else 0.0)
+
+
+def _grid_layer_label(maps: AttentionMaps, layer: int) -> str:
+    """'L3', or 'L3 local' / 'L5 global' where some layers have windows."""
+    if maps.windows is None:
+        return f"L{layer}"
+    return f"L{layer} " + ("global" if maps.windows[layer] is None else "local")
+
+
 def grid_figure_size(maps: AttentionMaps, dpi: int = 100) -> tuple[float, float]:
     """(width, height) in inches of `save_grid_png`'s figure."""
     step = THUMBNAIL_PIXELS + _GAP_PIXELS
     cols = maps.num_heads * step - _GAP_PIXELS
     rows = maps.num_layers * (BADGE_BAND_PIXELS + step) - _GAP_PIXELS
     m = GRID_MARGINS
-    width = max(m["left"] + cols / dpi + m["right"], m["min_width"])
+    left = _grid_left(maps)  # the legend's lines start there: the minimum width moves with it
+    width = max(left + cols / dpi + m["right"], m["min_width"] + left - m["left"])
     return width, m["top"] + rows / dpi + m["bottom"]
 
 
@@ -284,7 +329,8 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     width, height = grid_figure_size(maps, dpi)
     fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((m["left"] / width, m["bottom"] / height, cols / dpi / width, rows / dpi / height))
+    left = _grid_left(maps)
+    ax = fig.add_axes((left / width, m["bottom"] / height, cols / dpi / width, rows / dpi / height))
     ax.imshow(mosaic, interpolation="nearest")
     step = THUMBNAIL_PIXELS + _GAP_PIXELS
     row_step = BADGE_BAND_PIXELS + step  # a row: the letters' band, the thumbnails, the gap
@@ -294,7 +340,7 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     ax.xaxis.tick_top()
     centers = BADGE_BAND_PIXELS + THUMBNAIL_PIXELS / 2 + row_step * np.arange(maps.num_layers)
     ax.set_yticks(centers)
-    ax.set_yticklabels([f"L{layer}" for layer in range(maps.num_layers)], fontsize=8)
+    ax.set_yticklabels([_grid_layer_label(maps, layer) for layer in range(maps.num_layers)], fontsize=8)
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
@@ -310,19 +356,23 @@ def save_grid_png(maps: AttentionMaps, path: str | Path, *, dpi: int = 100, log_
     # The title sits in its own band above the column labels, never on them.
     fig.text(0.5, 1 - 0.2 / height, title, fontsize=10, ha="center", va="center", parse_math=False)
     causal = maps.causal and maps.num_tokens > 1
-    key_room = 0.45 if causal else 0.0  # under the bar: the grey square of the masked cells
+    window_key = any(maps.outside_window(layer) is not None for layer in range(maps.num_layers))
+    key_room = (0.45 if causal else 0.0) + (0.4 if window_key else 0.0)  # under the bar: the squares' keys
     bar_height = min(rows / dpi - key_room, 2.5)  # beside the first rows of the mosaic
-    cax = fig.add_axes(((m["left"] + cols / dpi + 0.3) / width, (m["bottom"] + rows / dpi - bar_height) / height,
+    cax = fig.add_axes(((left + cols / dpi + 0.3) / width, (m["bottom"] + rows / dpi - bar_height) / height,
                         0.18 / width, bar_height / height))
     if causal:
-        _masked_key(fig, m["left"] + cols / dpi + 0.3, m["bottom"] + rows / dpi - bar_height - 0.4, width, height)
+        _masked_key(fig, left + cols / dpi + 0.3, m["bottom"] + rows / dpi - bar_height - 0.4, width, height)
+    if window_key:
+        _masked_key(fig, left + cols / dpi + 0.3, m["bottom"] + rows / dpi - bar_height - 0.8, width, height,
+                    WINDOW_TINT, "outside a local\nlayer's window")
     bar = fig.colorbar(ScalarMappable(norm=Normalize(0, 1), cmap=_viridis()), cax=cax)
     bar.set_ticks([0, 1])
     low = f"max/10^{LOG_DECADES}" if log_scale else "0"
     bar.set_ticklabels([low, "max"], fontsize=7)
     bar.set_label("each head's\nown scale" + ("\n(log)" if log_scale else ""), fontsize=7)
-    fig.text(m["left"] / width, 0.42 / height, LETTER_LEGEND, fontsize=8, ha="left", va="center")
-    fig.text(m["left"] / width, 0.22 / height,
+    fig.text(left / width, 0.42 / height, LETTER_LEGEND, fontsize=8, ha="left", va="center")
+    fig.text(left / width, 0.22 / height,
              "Rows: query (attending); columns: key (attended to). Each thumbnail is scaled to its own largest weight.",
              fontsize=8, ha="left", va="center")
     _save(fig, path, dpi)

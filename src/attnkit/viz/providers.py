@@ -86,6 +86,7 @@ class Provider:
         causal: whether the model attends only to earlier tokens.
         max_tokens: texts with more tokens are truncated to this many.
         layer_names: a name per layer where the layers differ (see `AttentionMaps`).
+        windows: per layer, a local layer's sliding window or None (see `AttentionMaps`).
         model: the attnkit model `run` uses (a `SentenceEncoder` or `CausalLM`), or None
             (random, and models run through transformers).
 
@@ -104,10 +105,12 @@ class Provider:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         layer_names: tuple[str, ...] | None = None,
         model: object | None = None,
+        windows: tuple[int | None, ...] | None = None,
     ) -> None:
         self.name = name
         self.causal = causal
         self.layer_names = layer_names
+        self.windows = windows
         self.max_tokens = max_tokens
         self.model = model
         self._run = run
@@ -140,6 +143,7 @@ class Provider:
             truncated_from=full_count if full_count and full_count > len(tokens) else None,
             special=special,
             layer_names=self.layer_names,
+            windows=self.windows,
         )
 
 
@@ -369,7 +373,17 @@ def _decoder_provider(path: Path | None, name: str, max_tokens: int) -> Provider
         if path is None and _is_missing_package(error):
             raise _missing(embedded, error) from error
         raise ModelNotAvailableError(f"cannot load a decoder from {path or embedded}: {error}") from error
-    return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens, model=model)
+    return Provider(name, _decoder_runner(model), causal=True, max_tokens=max_tokens, model=model,
+                    windows=_windows(model))
+
+
+def _windows(model) -> tuple[int | None, ...] | None:
+    """Each attention layer's sliding window (its `window`; None: global), or None when no
+    layer has one."""
+    from attnkit.nn.interface import attention_modules
+
+    windows = tuple(getattr(module, "window", None) for module in attention_modules(model))
+    return windows if any(w is not None for w in windows) else None
 
 
 def _encoder_runner(model) -> Callable[[str, int], RunResult]:

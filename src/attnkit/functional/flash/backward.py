@@ -20,7 +20,7 @@ from attnkit.functional.flash.forward import _flash_forward, _shifted_exp_tile, 
 from attnkit.functional.flash.plan import FlashPlan, _check_block, _check_inputs, _flat, _Tile, _with_ones
 from attnkit.functional.flash.state import AttentionState
 from attnkit.functional.mods import DifferentiableScoreMod
-from attnkit.functional.precision import all_finite, scores_may_overflow, start_dtype
+from attnkit.functional.precision import all_finite, matmul_in_chunks, scores_may_overflow, start_dtype
 from attnkit.functional.sinks import AttentionSinkGrads
 from attnkit.kernels import flash as compiled
 from attnkit.runtime import run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
@@ -170,7 +170,10 @@ def _backward_key_block(plan: FlashPlan, inputs: _BackwardInputs, task: _KeyBloc
             np.matmul(ds.T, inputs.qs_f[b, h, rows], out=dk_part)
             dk[mine] += dk_part
             dq_part = scratch_tile("dq_part", r, E + 1, cd)
-            np.matmul(ds, ks[cols_k], out=dq_part)  # [dS (K * scale), dS 1]: dQ and the row sums of dS
+            if plan.key_ones:
+                np.matmul(ds, ks[cols_k], out=dq_part)  # [dS (K * scale), dS 1]: dQ and the row sums of dS
+            else:  # a few rows over a wide tile: the long sum in chunks, as the forward's P V
+                dq_part[...] = matmul_in_chunks(ds, ks[cols_k])
             if mod_grad is not None:
                 dq_part[:, E] = sums
             dq_part *= f

@@ -13,7 +13,7 @@ import numpy as np
 from attnkit.functional._checks import output_ndim
 from attnkit.functional.flash.plan import FlashPlan, _Columns, _Tile, _flat, _make_plan, _with_ones
 from attnkit.functional.flash.state import AttentionState, merge_attention_states
-from attnkit.functional.precision import all_finite, needs_float64, start_dtype
+from attnkit.functional.precision import all_finite, matmul_in_chunks, needs_float64, start_dtype
 from attnkit.functional.sinks import check_sinks, sink_factors
 from attnkit.kernels import flash as compiled
 from attnkit.runtime import l2_cache_bytes, run_tasks, scratch_arrays, scratch_buffer, scratch_tile, useful_threads
@@ -40,12 +40,14 @@ def _shifted_exp_tile(s: np.ndarray, shift: np.ndarray) -> None:
 def _weights_times_values(p: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
     """out <- [p v, p 1] (heads, rows, Ev + 1): with values carrying a ones column
     one product gives both; without it (few rows, FlashPlan.key_ones) the row
-    sums are a separate reduction."""
+    sums are a separate reduction (pairwise), and p v is summed in chunks of
+    keys (`matmul_in_chunks`): those tiles are up to FEW_ROWS_KEYS wide, and
+    OpenBLAS would round each output over all of them in one run."""
     Ev = out.shape[-1] - 1
     if v.shape[-1] > Ev:
         np.matmul(p, v, out=out)  # the row sums come out of BLAS
     else:
-        out[..., :Ev] = np.matmul(p, v)
+        out[..., :Ev] = matmul_in_chunks(p, v)
         np.add.reduce(p, axis=-1, out=out[..., Ev])
 
 

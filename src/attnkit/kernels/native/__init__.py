@@ -55,7 +55,8 @@ LIBRARIES = ("quant", "decode")
 """The libraries a quantized decoder's `generate` loads: the products (`attnkit.quant`)
 and the decode step."""
 DEFAULT_ESTIMATE_S = 20.0
-"""A library's build time before one was measured here (two cores, numba 0.6x)."""
+"""A library's build time, in seconds, assumed before one was measured here (a round
+figure above the builds seen; docs/benchmarks.md)."""
 
 Entry = Callable[[int, int], None]
 Sources = Callable[[], dict]  # () -> {entry name: Python function}, its globals bound for numba

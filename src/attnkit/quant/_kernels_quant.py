@@ -1,7 +1,8 @@
-"""Deprecated location: the GGML block formats moved to `attnkit.quant` (until 0.3.0).
+"""What the deprecated path `attnkit.kernels.quant` gives until 0.3.0 (the GGML block
+formats moved to `attnkit.quant`; `attnkit/__init__.py` maps the old path here, and
+importing it warns).
 
-The public names of this module resolve, on first use, to their new home (CHANGELOG.md
-lists them), loaded by name so that this lower layer holds no import of a higher one.
+Its public names resolve, on first use, to `attnkit.quant`'s (CHANGELOG.md lists them).
 One differs in kind, not in use: `QUANT_TYPES` maps each type's name to a `BlockType`
 whose `code` is this module's old numbering (0..10, for code that stored it);
 `attnkit.quant.GGMLType` numbers the types as ggml does. The private helpers this module
@@ -10,8 +11,7 @@ had (`_compiled`, `_entries`, ...) are gone: `attnkit.quant.compiled` holds the 
 
 from __future__ import annotations
 
-import importlib
-import warnings
+import functools
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -20,10 +20,6 @@ __all__ = [
     "quantize_activations", "row_bytes",
 ]
 
-warnings.warn("attnkit.kernels.quant is deprecated: use attnkit.quant (this module goes in 0.3.0)",
-              DeprecationWarning, stacklevel=2)
-
-_NEW_HOME = "attnkit.quant"  # loaded by name: attnkit.quant sits above this layer
 _OLD_ORDER = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 """The types in this module's old numbering: old code = position."""
 
@@ -36,16 +32,21 @@ class BlockType(NamedTuple):
     code: int
 
 
+@functools.cache
+def _quant_types() -> dict[str, BlockType]:
+    from attnkit.quant import GGMLType
+
+    return {kind: BlockType(GGMLType[kind].block_size, GGMLType[kind].type_size, code)
+            for code, kind in enumerate(_OLD_ORDER)}
+
+
 def __getattr__(name: str) -> Any:
     if name not in __all__ and name not in ("DECODE_ROWS", "PARALLEL_MACS"):
         raise AttributeError(f"module 'attnkit.kernels.quant' has no attribute {name!r}; see attnkit.quant")
-    quant = importlib.import_module(_NEW_HOME)
     if name == "QUANT_TYPES":
-        value: Any = {kind: BlockType(quant.GGMLType[kind].block_size, quant.GGMLType[kind].type_size, code)
-                      for code, kind in enumerate(_OLD_ORDER)}
-    elif name == "BlockType":
-        value = BlockType
-    else:
-        value = getattr(quant, name)
-    globals()[name] = value
-    return value
+        return _quant_types()
+    if name == "BlockType":
+        return BlockType
+    from attnkit import quant
+
+    return getattr(quant, name)

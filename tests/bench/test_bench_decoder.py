@@ -79,12 +79,13 @@ def test_report_with_llama_cpp_and_one_thread_count():
 
 def test_thread_counts_default_to_one_and_two(monkeypatch):
     import attnkit.runtime
+    from attnkit.bench.measure import thread_counts
 
-    assert decoder._thread_counts(3) == [3]
+    assert thread_counts(3) == [3]
     monkeypatch.setattr(attnkit.runtime, "cpu_count", lambda: 8)
-    assert decoder._thread_counts(None) == [1, 2]
+    assert thread_counts(None) == [1, 2]
     monkeypatch.setattr(attnkit.runtime, "cpu_count", lambda: 1)
-    assert decoder._thread_counts(None) == [1]
+    assert thread_counts(None) == [1]
 
 
 def test_weight_bytes_counts_what_a_decode_step_reads():

@@ -51,13 +51,9 @@ from typing import Any
 
 import numpy as np
 
+from attnkit.bench.measure import DECODER_PROMPT as PROMPT  # noqa: F401 - the prompt's old home
+from attnkit.bench.measure import thread_counts as _thread_counts
 from attnkit.deprecation import keyword_only
-
-PROMPT = (
-    "The attention mechanism lets every token look at every other token in a single step. "
-    "Explain, in plain words and with a small example, why this made transformers faster to train "
-    "than recurrent networks, and what the key-value cache changes at inference time:"
-)
 
 GOAL_VS_TRANSFORMERS = 1.5
 GOAL_BOUND_FRACTION = 0.6
@@ -237,14 +233,6 @@ def _prefill_seconds(ours, lcpp, ids: np.ndarray, rounds: int) -> dict[str, floa
             lcpp.llm.eval([int(i) for i in prompt])
             times["llama.cpp"].append(time.perf_counter() - start)
     return {name: min(ts) for name, ts in times.items()}
-
-
-def _thread_counts(threads: int | None) -> list[int]:
-    from attnkit.runtime import cpu_count
-
-    if threads is not None:
-        return [int(threads)]
-    return sorted({1, min(2, cpu_count())})
 
 
 def run_decoder_benchmark(

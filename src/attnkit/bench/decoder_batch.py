@@ -127,7 +127,7 @@ class _LlamaCpp:
 def run_batch_benchmark(batches: tuple[int, ...] = (1, 4, 8, 16), steps: int = 32, rounds: int = 3,
                         threads: int | None = None, progress: Any = None) -> dict[str, Any]:
     """Measure; returns a JSON-serializable dict (see the module docstring)."""
-    from attnkit.bench.decoder import PROMPT, _thread_counts
+    from attnkit.bench.measure import DECODER_PROMPT as PROMPT, thread_counts as _thread_counts
     from attnkit.bench.measure import system_info
     from attnkit.bench.report import NullProgress
     from attnkit.models.auto import AutoCausalLM

@@ -226,3 +226,21 @@ def system_info() -> dict:
     except ImportError:
         info["torch"] = None
     return info
+
+
+DECODER_PROMPT = (
+    "The attention mechanism lets every token look at every other token in a single step. "
+    "Explain, in plain words and with a small example, why this made transformers faster to train "
+    "than recurrent networks, and what the key-value cache changes at inference time:"
+)
+"""The prompt the decoder benches (one sequence and batched) generate from."""
+
+
+def thread_counts(threads: int | None) -> list[int]:
+    """The thread counts a bench measures: `threads` when given, else 1 and (with a second
+    CPU) 2."""
+    from attnkit import runtime  # read at call time (tests set the CPU count)
+
+    if threads is not None:
+        return [int(threads)]
+    return sorted({1, min(2, runtime.cpu_count())})

@@ -155,6 +155,23 @@ def test_gemma3_window_binds_on_the_compiled_step(tiny, calls):
     np.testing.assert_allclose(wider, stepwise(wide, IDS, watched=True), rtol=0, atol=1e-4 * np.abs(wider).max())
 
 
+def test_gemma3_int8_steps_follow_the_int8_products(tiny, calls):
+    """With `activations("int8")` the Q8_0 products (the key projections, the embedding's
+    tied head) run on 8-bit activations in the step as in the modules: the compiled error
+    from the float64 model within 2x the module path's int8 error (plus the float32 rule's),
+    and above the float32 path's (the setting reached it)."""
+    blocks, floats, _ = tiny
+    truth = stepwise(Gemma3ForCausalLM(floats.config, weights=floats.state_dict()).astype(np.float64), IDS)
+    float32_error = np.abs(stepwise(blocks, IDS) - truth).max()
+    with quant.activations("int8"):
+        fused = np.abs(stepwise(blocks, IDS) - truth).max()
+        modules = np.abs(stepwise(blocks, IDS, watched=True) - truth).max()
+    print(f"int8 error: compiled {fused:.3g}, modules {modules:.3g}; float32 {float32_error:.3g}")
+    assert calls[0] == 2 * len(IDS)
+    assert fused <= 2 * modules + 2 * float32_error
+    assert fused > 4 * float32_error
+
+
 @pytest.fixture(scope="module")
 def gemma3_model(gemma3_file):
     from attnkit.models import AutoCausalLM

@@ -310,7 +310,7 @@ ALLOWED = {
     "serve": {"functional", "masks", "nn", "models", "hf", "interpret", "viz", "runtime"},  # viz: the page's views
     "hf": {"attnkit", "functional", "masks", "nn", "torch", "runtime"},
     "bench": {"attnkit", "functional", "kernels", "masks", "nn", "models", "quant", "torch", "hf", "interpret",
-              "runtime"},
+              "serve", "runtime"},  # serve: `attnkit bench serve` runs the server it measures
 }
 for _layer, _below in ALLOWED.items():  # runtime's neighbours sit under every layer
     if "runtime" in _below:

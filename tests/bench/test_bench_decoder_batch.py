@@ -16,6 +16,7 @@ def _raw(lcpp=True):
             rate = {"attnkit": ours, **({"llama.cpp": theirs} if lcpp else {})}
             results.append({"threads": threads, "batch": B, "tokens_per_second": rate,
                             "times_s": {name: [B * 32 / r] for name, r in rate.items()}, "compiled": True,
+                            "cpu_tokens_per_second": {name: 1.1 * r for name, r in rate.items()},
                             "same_tokens": True if lcpp else None})
     return {"batches": [1, 4, 8], "threads": [1, 2], "steps": 32, "prompt_tokens": 50, "rounds": 3,
             "results": results, "llama_cpp": lcpp, "cpu_model": "Some CPU"}
@@ -27,10 +28,21 @@ def test_report_rows_ratios_and_goal_lines():
     assert all(len(row) == len(report.columns) for row in report.rows) and len(report.rows) == 6
     assert report.rows[2] == [1, 8, 240.0, "3.00x", 120.0, "1.71x", "2.00x"]
     goals = "\n".join(report.goals)
-    assert "1 thread(s), B = 4: goal attnkit >= 1.2x llama.cpp's batch API (done at 1.0x): PASS (2.00x; done)" in goals
-    assert "2 thread(s), B = 8: goal attnkit >= 1.2x llama.cpp's batch API (done at 1.0x): PASS (1.39x" in goals
-    assert "1 thread: goal attnkit B = 8 >= 2.5x its B = 1: PASS (3.00x)" in goals
-    assert "CPU: Some CPU" in "\n".join(report.notes)
+    assert ("1 thread(s), B = 4: goal attnkit >= 1.2x llama.cpp's batch API (done at 1.0x): PASS (2.00x by CPU time; "
+            "done)") in goals
+    assert "2 thread(s), B = 8: goal attnkit >= 1.2x llama.cpp's batch API (done at 1.0x): PASS (1.39x by wall" in goals
+    assert "1 thread: goal attnkit B = 8 >= 2.5x its B = 1: PASS (3.00x by CPU time)" in goals
+    notes = "\n".join(report.notes)
+    assert "CPU: Some CPU" in notes
+    assert "by this thread's CPU time" in notes and "B = 8: attnkit 264.0, llama.cpp 132.0 (2.00x)" in notes
+
+
+def test_goals_by_wall_clock_without_cpu_times():
+    raw = _raw()
+    for r in raw["results"]:
+        del r["cpu_tokens_per_second"]
+    goals = "\n".join(decoder_batch.report_from_raw(raw).goals)
+    assert "1 thread: goal attnkit B = 8 >= 2.5x its B = 1: PASS (3.00x by wall clock)" in goals
 
 
 def test_report_without_llama_cpp():

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import require
+from tiny_decoders import tiny_folder  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("minilm_folder", "smollm2_file")
 
@@ -311,11 +312,15 @@ def test_stop_sequences_end_the_text_before_them(client):
 @pytest.mark.slow
 def test_generation_errors_reach_the_client_as_openai_exceptions(client, openai):
     cases = [
-        (dict(messages=QUESTION, n=2), "n"),
+        (dict(messages=QUESTION, n=99), "n"),  # more choices than --max-batch
+        (dict(messages=QUESTION, n=0), "n"),
         (dict(messages=QUESTION, max_tokens=65), "max_tokens"),  # this server's --max-new-tokens is 64
         (dict(messages=QUESTION, temperature=2.5), "temperature"),
         (dict(messages=QUESTION, presence_penalty=0.5), "presence_penalty"),
-        (dict(messages=QUESTION, logprobs=True), "logprobs"),
+        (dict(messages=QUESTION, top_logprobs=3), "top_logprobs"),  # without logprobs: true
+        (dict(messages=QUESTION, logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(messages=QUESTION, extra_body={"attnkit": {"attention": {"layers": [99]}}}), "attnkit"),
+        (dict(messages=QUESTION, extra_body={"attnkit": {"logit_lens": {"top": 0}}}), "attnkit"),
         (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
         (dict(messages=[{"role": "user", "content": "word " * 9000}], max_tokens=4), "messages"),
         (dict(messages=QUESTION, stop=["a", "b", "c", "d", "e"]), "stop"),
@@ -361,35 +366,6 @@ def test_concurrent_clients_get_what_each_gets_alone(client):
 
 
 # ----------------------------------------------------------------------------- a decoder given by its path
-
-TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama folder (attnkit's own weights, no torch) with a byte-level BPE
-    tokenizer.json and a chat template: a decoder `attnkit serve --model PATH` serves."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from tiny_checkpoints import MERGES, SPECIAL, tiny_llama, tiny_vocab, write_tiny_llama_folder
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    write_tiny_llama_folder(folder, tiny_llama(seed=3))  # its greedy text: "hehe..."; SmolLM2's below is real
-    vocab = tiny_vocab()
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)},
-                                     merges=[tuple(m.split(" ")) for m in MERGES]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
-    }))
-    return folder
-
 
 def test_a_decoder_given_by_its_path_answers_as_attnkit_generate(openai, tiny_folder):
     from typer.testing import CliRunner
@@ -470,3 +446,13 @@ def test_serve_preload_loads_the_models_before_serving(monkeypatch, openai):
     assert result.exit_code == 0, result.output
     pool = app.state.models
     assert list(pool.kinds) == ["minilm"] and pool.is_loaded("minilm")
+
+
+def test_serve_engine_options_reach_the_engines(monkeypatch, openai):
+    result, app, _ = _serve(monkeypatch, "-m", "minilm", "--max-batch", "3", "--kv-tokens", "512",
+                            "--step-tokens", "32")
+    assert result.exit_code == 0, result.output
+    assert app.state.models.engine_options == dict(max_batch=3, kv_tokens=512, step_tokens=32, max_queue=64)
+    for option in ("--max-batch", "--kv-tokens", "--step-tokens"):
+        result, _, _ = _serve(monkeypatch, "-m", "minilm", option, "0")
+        assert result.exit_code == 2 and option in result.output

@@ -54,6 +54,7 @@ SUITES: dict[str, str] = {
     "cache": "attnkit.bench.cache",
     "hf": "attnkit.bench.hf",
     "interpret": "attnkit.bench.interpret",
+    "serve": "attnkit.bench.serve",
 }
 
 

@@ -29,6 +29,10 @@ MAX_SERVE_CHARS = 100_000
 """The largest `serve --max-chars`."""
 MAX_SERVE_NEW_TOKENS = 8192
 """The largest `serve --max-new-tokens`."""
+MAX_SERVE_BATCH = 256
+"""The most completions `serve --max-batch` decodes together."""
+MAX_SERVE_KV_TOKENS = 2**22
+"""The most tokens `serve --kv-tokens` (and --step-tokens) take."""
 
 
 def _check_texts(max_tokens: int, *texts: tuple[str, str]) -> None:
@@ -374,6 +378,19 @@ def serve(
         True, "--access-log/--no-access-log",
         help="Log each request on stderr (client, method, path, status, time), as uvicorn's access log does.",
     ),
+    max_batch: int = typer.Option(
+        8, "--max-batch", help="Completions decoded together per model (also the most `n`); more requests wait in "
+        f"a queue, and beyond it get 429 (at most {MAX_SERVE_BATCH})."
+    ),
+    kv_tokens: int = typer.Option(
+        16384, "--kv-tokens", help="Tokens each model's paged KV cache holds, shared by its requests (prompt + "
+        "max_tokens beyond it: 400; when it fills, the youngest request waits and is recomputed)."
+    ),
+    step_tokens: int = typer.Option(
+        16, "--step-tokens", help="The most token rows of one batched step: every running decode row, then chunks "
+        "of new prompts up to this many (smaller: steadier streams while a long prompt arrives; larger: that "
+        "prompt's first token sooner)."
+    ),
 ) -> None:
     """A local web page: type a sentence, pick a model, explore its attention. Beside it, an
     OpenAI-compatible API under /v1 (embeddings from encoders, completions and chat from decoders)."""
@@ -386,6 +403,9 @@ def serve(
     check_int("--max-chars", max_chars, 1, MAX_SERVE_CHARS)
     check_int("--max-tokens", max_tokens, 1, MAX_TOKENS)
     check_int("--max-new-tokens", max_new_tokens, 1, MAX_SERVE_NEW_TOKENS)
+    check_int("--max-batch", max_batch, 1, MAX_SERVE_BATCH)
+    check_int("--kv-tokens", kv_tokens, 16, MAX_SERVE_KV_TOKENS)
+    check_int("--step-tokens", step_tokens, 1, MAX_SERVE_KV_TOKENS)
     if api_key is not None:
         check_text("--api-key", api_key)
         if not api_key.strip() or not api_key.isprintable():
@@ -410,7 +430,8 @@ def serve(
     allowed = sorted({"127.0.0.1", "localhost", "::1", address, name.lower()}) if loopback else None
     try:
         application = create_app(models=models, max_chars=max_chars, max_tokens=max_tokens, allowed_hosts=allowed,
-                                  max_new_tokens=max_new_tokens, api_key=api_key)
+                                  max_new_tokens=max_new_tokens, api_key=api_key, max_batch=max_batch,
+                                  kv_tokens=kv_tokens, step_tokens=step_tokens)
         if preload:
             _preload(application.state.models)
     except ValueError as error:

@@ -3,9 +3,15 @@ API beside it, with the models they load (the views they draw live in `attnkit.v
 
 - `server.py`: `create_app` (the FastAPI application: the page, `/api/attention`, `/v1`)
   and `BackgroundServer` (uvicorn in a thread, for notebooks, scripts and tests).
-- `openai_api.py`: the `/v1` routes (models, embeddings, completions, chat).
+- `openai_api.py`: the `/v1` routes (models, embeddings, completions, chat);
+  `openai_generation.py`: a completion request's work (engine or alone -> text pieces).
 - `openai_requests.py`: their request bodies, checked with OpenAI's error shapes.
 - `openai_models.py`: `ModelPool`, the API's models, each loaded once on first use.
+- `engine.py`: `Engine`, a decoder's scheduler: continuous batching on a paged KV cache
+  with prefix sharing, limits, preemption, cancellation.
+- `solo.py`: one request alone on the model's modules (attention and the logit lens
+  through the API); `embeddings.py`: `EmbeddingBatcher`; `openai_logprobs.py`: OpenAI's
+  log-probability shapes.
 - `http_checks.py`: what every request passes (Host, Origin, JSON only, bounded body).
 
 FastAPI, pydantic and uvicorn load here only, and only when an application is made
@@ -22,6 +28,9 @@ _LAZY = {
     "BackgroundServer": "server",
     "add_openai_api": "openai_api",
     "ModelPool": "openai_models",
+    "Engine": "engine",
+    "Sampling": "engine",
+    "EmbeddingBatcher": "embeddings",
     "ModelLoadError": "openai_models",
     "HostCheck": "http_checks",
     "RequestRejected": "http_checks",

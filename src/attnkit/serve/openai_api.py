@@ -2,13 +2,18 @@
 /v1/chat/completions, answered by attnkit's own models (see `attnkit.serve.openai_models`).
 
 Any OpenAI client works against it (`OpenAI(base_url="http://127.0.0.1:8000/v1",
-api_key="...")`). What differs from OpenAI's service is refused by name, never ignored:
-`n` other than 1, penalties other than 0, log probabilities, tools, token arrays as input,
-`dimensions` other than the model's own. Errors have OpenAI's shape and status codes
-(`{"error": {"message", "type", "param", "code"}}`; 400 for a bad request, 401 for a
-wrong key, 403 for another site's page, 404 for an unknown model or path, 413 for a body
-too large, 415 for one that is not JSON, 500 for a model that cannot load), so a client
-raises the exception it would raise against OpenAI (`openai.BadRequestError`, ...).
+api_key="...")`). Completions run on each decoder's `Engine` (`attnkit.serve.engine`:
+requests batched together as they come and go, a prefix cache), with `n`, `logprobs` /
+`top_logprobs` and `usage.prompt_tokens_details.cached_tokens` as OpenAI gives them; a
+request with an `attnkit` object (attention rows, the logit lens per token) runs alone on
+the model's modules (`attnkit.serve.solo`). What differs from OpenAI's service is refused by
+name, never ignored: penalties other than 0, tools, token arrays as input, `dimensions`
+other than the model's own. Errors have OpenAI's shape and status codes (`{"error":
+{"message", "type", "param", "code"}}`; 400 for a bad request, 401 for a wrong key, 403 for
+another site's page, 404 for an unknown model or path, 413 for a body too large, 415 for
+one that is not JSON, 429 with Retry-After when the engine's queue is full, 500 for a model
+that cannot load, 503 when its engine has stopped), so a client raises the exception it
+would raise against OpenAI (`openai.BadRequestError`, `openai.RateLimitError`, ...).
 
 Requests pass the same checks as the page's API (`attnkit.serve.http_checks`): the Host
 header, the Origin, JSON only, a bounded body, strict JSON. A request from a browser page
@@ -25,14 +30,23 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 from attnkit.serve.http_checks import RequestRejected, check_json_content_type, check_origin, parse_json, read_body
-from attnkit.serve.openai_models import EMBEDDINGS, GENERATION, Completion, ModelLoadError, ModelPool, complete, token_count
+from attnkit.serve.openai_generation import start_generation
+from attnkit.serve.openai_logprobs import attnkit_entries, chat_entries, completion_logprobs
+from attnkit.serve.openai_models import (
+    EMBEDDINGS,
+    GENERATION,
+    Completion,
+    ModelLoadError,
+    ModelPool,
+    token_count,
+)
 from attnkit.serve.openai_requests import (
     MAX_INPUTS,
     APIError,
+    chat_logprobs,
     chat_messages,
+    choice_count,
     invalid,
     parse_request,
     refuse_unsupported,
@@ -40,6 +54,8 @@ from attnkit.serve.openai_requests import (
     sampling_arguments,
     texts_of,
 )
+from attnkit.serve.openai_requests import completion_logprobs as completion_logprobs_asked
+from attnkit.serve.solo import check_extension
 from attnkit.viz.providers import availability
 
 __all__ = ["add_openai_api"]
@@ -108,6 +124,7 @@ def add_openai_api(
     max_body: int,
     max_new_tokens: int,
     api_key: str | None = None,
+    max_choices: int = 8,
 ) -> None:
     """Add the OpenAI-compatible routes under /v1 to a FastAPI `app`.
 
@@ -118,6 +135,7 @@ def add_openai_api(
         max_new_tokens: the most tokens one completion generates; the default when a
             request gives no max_tokens (a larger max_tokens is refused).
         api_key: when given, every /v1 request must carry `Authorization: Bearer <api_key>`.
+        max_choices: the most choices (`n`) per prompt (the engines' max_batch).
     """
     from fastapi import Request
     from fastapi.exception_handlers import http_exception_handler
@@ -131,7 +149,9 @@ def add_openai_api(
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         # a model that cannot load fails the same way again: the client should not retry
-        headers = {"x-should-retry": "false"} if error.status >= 500 else None
+        headers = {"x-should-retry": "false"} if error.status >= 500 and error.status != 503 else None
+        if error.headers:
+            headers = {**(headers or {}), **error.headers}
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(HTTPException)
@@ -231,17 +251,18 @@ def add_openai_api(
                                          f"not shorten them; omit dimensions or pass {encoder.dim}, got "
                                          f"{body.dimensions}")
 
-        def embed() -> tuple[np.ndarray, list[int]]:
-            with pool.lock(name):
-                counts = token_count(encoder, texts)
-                for index, count in enumerate(counts):
-                    if count > encoder.max_seq_length:
-                        raise APIError(400, f"input[{index}] has {count} tokens; the model '{name}' reads at "
-                                            f"most {encoder.max_seq_length} (its max_seq_length): shorten it",
-                                       param="input", code="context_length_exceeded")
-                return encoder.encode(texts), counts
+        def count() -> list[int]:
+            counts = token_count(encoder, texts)
+            for index, tokens in enumerate(counts):
+                if tokens > encoder.max_seq_length:
+                    raise APIError(400, f"input[{index}] has {tokens} tokens; the model '{name}' reads at "
+                                        f"most {encoder.max_seq_length} (its max_seq_length): shorten it",
+                                   param="input", code="context_length_exceeded")
+            return counts
 
-        vectors, counts = await run_in_threadpool(embed)  # (n, D) float32
+        counts = await run_in_threadpool(count)
+        batcher = await run_in_threadpool(pool.embedder, name)
+        vectors = await asyncio.wrap_future(batcher.submit(texts))  # (n, D) float32, encoded with its neighbours
         little = vectors.astype("<f4", copy=False)
         data = [
             {"object": "embedding", "index": i,
@@ -271,41 +292,58 @@ def add_openai_api(
                            param=param, code="context_length_exceeded")
         return min(max_new_tokens, room) if asked is None else asked
 
-    def generation(name: str, model: Any, prompts: list[list[int]], limits: list[int], sampling: dict[str, Any]):
-        """The work of one request: each prompt's completion, under the model's lock."""
-
-        def work(cancelled: Callable[[], bool]) -> Iterator[tuple[int, str | Completion]]:
-            with pool.lock(name):
-                for index, (ids, limit) in enumerate(zip(prompts, limits)):
-                    for item in complete(model, ids, max_tokens=limit, cancelled=cancelled, **sampling):
-                        yield index, item
-                    if cancelled():
-                        return
-
-        return work
-
-    async def respond(body: Any, name: str, work: Callable, chat: bool, count: int) -> Any:
+    async def respond(body: Any, name: str, model: Any, work: Callable, chat: bool, count: int, *,
+                      logprobs: int | None, extension: Any, prompt_texts: list[str] | None = None) -> Any:
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": name, "system_fingerprint": None}
+        tokenizer = model.tokenizer
+        offsets = [len(prompt_texts[i // (count // len(prompt_texts))]) if prompt_texts else 0 for i in range(count)]
 
-        def choice(index: int, text: str | None, finish: str | None, *, delta: bool) -> dict[str, Any]:
+        def token_data(index: int, events: list[Any]) -> dict[str, Any]:
+            """The choice's "logprobs" (and "attnkit") for these events."""
+            out: dict[str, Any] = {"logprobs": None}
+            if logprobs is not None:
+                if chat:
+                    out["logprobs"] = {"content": chat_entries(tokenizer, events), "refusal": None}
+                else:
+                    out["logprobs"], offsets[index] = completion_logprobs(tokenizer, events, offsets[index])
+            if extension is not None:
+                out["attnkit"] = {"tokens": attnkit_entries(tokenizer, events)}
+            return out
+
+        def choice(index: int, text: str | None, finish: str | None, events: list[Any], *,
+                   delta: bool) -> dict[str, Any]:
+            data = token_data(index, events) if events or not delta else {"logprobs": None}
             if not chat:
-                return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": index, "text": text or "", **data, "finish_reason": finish}
             if delta:
-                return {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                return {"index": index, "delta": {} if text is None else {"content": text}, **data,
                         "finish_reason": finish}
-            return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None, "finish_reason": finish}
+            return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None}, **data,
+                    "finish_reason": finish}
+
+        def usage(done: list[Completion]) -> dict[str, Any]:
+            out: dict[str, Any] = _usage(sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done))
+            out["prompt_tokens_details"] = {"cached_tokens": sum(c.cached_tokens for c in done)}
+            return out
 
         if not body.stream:
-            def collect() -> list[Completion]:
-                return [item for _, item in work(lambda: False) if isinstance(item, Completion)]
+            def collect() -> tuple[list[Completion], list[list[Any]]]:
+                done: dict[int, Completion] = {}
+                events: list[list[Any]] = [[] for _ in range(count)]
+                for index, item in work(lambda: False):
+                    if isinstance(item, Completion):
+                        done[index] = item
+                    else:
+                        events[index].extend(item.events)
+                return [done[i] for i in range(count)], events
 
-            done = await run_in_threadpool(collect)
-            return {**head, "choices": [choice(i, c.text, c.finish_reason, delta=False) for i, c in enumerate(done)],
-                    "usage": _usage(sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done))}
+            done, events = await run_in_threadpool(collect)
+            return {**head, "choices": [choice(i, c.text, c.finish_reason, events[i], delta=False)
+                                        for i, c in enumerate(done)],
+                    "usage": usage(done)}
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -315,7 +353,7 @@ def add_openai_api(
             return _sse({**chunk_head, "choices": choices, **usage, **extra})
 
         async def events() -> AsyncIterator[str]:
-            prompt_tokens = completion_tokens = 0
+            done: list[Completion] = []
             if chat:
                 for index in range(count):
                     yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -323,27 +361,35 @@ def add_openai_api(
             try:
                 async for index, item in _in_thread(work):
                     if isinstance(item, Completion):
-                        prompt_tokens += item.prompt_tokens
-                        completion_tokens += item.completion_tokens
-                        yield chunk([choice(index, None if chat else "", item.finish_reason, delta=True)])
+                        done.append(item)
+                        yield chunk([choice(index, None if chat else "", item.finish_reason, [], delta=True)])
                     else:
-                        yield chunk([choice(index, item, None, delta=True)])
+                        yield chunk([choice(index, item.text, None, item.events, delta=True)])
             except Exception as error:  # noqa: BLE001 - the status is sent: the error goes in the stream
                 yield _sse(APIError(500, f"generation failed: {error}").body())
                 return
             if include_usage:
-                yield _sse({**chunk_head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield _sse({**chunk_head, "choices": [], "usage": usage(done)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def extension_of(body: Any, model: Any) -> Any:
+        if body.attnkit is None:
+            return None
+        try:
+            return check_extension(body.attnkit, model)
+        except ValueError as error:
+            raise invalid("attnkit", str(error)) from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = await read(request, ChatRequest)
         sampling = sampling_arguments(body)
-        refuse_unsupported(body, {"logprobs": False, "top_logprobs": 0, "tools": "empty", "tool_choice": "none",
-                                   "parallel_tool_calls": False})
+        refuse_unsupported(body, {"tools": "empty", "tool_choice": "none", "parallel_tool_calls": False})
+        logprobs = chat_logprobs(body)
+        n = choice_count(body, max_choices)
         if body.response_format not in (None, {"type": "text"}):
             raise invalid("response_format", f"attnkit serve writes text only ({{'type': 'text'}}), got "
                                               f"{body.response_format!r}", "unsupported_value")
@@ -355,6 +401,7 @@ def add_openai_api(
         messages = chat_messages(body.messages)
         name = served(body.model, GENERATION)
         model = await load(name)
+        extension = extension_of(body, model)
         if not model.tokenizer.chat_template:
             raise invalid("model", f"The model '{name}' has no chat template; use POST /v1/completions",
                            "no_chat_template")
@@ -367,17 +414,25 @@ def add_openai_api(
 
         ids = await run_in_threadpool(encode)
         limit = budget(model, len(ids), asked, "messages")
-        return await respond(body, name, generation(name, model, [ids], [limit], sampling), True, 1)
+        work = await run_in_threadpool(start_generation, pool, name, model, [ids], [limit], sampling, n=n,
+                                       logprobs=logprobs, extension=extension)
+        return await respond(body, name, model, work, True, n, logprobs=logprobs, extension=extension)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await read(request, CompletionRequest)
         sampling = sampling_arguments(body)
-        refuse_unsupported(body, {"echo": False, "logprobs": 0, "suffix": "empty", "best_of": 1})
+        refuse_unsupported(body, {"echo": False, "suffix": "empty", "best_of": 1})
+        logprobs = completion_logprobs_asked(body)
+        n = choice_count(body, max_choices)
         prompts = texts_of(body.prompt, "prompt")
         name = served(body.model, GENERATION)
         model = await load(name)
+        extension = extension_of(body, model)
         ids = [model.tokenizer.encode(prompt) for prompt in prompts]
         asked = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         limits = [budget(model, len(one), asked, "prompt") for one in ids]
-        return await respond(body, name, generation(name, model, ids, limits, sampling), False, len(prompts))
+        work = await run_in_threadpool(start_generation, pool, name, model, ids, limits, sampling, n=n,
+                                       logprobs=logprobs, extension=extension)
+        return await respond(body, name, model, work, False, len(prompts) * n, logprobs=logprobs,
+                             extension=extension, prompt_texts=prompts)

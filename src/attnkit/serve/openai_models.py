@@ -3,11 +3,12 @@
 A `ModelPool` knows, without loading anything, what each name it serves is: an
 encoder (embeddings: "minilm", a BERT folder) or a decoder (completions and chat:
 "smollm2", "gemma3", a `.gguf` file, a Llama/Qwen2/Mistral/Gemma 3/GPT-2 folder). It loads a model
-on the first request that names it (or all at once with `load_all`), once, and
-keeps one lock per model: the requests of one model run one after another (its
-weights are shared and a generation holds a KV cache of its own, but NumPy work
-from two requests would only share the same CPUs), those of different models side
-by side.
+on the first request that names it (or all at once with `load_all`), once. A decoder's
+completions run on its `Engine` (`attnkit.serve.engine`: continuous batching on a paged KV
+cache), made on first use; a decoder the batched step does not run (and a request that asks
+for attention through the API) runs alone under the model's lock (`attnkit.serve.solo`).
+An encoder's requests go through its `EmbeddingBatcher` (`attnkit.serve.embeddings`):
+requests that wait together are encoded together.
 
 `complete` turns prompt ids into text as OpenAI's API does: stop strings end the
 text before them (and count only in the generated text, never in the prompt),
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Completion", "ModelPool", "complete", "end_of_sequence_ids", "model_kind", "token_count"]
+__all__ = ["Completion", "ModelPool", "TextStream", "complete", "end_of_sequence_ids", "model_kind", "token_count"]
 
 EMBEDDINGS = "embeddings"
 """The kind of an encoder: it answers /v1/embeddings."""
@@ -78,17 +79,63 @@ class ModelPool:
         names: model names ("minilm", "smollm2") and paths, as `attnkit serve --model`
             takes them; those that are neither an encoder nor a decoder attnkit runs
             ("random", a transformers-only folder) are left out.
+        engine_options: the keyword arguments of every decoder's `Engine` (max_batch,
+            kv_tokens, step_tokens, max_queue); None: no engine, every request runs alone.
 
     Attributes:
         kinds: {name: EMBEDDINGS or GENERATION}, in the order given.
+        engine_reasons: {name: why its decoder runs without the engine}, for those that do.
     """
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, engine_options: dict[str, Any] | None = None) -> None:
         self.kinds = {name: kind for name in dict.fromkeys(names) if (kind := model_kind(name))}
+        self.engine_options = engine_options
+        self.engine_reasons: dict[str, str] = {}
         self._loaded: dict[str, Any] = {}
         self._failed: dict[str, str] = {}
+        self._engines: dict[str, Any] = {}
+        self._batchers: dict[str, Any] = {}
         self._load_locks = {name: threading.Lock() for name in self.kinds}
         self._locks = {name: threading.Lock() for name in self.kinds}
+
+    def engine(self, name: str) -> Any:
+        """Decoder `name`'s `Engine`, made on the first call, or None when it runs without one
+        (no engine_options, or the batched step does not take this model: `engine_reasons`)."""
+        model = self.get(name)
+        with self._load_locks[name]:
+            if name not in self._engines:
+                self._engines[name] = None
+                from attnkit.models.llama import LlamaForCausalLM
+
+                if self.engine_options is None:
+                    self.engine_reasons[name] = "this server runs every request alone"
+                elif not isinstance(model, LlamaForCausalLM):  # the batched step runs Llama-family decoders
+                    self.engine_reasons[name] = ("the batched step runs Llama-family decoders, not "
+                                                 f"{type(model).__name__}")
+                else:
+                    try:
+                        from attnkit.serve.engine import Engine
+
+                        self._engines[name] = Engine(model, **self.engine_options)
+                    except (ImportError, ValueError, TypeError, NotImplementedError) as error:
+                        self.engine_reasons[name] = f"the batched step does not run it: {error}"
+            return self._engines[name]
+
+    def embedder(self, name: str) -> Any:
+        """Encoder `name`'s `EmbeddingBatcher`, made on the first call."""
+        encoder = self.get(name)
+        with self._load_locks[name]:
+            if name not in self._batchers:
+                from attnkit.serve.embeddings import EmbeddingBatcher
+
+                self._batchers[name] = EmbeddingBatcher(encoder, self._locks[name])
+            return self._batchers[name]
+
+    def close(self) -> None:
+        """Stop the engines' threads (open requests end with EngineStopped)."""
+        for engine in list(self._engines.values()):
+            if engine is not None:
+                engine.close()
 
     def lock(self, name: str) -> threading.Lock:
         """The lock every use of model `name` holds (one request at a time per model)."""
@@ -169,18 +216,66 @@ class Completion:
     finish_reason: "stop" (an end-of-sequence token or a stop string) or "length" (max_tokens).
     prompt_tokens, completion_tokens: the usage counts (every generated token, the one
         that ended the text included).
+    cached_tokens: the prompt tokens that came from the prefix cache.
     """
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int:
     """Where the first stop string starts in `text`, or -1."""
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found) if found else -1
+
+
+class TextStream:
+    """A completion's text as its tokens arrive, in pieces that are final.
+
+    `add(token)` returns the text that became final with it ("" while held back) and
+    whether the completion has ended (an end-of-sequence token, or a stop string: the text
+    ends just before it); `close()` returns the rest. `text`, `finish_reason` ("stop" or
+    "length") and `tokens` (every token added) say how it ended; `kept` counts the tokens
+    whose text is in the completion (those before an end-of-sequence token or the token
+    that completed a stop string).
+
+    A piece is held back while a stop string could still begin in it (the last
+    len(longest stop) - 1 characters) or while it ends in half a character.
+    """
+
+    def __init__(self, tokenizer: Any, eos: set[int], stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.eos, self.stop = tokenizer, eos, list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text, self.emitted, self.finish_reason, self.kept = "", 0, "length", 0
+        self.ended = False
+
+    def add(self, token: int) -> tuple[str, bool]:
+        self.tokens.append(int(token))
+        if token in self.eos:
+            self.finish_reason, self.ended = "stop", True
+            return "", True
+        text = self.tokenizer.decode([t for t in self.tokens if t not in self.eos], skip_special_tokens=True)
+        cut = _first_stop(text, self.stop)
+        if cut >= 0:
+            self.text, self.finish_reason, self.ended = text[:cut], "stop", True
+            return "", True
+        self.text, self.kept = text, len(self.tokens)
+        safe = len(text) - self.hold
+        while safe > self.emitted and text[safe - 1] == "\ufffd":  # half a character so far
+            safe -= 1
+        if safe > self.emitted:
+            piece, self.emitted = text[self.emitted:safe], safe
+            return piece, False
+        return "", False
+
+    def close(self) -> str:
+        """The text not sent yet."""
+        rest, self.emitted = self.text[self.emitted:], len(self.text)
+        return rest
 
 
 def complete(
@@ -195,7 +290,8 @@ def complete(
     cancelled: Callable[[], bool] = lambda: False,
 ) -> Iterator[str | Completion]:
     """Generate from `prompt_ids` with a `CausalLM`: yields text pieces as they become final,
-    then one `Completion`.
+    then one `Completion` (one request at a time, on the model's own `stream`; `attnkit serve`
+    batches requests with `attnkit.serve.engine.Engine` instead).
 
     Arguments:
         model: a decoder with a tokenizer.
@@ -209,34 +305,18 @@ def complete(
     A piece is held back while a stop string could still begin in it (the last
     len(longest stop) - 1 characters) or while it ends in half a character.
     """
-    tokenizer = model.tokenizer
-    eos = end_of_sequence_ids(model)
-    hold = max((len(s) for s in stop), default=1) - 1
-    new: list[int] = []
-    text, emitted, finish = "", 0, "length"
+    text = TextStream(model.tokenizer, end_of_sequence_ids(model), stop)
     steps = model.stream(np.asarray(prompt_ids, dtype=np.int64), max_tokens, temperature, None, top_p, seed)
     try:
         for step in steps:
-            token = int(step[0])
-            new.append(token)
-            if token in eos:
-                finish = "stop"
-                break
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            cut = _first_stop(text, stop)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                break
-            safe = len(text) - hold
-            while safe > emitted and text[safe - 1] == "\ufffd":  # half a character so far
-                safe -= 1
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            if cancelled():
+            piece, ended = text.add(int(step[0]))
+            if piece:
+                yield piece
+            if ended or cancelled():
                 break
     finally:
         steps.close()
-    if len(text) > emitted:
-        yield text[emitted:]
-    yield Completion(text, finish, len(prompt_ids), len(new))
+    rest = text.close()
+    if rest:
+        yield rest
+    yield Completion(text.text, text.finish_reason, len(prompt_ids), len(text.tokens))

@@ -2,28 +2,34 @@
 checks them, and its errors in OpenAI's shape (`APIError`).
 
 Unknown arguments are refused ("Unrecognized request argument supplied: x"), types are
-not coerced (pydantic's strict mode), and arguments attnkit does not implement (`n` > 1,
-penalties, log probabilities, tools) are refused by name unless they ask for the default.
+not coerced (pydantic's strict mode), and arguments attnkit does not implement (penalties,
+tools, `echo`, `best_of`) are refused by name unless they ask for the default. One argument
+OpenAI's API does not have is read: `attnkit` (the openai client's `extra_body={"attnkit":
+{...}}`), attention and the logit lens per generated token (`attnkit.serve.solo`).
 """
 
 from typing import Any, Literal, Optional
 
-__all__ = ["APIError", "CHAT_ROLES", "MAX_INPUTS", "MAX_STOPS", "chat_messages", "invalid", "parse_request",
-           "refuse_unsupported", "request_models", "sampling_arguments", "stop_strings", "texts_of"]
+__all__ = ["APIError", "CHAT_ROLES", "MAX_INPUTS", "MAX_LOGPROBS", "MAX_STOPS", "chat_logprobs", "chat_messages",
+           "choice_count", "completion_logprobs", "invalid", "parse_request", "refuse_unsupported", "request_models",
+           "sampling_arguments", "stop_strings", "texts_of"]
 
 MAX_INPUTS = 2048
 """The most texts one /v1/embeddings request may hold (OpenAI's limit)."""
 MAX_STOPS = 4
 """The most stop strings (OpenAI's limit)."""
+MAX_LOGPROBS = 20
+"""The most alternatives per token: chat's top_logprobs (OpenAI's limit), completions' logprobs
+(OpenAI's is 5; attnkit gives up to 20 there too)."""
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str | None = None) -> None:
+                 kind: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.kind = kind or {401: "authentication_error", 403: "permission_error"}.get(
             status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -60,6 +66,7 @@ def request_models():
         frequency_penalty: Optional[float] = None
         logit_bias: Optional[dict[str, Any]] = None
         user: Optional[str] = None
+        attnkit: Optional[dict[str, Any]] = None  # attention / logit lens per token (attnkit.serve.solo)
 
     class ChatRequest(Sampling):
         messages: list[dict[str, Any]]
@@ -134,13 +141,42 @@ def sampling_arguments(request: Any) -> dict[str, Any]:
         raise invalid("top_p", f"expected top_p between 0 and 1, got {top_p}")
     if top_p == 0.0:  # only the most likely token is left: greedy
         temperature, top_p = 0.0, None
-    if request.n not in (None, 1):
-        raise invalid("n", f"attnkit serve generates one choice per request: expected n=1, got n={request.n}")
     if request.seed is not None and request.seed < 0:
         raise invalid("seed", f"expected seed >= 0, got {request.seed}")
     stop = stop_strings(request.stop)
     refuse_unsupported(request, {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": "empty"})
     return {"temperature": temperature, "top_p": top_p, "seed": request.seed, "stop": stop}
+
+
+def choice_count(request: Any, most: int) -> int:
+    """`n`: how many choices per prompt, 1 .. `most` (the server's --max-batch)."""
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= most:
+        raise invalid("n", f"expected n between 1 and {most} (the most choices this server decodes together, "
+                           f"attnkit serve --max-batch), got n={n}")
+    return n
+
+
+def chat_logprobs(request: Any) -> int | None:
+    """Chat's `logprobs` / `top_logprobs`: None when no log-probabilities are asked, else how
+    many alternatives each token carries (0 .. MAX_LOGPROBS)."""
+    top = request.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise invalid("top_logprobs", f"expected top_logprobs between 0 and {MAX_LOGPROBS}, got {top}")
+    if not request.logprobs:
+        if top:
+            raise invalid("top_logprobs", f"top_logprobs needs logprobs: true; got top_logprobs={top} and "
+                                          f"logprobs={request.logprobs}")
+        return None
+    return top or 0
+
+
+def completion_logprobs(request: Any) -> int | None:
+    """Completions' `logprobs` (an int: how many alternatives per token), or None."""
+    k = request.logprobs
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"expected logprobs between 0 and {MAX_LOGPROBS}, got {k}")
+    return k
 
 
 def stop_strings(value: Any) -> list[str]:

@@ -42,6 +42,7 @@ from attnkit.serve.http_checks import (  # noqa: F401 - host_name, HostCheck, pa
     parse_json,
     read_body,
 )
+from attnkit.serve.engine import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STEP_TOKENS
 from attnkit.serve.openai_api import add_openai_api
 from attnkit.serve.openai_models import ModelPool
 from attnkit.viz.providers import (
@@ -104,6 +105,10 @@ def create_app(
     api_key: str | None = None,
     api_max_body: int = API_MAX_BODY,
     max_flow_problems: int = FLOW_MAX_PROBLEMS,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    kv_tokens: int = DEFAULT_KV_TOKENS,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
+    max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> Any:
     """The FastAPI application behind `attnkit serve`: the page, its `/api/attention`, and
     the OpenAI-compatible API under `/v1` (`attnkit.serve.openai_api`).
@@ -122,6 +127,9 @@ def create_app(
         api_max_body: the largest body of an API request, in bytes (HTTP 413 beyond).
         max_flow_problems: the most maximum-flow problems (layers x tokens²) an attention-flow
             request may ask for (HTTP 413 beyond, with a message that suggests rollout).
+        max_batch, kv_tokens, step_tokens, max_queue: each decoder's `Engine`
+            (`attnkit.serve.engine`): choices decoded together (also the most `n`), tokens its
+            paged KV cache holds, the most rows of one step, requests that may wait (429 beyond).
     """
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import HTMLResponse, Response
@@ -131,6 +139,9 @@ def create_app(
     if max_chars < 1 or max_tokens < 1 or max_new_tokens < 1 or max_flow_problems < 1:
         raise ValueError(f"expected max_chars, max_tokens, max_new_tokens and max_flow_problems >= 1, got "
                          f"{max_chars}, {max_tokens}, {max_new_tokens} and {max_flow_problems}")
+    if max_batch < 1 or step_tokens < 1 or kv_tokens < 16 or max_queue < 0:
+        raise ValueError(f"expected max_batch >= 1, step_tokens >= 1, kv_tokens >= 16 and max_queue >= 0, got "
+                         f"{max_batch}, {step_tokens}, {kv_tokens} and {max_queue}")
     models = list(models)
     if not models:
         raise ValueError("expected at least one model name, got none")
@@ -275,9 +286,10 @@ def create_app(
         parsed = parse_request(body)
         return await run_in_threadpool(attention, parsed)  # the model runs off the event loop
 
-    app.state.models = ModelPool(models)
+    app.state.models = ModelPool(models, engine_options=dict(max_batch=max_batch, kv_tokens=kv_tokens,
+                                                             step_tokens=step_tokens, max_queue=max_queue))
     add_openai_api(app, app.state.models, max_body=max(api_max_body, max_body), max_new_tokens=max_new_tokens,
-                   api_key=api_key)
+                   api_key=api_key, max_choices=max_batch)
     return app
 
 

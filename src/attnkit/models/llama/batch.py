@@ -117,7 +117,8 @@ class BatchStep:
         for i, row in enumerate(rows):
             if not isinstance(row, StepRow):
                 raise TypeError(f"expected StepRow rows, got {type(row).__name__} at row {i}")
-            if isinstance(row.token, bool) or not isinstance(row.token, (int, np.integer)) or not 0 <= row.token < vocab:
+            token = row.token
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
                 raise ValueError(f"expected row {i}'s token to be an id in [0, {vocab}), got {row.token!r}")
         runs, seen = _runs(rows), set()
         for seq, first, stop in runs:

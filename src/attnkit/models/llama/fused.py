@@ -335,7 +335,7 @@ def compiled_step_reason(model: Any, ids: np.ndarray | None = None, positions: n
 
     Arguments:
         model: a `LlamaForCausalLM`.
-        ids, positions: (1, 1) the step's token and its position (None: not asked).
+        ids, positions: (B, 1) the step's tokens and their positions (None: not asked).
         cache: the `KVCache` it appends to (None: not asked).
 
     Returns:
@@ -376,9 +376,10 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
         else:
             where = np.asarray(positions).reshape(-1)
             cos, sin = _tables(model, where)
-            logits = step.batch_step(np.asarray(ids).reshape(-1), np.full(B, slot), np.arange(B, dtype=np.int32)[:, None],
-                                     np.ones(B, bool), found.frame, cos, sin, keys, values, int8=int8,
-                                     parts=_parts(parts), starts=_starts(cache))
+            tables = np.arange(B, dtype=np.int32)[:, None]  # sequence b: block b, max_length long
+            logits = step.batch_step(np.asarray(ids).reshape(-1), np.full(B, slot), tables, np.ones(B, bool),
+                                     found.frame, cos, sin, keys, values, int8=int8, parts=_parts(parts),
+                                     starts=_starts(cache))
     except native.Unavailable:  # no library and numba does not import: the modules run the step
         return None
     cache.advance(1)

@@ -257,9 +257,10 @@ def decode_step(token: int, slot: int, frame: Frame, cos: np.ndarray, sin: np.nd
     """
     if keys.ndim != 4 or values.ndim != 4:
         raise ValueError(f"expected caches of shape (L, Hkv, max, E), got {keys.shape} and {values.shape}")
-    if not 0 <= slot < keys.shape[2]:
-        raise ValueError(f"expected a slot in [0, {keys.shape[2]}), got {slot}")
+    if not (0 <= token < frame.embed_rows and 0 <= slot < keys.shape[2]):
+        raise ValueError(f"expected a token in [0, {frame.embed_rows}) at a slot in [0, {keys.shape[2]}), got {token} "
+                         f"at {slot}")
+    cos, sin = (t.reshape(-1, 1, t.shape[-1]) for t in (cos, sin))  # (kinds, 1, E)
     logits = batch_step(np.array([token]), np.array([slot]), np.zeros((1, 1), np.int32), np.ones(1, bool), frame,
-                        cos.reshape(-1, 1, cos.shape[-1]), sin.reshape(-1, 1, sin.shape[-1]), keys[:, None], values[:, None], int8=int8,
-                        parts=parts)
+                        cos, sin, keys[:, None], values[:, None], int8=int8, parts=parts)
     return logits[0]

@@ -57,8 +57,8 @@ import numpy as np
 from attnkit.models.llama.step_pieces import _attend, _barrier, _exp_shifted, _gated, _residual, _rms_norm, \
     _rms_norm32, _rotate, _score, _share
 
-__all__ = ["FLOATS_BEFORE_EPS", "FRAME", "LAYER_NORMS", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep", "Scratch", "StepArrays", "build",
-           "shared_size", "source_digest"]
+__all__ = ["FLOATS_BEFORE_EPS", "FRAME", "LAYER_NORMS", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep",
+           "Scratch", "StepArrays", "build", "shared_size", "source_digest"]
 
 MATRICES_PER_LAYER = 7  # query, key, value, output, gate, up, down
 LAYER_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
@@ -175,8 +175,9 @@ def _prepare(x, int8, half_split, scratch):  # pragma: no cover - compiled
     blocks = K // 32
     s = scratch
     if int8:
-        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K), s.dx[:n * blocks].reshape(n, blocks),  # noqa: F821
-                    s.xsq[:n * blocks].reshape(n, blocks), s.qsum[:n * blocks].reshape(n, blocks))
+        _quantize_x(x, x.view(np.uint32), s.q8[:n * K].reshape(n, K),  # noqa: F821
+                    s.dx[:n * blocks].reshape(n, blocks), s.xsq[:n * blocks].reshape(n, blocks),
+                    s.qsum[:n * blocks].reshape(n, blocks))
     elif half_split:
         xl = s.xl[:n * (K // 2)].reshape(n, K // 2)
         xh = s.xh[:n * (K // 2)].reshape(n, K // 2)
@@ -249,7 +250,8 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     d = table[embed, COLUMNS]  # noqa: F821
     ff = table[4, ROWS]  # noqa: F821 - the gate's rows
     widest = max(d, ff, heads * E)
-    scratch = Scratch(np.empty(n * (widest // 2) + 16, np.float32), np.empty(n * (widest // 2) + 16, np.float32),  # noqa: F821
+    halves = n * (widest // 2) + 16
+    scratch = Scratch(np.empty(halves, np.float32), np.empty(halves, np.float32),  # noqa: F821
                       np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * widest + 32, np.int8),
                       np.empty(n * (widest // 32) + 1, np.float32), np.empty(n * (widest // 32) + 1, np.float32),
                       np.empty(n * (widest // 32) + 1, np.int32))
@@ -292,22 +294,22 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _group(table, base, 3, normed, part, parts, int8, half, scratch, qkv)
         _barrier(barrier, parts)
         order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
-        for i in range(n):
+        for i in range(n):  # (row views: 1-D loops, as one row's step runs them)
+            source, into = qkv[i], rotated[i]
             for k in range(order.shape[0]):
-                rotated[i, k] = qkv[i, order[k]]
+                into[k] = source[order[k]]
             for k in range(order.shape[0], qkv_rows):
-                rotated[i, k] = qkv[i, k]
+                into[k] = source[k]
             if qk_norm:  # each head's query and key over E, before the rotation
                 q_weight = carray(_f32(norms[at_norm + qk_at]), (E,))  # noqa: F821
                 k_weight = carray(_f32(norms[at_norm + qk_at + 1]), (E,))  # noqa: F821
                 for h in range(heads):
-                    _rms_norm32(rotated[i, h * E: (h + 1) * E], q_weight, floats[eps_at + qk_at],
-                                rotated[i, h * E: (h + 1) * E])
+                    _rms_norm32(into[h * E: (h + 1) * E], q_weight, floats[eps_at + qk_at], into[h * E: (h + 1) * E])
                 for h in range(heads, heads + kv_heads):
-                    _rms_norm32(rotated[i, h * E: (h + 1) * E], k_weight, floats[eps_at + qk_at + 1],
-                                rotated[i, h * E: (h + 1) * E])
-            _rotate(rotated[i, : heads * E], heads, E, cos[kind, i], sin[kind, i])
-            _rotate(rotated[i, heads * E: (heads + kv_heads) * E], kv_heads, E, cos[kind, i], sin[kind, i])
+                    _rms_norm32(into[h * E: (h + 1) * E], k_weight, floats[eps_at + qk_at + 1],
+                                into[h * E: (h + 1) * E])
+            _rotate(into[: heads * E], heads, E, cos[kind, i], sin[kind, i])
+            _rotate(into[heads * E: (heads + kv_heads) * E], kv_heads, E, cos[kind, i], sin[kind, i])
         for i in range(mine, mine_stop):
             block, offset = tables[i, slots[i] // size], slots[i] % size
             for g in range(kv_heads):
@@ -374,7 +376,8 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
         carray(_f32(frame.keys), cache),  # noqa: F821
         carray(_f32(frame.values), cache),  # noqa: F821
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
-        carray(_f32(frame.shared), (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),  # noqa: F821
+        carray(_f32(frame.shared),  # noqa: F821
+               (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),
         carray(_f32(frame.logits), (max(frame.outputs_count, 1), frame.vocab)),  # noqa: F821
         carray(_i64(frame.windows), (layers,)),  # noqa: F821
         carray(_i64(frame.ropes), (layers,)),  # noqa: F821

@@ -161,14 +161,13 @@ def _residual(x, projected, post_norms, address, eps, normed):  # pragma: no cov
     """x (N, d) float64 += a sublayer's output `projected` (N, d) float32, through the
     post-sublayer norm at `address` (eps `eps`, float32, into `normed`) when `post_norms`."""
     n, d = projected.shape
-    for i in range(n):
+    for i in range(n):  # (row views: 1-D loops, as one row's step runs them)
+        row, add = x[i], projected[i]
         if post_norms:
-            _rms_norm32(projected[i], carray(_f32(address), (d,)), eps, normed[i])  # noqa: F821
-            for k in range(d):
-                x[i, k] += normed[i, k]
-        else:
-            for k in range(d):
-                x[i, k] += projected[i, k]
+            add = normed[i]
+            _rms_norm32(projected[i], carray(_f32(address), (d,)), eps, add)  # noqa: F821
+        for k in range(d):
+            row[k] += add[k]
 
 
 def _share(count, parts, part):  # pragma: no cover - compiled

@@ -172,6 +172,28 @@ def test_gemma3_int8_steps_follow_the_int8_products(tiny, calls):
     assert fused > 4 * float32_error
 
 
+def test_gemma3_batched_step_over_a_paged_cache(tiny):
+    """`BatchStep` runs Gemma 3 compiled over a paged cache: a sequence fed as a prompt chunk,
+    then a token a step, beside another sequence, gives the bits of its one-by-one steps on
+    a contiguous cache (the batch invariance promise, windows and two rope tables included)."""
+    from attnkit.models.llama import BatchStep, StepRow, new_cache
+
+    blocks, _, _ = tiny
+    cache = new_cache(blocks, tokens=64, block_size=4)
+    batch = BatchStep(blocks, cache)
+    assert batch.compiled, batch.reason
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.reserve(a, 5)
+    cache.reserve(b, 3)
+    got = [batch.run([StepRow(a, t, i == 4) for i, t in enumerate(IDS[:5])]
+                     + [StepRow(b, t, i == 2) for i, t in enumerate(IDS[7:10])])[0]]
+    for t, other in zip(IDS[5:], IDS[10:] * 3):
+        cache.reserve(b, 1)
+        cache.reserve(a, 1)
+        got.append(batch.run([StepRow(b, other, True), StepRow(a, t, True)])[1])
+    np.testing.assert_array_equal(np.array(got), stepwise(blocks, IDS)[4:])
+
+
 @pytest.fixture(scope="module")
 def gemma3_model(gemma3_file):
     from attnkit.models import AutoCausalLM

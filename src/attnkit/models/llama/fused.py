@@ -334,7 +334,7 @@ def compiled_step_reason(model: Any, ids: np.ndarray | None = None, positions: n
     """Why a decode step of `model` does not run as one compiled call, or None when it does.
 
     Arguments:
-        model: a `LlamaForCausalLM`.
+        model: a `LlamaForCausalLM` or a `Gemma3ForCausalLM`.
         ids, positions: (B, 1) the step's tokens and their positions (None: not asked).
         cache: the `KVCache` it appends to (None: not asked).
 

@@ -16,6 +16,13 @@ A contiguous `KVCache` of B sequences is the paged cache whose blocks are max_le
 (its (L, B, Hkv, max, E) stores are already layer-major): one sequence's step is the N = 1
 case (`step.decode_step`).
 
+Gemma 3's step is the same code with the frame's flags set (`Gemma3Block.forward`'s
+arithmetic): `qk_norm` (each head's query and key RMS-normalized over E, float32, before
+the rotation), `post_norms` (each sublayer's output RMS-normalized, float32, before the
+float64 residual sum), `gelu_tanh` (tanh-GELU instead of SiLU), the embedding's multiplier
+and the logits' soft cap (the frame's floats), and `ropes` (each layer's rotary table: cos
+and sin are (kinds, N, E)).
+
 Products are the loops of `attnkit.quant` on row ranges, X (N, K) against W's rows, with
 float32 activations (the default: `_matmat_*`, each block decoded once for four rows of X)
 or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs them.

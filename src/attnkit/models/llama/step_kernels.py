@@ -405,8 +405,8 @@ class CompiledStep(NamedTuple):
     namespace: dict
 
 
-_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rms_norm32, _gated, _rotate, _score,
-           _attend, _residual, _share, _step)
+_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rms_norm32, _rotate, _score, _attend,
+           _residual, _share, _step)
 _EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 
@@ -444,6 +444,7 @@ def build() -> CompiledStep:
         "StepArrays": StepArrays, "Scratch": Scratch,
     }
     namespace["_exp_shifted"] = nb.njit(**_EXACT)(_bound(_exp_shifted, namespace))
+    namespace["_gated"] = nb.njit(**_EXACT)(_bound(_gated, namespace))
     options = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
     for fn in _SERIAL:
         namespace[fn.__name__] = nb.njit(**options)(_bound(fn, namespace))

@@ -21,6 +21,9 @@ One block, with a norm before and after each sublayer:
   embedding (tied); logits are soft-capped, cap * tanh(logits / cap), when
   `final_logit_softcapping` is set.
 
+A quantized model's decode step runs in one compiled call, Llama's step with Gemma's flags
+(`attnkit.models.llama.fused`), when nothing watches the layers.
+
 Attention runs through the modules' one backend interface (`AttentionModule.attend`), so
 every backend, `record_attention` and the interventions of `attnkit.interpret` reach it;
 local layers pass attnkit's `window=` band as Mistral's and Qwen2's sliding layers do.
@@ -62,6 +65,7 @@ from attnkit.models.gemma3_weights import (  # noqa: F401 - re-exported
     state_from_gguf,
 )
 from attnkit.models.gguf import GGUFFile, tokenizer_from_gguf
+from attnkit.models.llama.fused import fused_logits
 from attnkit.quant.layers import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from attnkit.nn.cache import KVCache
 from attnkit.nn.decoder_layers import RMSNorm, RotaryEmbedding
@@ -178,7 +182,12 @@ class Gemma3ForCausalLM(CausalLM):
     unless `weights` (attnkit's names -> arrays or `QuantizedTensor`s, norms as their 1 + w
     multipliers) are given; load real ones with `from_gguf`, `from_folder` or
     `attnkit.models.AutoCausalLM.from_pretrained("gemma3")`.
+
+    A quantized model's decode step runs as one compiled call (`attnkit.models.llama.fused`,
+    Llama's step with Gemma's flags; `compiled_step_reason` says when not).
     """
+
+    STEP_MODULES = (Gemma3Attention, Gemma3MLP)  # the layers' modules the compiled step stands in for
 
     def __init__(self, config: Gemma3Config, *, seed: int | np.random.Generator | None = None, tokenizer=None,
                  weights: dict[str, Any] | None = None) -> None:
@@ -238,6 +247,9 @@ class Gemma3ForCausalLM(CausalLM):
 
     def final_norm(self, x):
         return self.norm(x).astype(self.norm.weight.dtype, copy=False)
+
+    def _compiled_step(self, ids, positions, cache, threads):
+        return fused_logits(self, ids, positions, cache, parts=threads)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         source = self.embed.weight  # tied head

@@ -17,6 +17,12 @@ function says why not, in words:
   differ, a backend is not a built-in exact one ("naive" or "flash": the one place a
   backend is compared by name), the embedding's or head's rows are permuted.
 
+Gemma 3 (`Gemma3ForCausalLM`) runs on the same step with its block's flags (`step.prepare`:
+post-sublayer norms, per-head query/key norms, tanh-GELU, the embedding's sqrt(d), the
+logits' soft cap, two rotary tables, windows on local layers): its class names the layer
+modules the step stands in for (`STEP_MODULES`: its attention and MLP), as Llama's are
+`QuantizedCausalSelfAttention` + `QuantizedSwiGLU`.
+
 The frame (`step.prepare`: the addresses of the blocks and the norms, the row orders) is
 built from the model's public parts once per model and kept beside it (not in it). It is
 rebuilt when a weight or a module was replaced: while `attnkit.nn.module.structure_version()`
@@ -39,6 +45,7 @@ from attnkit.kernels import native
 from attnkit.quant.layers import QuantizedCausalSelfAttention, QuantizedEmbedding, QuantizedLinear, \
     QuantizedSwiGLU
 from attnkit.models.llama.sliding import QuantizedSlidingWindowSelfAttention
+from attnkit.models.llama.step_kernels import LAYER_NORMS
 from attnkit.nn.cache import KVCache
 from attnkit.nn.interface import supports, watching
 from attnkit.nn.module import structure_version
@@ -114,17 +121,28 @@ def _linear_reason(links: _Links, owner: Any, name: str) -> str | None:
     return None
 
 
+def _layout(model: Any) -> tuple:
+    """(attention classes, MLP class, the block's extra norms) of the layers the step stands
+    in for: the model class's `STEP_MODULES` (Gemma 3) or Llama's."""
+    named = getattr(type(model), "STEP_MODULES", None)
+    if named is not None:
+        return (named[0],), named[1], ("post_attn_norm", "post_mlp_norm")
+    return _ATTENTIONS, QuantizedSwiGLU, ()
+
+
 def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
     """What a frame of `model` is built from (the links, the blocks), and why the model is not
     one the step runs (None: it is)."""
     links = _Links()
+    attentions, mlp_type, extra_norms = _layout(model)
+    names = " or ".join(kind.__name__ for kind in attentions) + " + " + mlp_type.__name__
     config = links.attribute(model, "config")
     embed = links.child(model, "embed")
     if not isinstance(embed, QuantizedEmbedding):
         return links, (), "the weights are not the GGUF's blocks (load with from_gguf(path, quantized=True))"
     if links.attribute(embed, "quantized").row_order is not None:
         return links, (), "the embedding's rows are permuted"
-    if not config.tie_word_embeddings:
+    if not getattr(config, "tie_word_embeddings", True):
         reason = _linear_reason(links, model, "lm_head")
         if reason is not None:
             return links, (), reason
@@ -138,19 +156,19 @@ def _walk(model: Any) -> tuple[_Links, tuple, str | None]:
     scales = set()
     for index, block in enumerate(blocks):
         attn, mlp = links.child(block, "attn"), links.child(block, "mlp")
-        if type(attn) not in _ATTENTIONS or type(mlp) is not QuantizedSwiGLU:
-            return links, blocks, (f"layer {index} is {type(attn).__name__} + {type(mlp).__name__}, not "
-                                   "QuantizedCausalSelfAttention (or QuantizedSlidingWindowSelfAttention) + "
-                                   "QuantizedSwiGLU")
-        if type(attn) is QuantizedSlidingWindowSelfAttention:
+        if type(attn) not in attentions or type(mlp) is not mlp_type:
+            return links, blocks, f"layer {index} is {type(attn).__name__} + {type(mlp).__name__}, not {names}"
+        if type(attn) is not QuantizedCausalSelfAttention:
             links.attribute(attn, "window")
         backend = links.attribute(attn, "backend")
         if not _exact(backend):
             return links, blocks, (f"layer {index} attends through backend {backend!r}; the step stands in "
                                    "only for a backend with the 'exact' capability (attnkit.nn.supports)")
         scales.add(links.attribute(attn, "scale"))
-        for name in ("attn_norm", "mlp_norm"):
-            if links.parameter(links.child(block, name), "weight").dtype != np.float32:
+        norms = [(block, name) for name in ("attn_norm", "mlp_norm", *extra_norms)]
+        norms += [(attn, name) for name in ("q_norm", "k_norm") if extra_norms]
+        for owner, name in norms:
+            if links.parameter(links.child(owner, name), "weight").dtype != np.float32:
                 return links, blocks, f"layer {index}'s {name} is not float32"
         for owner, name in _PROJECTIONS:
             reason = _linear_reason(links, attn if owner == "attn" else mlp, name)
@@ -170,6 +188,7 @@ def _build(model: Any) -> tuple:
     c = model.config
     heads, kv_heads, E = c.num_heads, c.num_kv_heads, c.head_dim
     blocks, table, orders, norms, eps = [], [], [], [], []
+    gemma = bool(_layout(model)[2])
 
     def add(tensor, offset: int) -> None:
         raw = np.ascontiguousarray(tensor.raw)
@@ -190,21 +209,40 @@ def _build(model: Any) -> tuple:
         q_order = np.arange(heads * E) if q.row_order is None else q.row_order
         k_order = np.arange(kv_heads * E) if k.row_order is None else k.row_order
         orders.append(np.concatenate([q_order, heads * E + k_order]))
-        for norm in (block.attn_norm, block.mlp_norm):
-            norms.append(np.ascontiguousarray(norm.weight, np.float32))
-            eps.append(norm.eps)
+        for owner, name in zip((block,) * 4 + (block.attn,) * 2, LAYER_NORMS):
+            if gemma or name in ("attn_norm", "mlp_norm"):
+                norm = getattr(owner, name)
+                norms.append(np.ascontiguousarray(norm.weight, np.float32))
+                eps.append(norm.eps)
     norms.append(np.ascontiguousarray(model.norm.weight, np.float32))
     eps.append(model.norm.eps)
     embed = model.embed.quantized
-    head = embed if c.tie_word_embeddings else model.lm_head.quantized
+    head = embed if getattr(c, "tie_word_embeddings", True) else model.lm_head.quantized
     add(embed, 0)
     add(head, 0)
     scale = layers[0].attn.scale
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    windows = [getattr(block.attn, "window", 0) for block in layers]  # 0: no window
+    windows = [getattr(block.attn, "window", None) or 0 for block in layers]  # 0: no window
+    flags: dict[str, Any] = {}
+    if gemma:  # global layers rotate with table 0 (rotary_global), local ones with 1 (`_rotaries`)
+        flags = dict(ropes=[0 if w == 0 else 1 for w in windows], post_norms=True, qk_norm=True, gelu_tanh=True,
+                     embed_scale=math.sqrt(c.hidden_size), softcap=c.final_logit_softcapping)
     frame = step.prepare(np.array(table, np.int64), np.array(orders, np.int64), norms, eps, scale, heads, kv_heads,
-                         E, head.shape[0], windows)
+                         E, head.shape[0], windows, **flags)
     return frame, blocks
+
+
+def _rotaries(model: Any) -> tuple:
+    """The model's rotary embeddings in the frame's table order (Llama: one; Gemma 3: global, local)."""
+    if getattr(type(model), "STEP_MODULES", None) is not None:
+        return model.rotary_global, model.rotary_local
+    return (model.rotary,)
+
+
+def _tables(model: Any, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (kinds, N, E) float32 C-contiguous of the rows at `positions` (N,)."""
+    pairs = [rotary.cos_sin(positions) for rotary in _rotaries(model)]
+    return (np.ascontiguousarray(np.stack([pair[i] for pair in pairs]), np.float32) for i in (0, 1))
 
 
 class _Prepared:
@@ -296,7 +334,7 @@ def compiled_step_reason(model: Any, ids: np.ndarray | None = None, positions: n
     """Why a decode step of `model` does not run as one compiled call, or None when it does.
 
     Arguments:
-        model: a `LlamaForCausalLM`.
+        model: a `LlamaForCausalLM` or a `Gemma3ForCausalLM`.
         ids, positions: (B, 1) the step's tokens and their positions (None: not asked).
         cache: the `KVCache` it appends to (None: not asked).
 
@@ -328,12 +366,16 @@ def fused_logits(model: Any, ids: np.ndarray, positions: np.ndarray, cache: KVCa
     int8, B = current_activations() == "int8", ids.shape[0]
     try:
         if B == 1 and not cache.has_padding:
-            cos, sin = model.rotary.at(slot)
+            rotaries = _rotaries(model)
+            if len(rotaries) == 1:
+                cos, sin = rotaries[0].at(slot)
+            else:
+                cos, sin = (np.stack(t) for t in zip(*(rotary.at(slot) for rotary in rotaries)))
             logits = step.decode_step(int(ids[0, 0]), slot, found.frame, cos, sin, keys[:, 0], values[:, 0],
                                       int8=int8, parts=_parts(parts))[None]
         else:
             where = np.asarray(positions).reshape(-1)
-            cos, sin = (np.ascontiguousarray(t, np.float32) for t in model.rotary.cos_sin(where))
+            cos, sin = _tables(model, where)
             tables = np.arange(B, dtype=np.int32)[:, None]  # sequence b: block b, max_length long
             logits = step.batch_step(np.asarray(ids).reshape(-1), np.full(B, slot), tables, np.ones(B, bool),
                                      found.frame, cos, sin, keys, values, int8=int8, parts=_parts(parts),
@@ -381,7 +423,7 @@ def batch_logits(model: Any, cache: Any, rows: list, runs: list, threads: int | 
         tables[first:stop, :len(table)] = table
     tokens = np.array([row.token for row in rows], np.int64)
     wanted = np.array([row.logits for row in rows], bool)
-    cos, sin = (np.ascontiguousarray(t, np.float32) for t in model.rotary.cos_sin(slots))
+    cos, sin = _tables(model, slots)
     try:
         return step.batch_step(tokens, slots, tables, wanted, found.frame, cos, sin, cache.keys, cache.values,
                                int8=current_activations() == "int8", parts=_parts(threads))

@@ -25,8 +25,8 @@ import numpy as np
 
 from attnkit.kernels import native
 from attnkit.quant.products import half_table
-from attnkit.models.llama.step_kernels import COLUMNS, FRAME, MATRICES_PER_LAYER, ROWS, TABLE_COLUMNS, build, \
-    shared_size, source_digest
+from attnkit.models.llama.step_kernels import COLUMNS, FRAME, LAYER_NORMS, MATRICES_PER_LAYER, ROWS, TABLE_COLUMNS, \
+    build, shared_size, source_digest
 
 __all__ = ["FRAME", "Frame", "batch_step", "decode_step", "prepare", "shared_size"]
 
@@ -47,14 +47,18 @@ class Frame:
     the largest step), the worker threads, and the lock that lets one step at a time use them."""
 
     def __init__(self, table: np.ndarray, orders: np.ndarray, norms: tuple, floats: np.ndarray, heads: int,
-                 kv_heads: int, E: int, vocab: int, windows: np.ndarray | None = None) -> None:
+                 kv_heads: int, E: int, vocab: int, windows: np.ndarray | None = None, ropes: np.ndarray | None = None,
+                 flags: dict | None = None) -> None:
         layers = orders.shape[0]
         windows = np.zeros(layers, np.int64) if windows is None else windows
+        ropes = np.zeros(layers, np.int64) if ropes is None else ropes
+        flags = {} if flags is None else flags
         embed = MATRICES_PER_LAYER * layers  # the embedding's row; the gate's is 4
         self.d, self.ff = int(table[embed, COLUMNS]), int(table[4, ROWS])
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, E
         self.addresses = np.array([n.ctypes.data for n in norms], np.int64)
-        self.keep = (table, orders, floats, norms, windows)
+        self.keep = (table, orders, floats, norms, windows, ropes)
+        self.rope_kinds = int(ropes.max()) + 1 if layers else 1
         self.barrier = np.zeros(2, np.int64)
         self.shared = np.empty(0, np.float32)
         self.lock = threading.Lock()
@@ -67,7 +71,8 @@ class Frame:
                                 norms=self.addresses.ctypes.data, floats=floats.ctypes.data, layers=layers,
                                 heads=heads, kv_heads=kv_heads, head_dim=E, vocab=vocab,
                                 half=half_table().ctypes.data, barrier=self.barrier.ctypes.data,
-                                windows=windows.ctypes.data).items():
+                                windows=windows.ctypes.data, ropes=ropes.ctypes.data, rope_kinds=self.rope_kinds,
+                                **{name: int(bool(value)) for name, value in flags.items()}).items():
             record[name] = value
 
     def field(self, name: str) -> int:
@@ -92,7 +97,9 @@ class Frame:
 
 
 def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale: float, heads: int, kv_heads: int,
-            E: int, vocab: int, windows: Any = None) -> Frame:
+            E: int, vocab: int, windows: Any = None, *, ropes: Any = None, post_norms: bool = False,
+            qk_norm: bool = False, gelu_tanh: bool = False, embed_scale: float = 1.0,
+            softcap: float | None = None) -> Frame:
     """A model's frame for `batch_step`.
 
     Arguments:
@@ -100,12 +107,20 @@ def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale
             blocks, which the caller keeps alive with the model): 7 a layer (query, key,
             value, output, gate, up, down), then the embedding and the output head.
         orders: (L, Hq E + Hkv E) int64, the output order of each layer's query and key rows.
-        norms: the 2L + 1 RMSNorm weights, float32 C-contiguous (read where they are: an
-            edit in place reaches the step).
+        norms: the S L + 1 RMSNorm weights, float32 C-contiguous (read where they are: an
+            edit in place reaches the step): each layer's in `LAYER_NORMS` order (attention,
+            feed-forward (d,); with `post_norms` post-attention, post-feed-forward (d,); with
+            `qk_norm` query, key (E,)), then the final norm (d,).
         eps: their epsilons; scale: the score scale.
         heads, kv_heads, E, vocab: the model's sizes.
         windows: (L,) each layer's sliding window (a query sees its last `window` keys,
             itself included), 0 for none; None (default): no layer has one.
+        ropes: (L,) each layer's rotary table, an index into `batch_step`'s cos and sin
+            (None: one table for every layer).
+        post_norms, qk_norm, gelu_tanh: Gemma 3's block (a norm after each sublayer too;
+            per-head query and key norms; tanh-GELU instead of SiLU); all False: Llama's.
+        embed_scale: the embedding rows' multiplier (float64; Gemma 3: sqrt(d)).
+        softcap: logits become softcap * tanh(logits / softcap) (None: as they are).
     """
     table = np.ascontiguousarray(table, np.int64)
     orders = np.ascontiguousarray(orders, np.int64)
@@ -113,16 +128,26 @@ def prepare(table: np.ndarray, orders: np.ndarray, norms: list, eps: list, scale
     if table.shape != (MATRICES_PER_LAYER * layers + 2, len(TABLE_COLUMNS)):
         raise ValueError(f"expected a table of shape ({MATRICES_PER_LAYER * layers + 2}, {len(TABLE_COLUMNS)}) for "
                          f"{layers} layers, got {table.shape}")
-    if orders.shape[1] != (heads + kv_heads) * E or len(norms) != 2 * layers + 1 or len(eps) != 2 * layers + 1:
-        raise ValueError(f"expected orders (L, {(heads + kv_heads) * E}) and {2 * layers + 1} norms and eps, got "
+    names = [name for name in LAYER_NORMS if not (name.startswith("post") and not post_norms)
+             and not (name[0] in "qk" and not qk_norm)]
+    count = len(names) * layers + 1
+    if orders.shape[1] != (heads + kv_heads) * E or len(norms) != count or len(eps) != count:
+        raise ValueError(f"expected orders (L, {(heads + kv_heads) * E}) and {count} norms and eps, got "
                          f"{orders.shape}, {len(norms)} and {len(eps)}")
-    if any(n.dtype != np.float32 or not n.flags.c_contiguous or n.shape != norms[0].shape for n in norms):
-        raise ValueError("expected the norms' weights float32, C-contiguous, of one shape")
-    floats = np.array([scale, *eps], np.float64)
+    d = norms[-1].shape
+    sizes = [(E,) if name[0] in "qk" else d for name in names] * layers + [d]
+    if any(n.dtype != np.float32 or not n.flags.c_contiguous or n.shape != size for n, size in zip(norms, sizes)):
+        raise ValueError(f"expected the norms' weights float32, C-contiguous, of shapes {d} (and ({E},) for the "
+                         "query and key norms)")
+    floats = np.array([scale, embed_scale, 0.0 if softcap is None else softcap, *eps], np.float64)
     windows = np.zeros(layers, np.int64) if windows is None else np.array(windows, np.int64).reshape(-1)
     if windows.shape != (layers,) or (windows < 0).any():
         raise ValueError(f"expected {layers} windows >= 0 (0: none), got {windows.tolist()}")
-    return Frame(table, orders, tuple(norms), floats, heads, kv_heads, E, vocab, windows)
+    ropes = np.zeros(layers, np.int64) if ropes is None else np.array(ropes, np.int64).reshape(-1)
+    if ropes.shape != (layers,) or (ropes < 0).any():
+        raise ValueError(f"expected {layers} rotary table indices >= 0, got {ropes.tolist()}")
+    return Frame(table, orders, tuple(norms), floats, heads, kv_heads, E, vocab, windows, ropes,
+                 dict(post_norms=post_norms, qk_norm=qk_norm, gelu_tanh=gelu_tanh))
 
 
 def _check_caches(frame: Frame, keys: np.ndarray, values: np.ndarray) -> None:
@@ -149,7 +174,8 @@ def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted
             tables[i, p // block_size], at p % block_size).
         wanted: (N,) bool, the rows whose logits are computed, in row order.
         frame: the model's, from `prepare`.
-        cos, sin: (N, E) float32 C-contiguous, the rows' rotary tables.
+        cos, sin: (N, E) float32 C-contiguous, the rows' rotary tables, or (kinds, N, E)
+            one per kind of layer (`prepare`'s ropes index the first axis).
         keys, values: (L, blocks, Hkv, block_size, E) float32 C-contiguous, the cache.
         int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
         parts: threads (the calling thread runs part 0, the frame's workers the others).
@@ -180,9 +206,11 @@ def batch_step(tokens: np.ndarray, slots: np.ndarray, tables: np.ndarray, wanted
         raise ValueError(f"expected slots within each row's block table and block ids in [0, {blocks}), got slots "
                          f"{slots.min()}..{slots.max()}, tables of width {tables.shape[1]}, ids "
                          f"{tables.min()}..{tables.max()}")
-    if any(t.shape != (n, E) or t.dtype != np.float32 or not t.flags.c_contiguous for t in (cos, sin)):
-        raise ValueError(f"expected cos and sin of shape ({n}, {E}), float32 and C-contiguous, got {cos.shape} "
-                         f"{cos.dtype} and {sin.shape} {sin.dtype}")
+    kinds = frame.rope_kinds
+    cos, sin = (t.reshape(1, *t.shape) if t.ndim == 2 else t for t in (cos, sin))
+    if any(t.shape != (kinds, n, E) or t.dtype != np.float32 or not t.flags.c_contiguous for t in (cos, sin)):
+        raise ValueError(f"expected cos and sin of shape ({kinds}, {n}, {E}) (or ({n}, {E}) for one table), float32 "
+                         f"and C-contiguous, got {cos.shape} {cos.dtype} and {sin.shape} {sin.dtype}")
     if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
         raise ValueError(f"expected parts to be a positive int, got {parts!r}")
     entry = _entries()["step"]
@@ -220,7 +248,8 @@ def decode_step(token: int, slot: int, frame: Frame, cos: np.ndarray, sin: np.nd
 
     Arguments:
         frame: the model's, from `prepare`.
-        cos, sin: (E,) float32 C-contiguous, the token's rotary tables.
+        cos, sin: (E,) float32 C-contiguous, the token's rotary tables, or (kinds, E) one per
+            kind of layer.
         keys, values: (L, Hkv, max, E) float32 C-contiguous, the sequence's cache (the new key
             and value are written at `slot`).
         int8: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations.
@@ -231,7 +260,7 @@ def decode_step(token: int, slot: int, frame: Frame, cos: np.ndarray, sin: np.nd
     if not (0 <= token < frame.embed_rows and 0 <= slot < keys.shape[2]):
         raise ValueError(f"expected a token in [0, {frame.embed_rows}) at a slot in [0, {keys.shape[2]}), got {token} "
                          f"at {slot}")
+    cos, sin = (t.reshape(-1, 1, t.shape[-1]) for t in (cos, sin))  # (kinds, 1, E)
     logits = batch_step(np.array([token]), np.array([slot]), np.zeros((1, 1), np.int32), np.ones(1, bool), frame,
-                        cos.reshape(1, -1), sin.reshape(1, -1), keys[:, None], values[:, None], int8=int8,
-                        parts=parts)
+                        cos, sin, keys[:, None], values[:, None], int8=int8, parts=parts)
     return logits[0]

@@ -16,6 +16,13 @@ A contiguous `KVCache` of B sequences is the paged cache whose blocks are max_le
 (its (L, B, Hkv, max, E) stores are already layer-major): one sequence's step is the N = 1
 case (`step.decode_step`).
 
+Gemma 3's step is the same code with the frame's flags set (`Gemma3Block.forward`'s
+arithmetic): `qk_norm` (each head's query and key RMS-normalized over E, float32, before
+the rotation), `post_norms` (each sublayer's output RMS-normalized, float32, before the
+float64 residual sum), `gelu_tanh` (tanh-GELU instead of SiLU), the embedding's multiplier
+and the logits' soft cap (the frame's floats), and `ropes` (each layer's rotary table: cos
+and sin are (kinds, N, E)).
+
 Products are the loops of `attnkit.quant` on row ranges, X (N, K) against W's rows, with
 float32 activations (the default: `_matmat_*`, each block decoded once for four rows of X)
 or, with `quant.activations("int8")`, on 8-bit activations as llama.cpp runs them.
@@ -54,10 +61,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["FRAME", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep", "Scratch", "StepArrays", "build",
-           "shared_size", "source_digest"]
+from attnkit.models.llama.step_pieces import _attend, _barrier, _exp_shifted, _gated, _residual, _rms_norm, \
+    _rms_norm32, _rotate, _score, _share
+
+__all__ = ["FLOATS_BEFORE_EPS", "FRAME", "LAYER_NORMS", "MATRICES_PER_LAYER", "TABLE_COLUMNS", "CompiledStep",
+           "Scratch", "StepArrays", "build", "shared_size", "source_digest"]
 
 MATRICES_PER_LAYER = 7  # query, key, value, output, gate, up, down
+LAYER_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+"""A layer's norms in the frame's order: the first two always, the post-sublayer pair with
+`post_norms`, the query/key pair with `qk_norm` (those two over the head dimension)."""
+FLOATS_BEFORE_EPS = 3  # the score scale, the embedding's scale, the logits' soft cap
 TABLE_COLUMNS = ("address", "rows", "row_bytes", "code", "columns", "offset")
 """The columns of the matrices' table (int64, one row a matrix): the blocks' address, rows,
 bytes per row, ggml's type number (`attnkit.quant.GGMLType`), K, and the offset of
@@ -70,8 +84,11 @@ FRAME = np.dtype([
     #                       then the embedding and the output head
     ("matrices", np.int64),  # rows of the table
     ("orders", np.int64),  # (L, Hq E + Hkv E) int64: the output order of each layer's query and key rows
-    ("norms", np.int64),  # (2L + 1,) int64: addresses of the RMSNorm weights (attention, feed-forward; final)
-    ("floats", np.int64),  # (2L + 2,) float64: the score scale, then each norm's eps
+    ("norms", np.int64),  # (S L + 1,) int64: addresses of the RMSNorm weights, S (`norm_stride`) a layer in
+    #                       `LAYER_NORMS` order (attention, feed-forward[, post-attention, post-feed-forward]
+    #                       [, query, key]), then the final norm
+    ("floats", np.int64),  # (FLOATS_BEFORE_EPS + S L + 1,) float64: the score scale, the embedding's scale, the
+    #                        logits' soft cap (0: none), then each norm's eps
     ("layers", np.int64),
     ("heads", np.int64),  # query heads
     ("kv_heads", np.int64),
@@ -81,6 +98,11 @@ FRAME = np.dtype([
     ("barrier", np.int64),  # (2,) int64: the parts' counter and generation
     ("windows", np.int64),  # (L,) int64: each layer's sliding window (a query sees its last `window` keys,
     #                         itself included), 0: none
+    ("ropes", np.int64),  # (L,) int64: each layer's rotary table (an index into cos and sin's first axis)
+    ("rope_kinds", np.int64),  # how many rotary tables (Llama 1; Gemma 3 2: global, local)
+    ("post_norms", np.int64),  # 1: a norm after each sublayer too (Gemma 3), applied before the residual sum
+    ("qk_norm", np.int64),  # 1: queries and keys RMS-normalized per head before the rotation (Gemma 3)
+    ("gelu_tanh", np.int64),  # 1: the gate through tanh-GELU (Gemma 3), 0: SiLU (Llama)
     # set by each step (`batch_step`)
     ("rows", np.int64),  # N, the step's token rows
     ("tokens", np.int64),  # (N,) int64: each row's token
@@ -92,7 +114,7 @@ FRAME = np.dtype([
     ("outputs_count", np.int64),
     ("parts", np.int64),
     ("int8", np.int64),  # 1: the products of Q4_0, Q4_1 and Q8_0 on 8-bit activations
-    ("cos", np.int64),  # (N, E) float32: the rows' rotary tables
+    ("cos", np.int64),  # (rope_kinds, N, E) float32: the rows' rotary tables, one per kind of layer
     ("sin", np.int64),
     ("keys", np.int64),  # (L, blocks, Hkv, block_size, E) float32: the paged cache
     ("values", np.int64),
@@ -111,21 +133,22 @@ class StepArrays(NamedTuple):
 
     table: Any  # (matrices, 6) int64
     orders: Any  # (L, Hq E + Hkv E) int64
-    norms: Any  # (2L + 1,) int64 addresses
-    floats: Any  # (2L + 2,) float64
+    norms: Any  # (S L + 1,) int64 addresses
+    floats: Any  # (FLOATS_BEFORE_EPS + S L + 1,) float64
     tokens: Any  # (N,) int64
     slots: Any  # (N,) int64
     starts: Any  # (N,) int64
     tables: Any  # (N, width) int32
     outputs: Any  # (N,) int64
-    cos: Any  # (N, E) float32
-    sin: Any  # (N, E) float32
+    cos: Any  # (rope_kinds, N, E) float32
+    sin: Any  # (rope_kinds, N, E) float32
     keys: Any  # (L, blocks, Hkv, block_size, E) float32
     values: Any  # (L, blocks, Hkv, block_size, E) float32
     half: Any  # (65536,) float32
     shared: Any  # float32 scratch
     logits: Any  # (outputs_count, V) float32
     windows: Any  # (L,) int64, 0: no window
+    ropes: Any  # (L,) int64, each layer's rotary table
 
 
 class Scratch(NamedTuple):
@@ -215,138 +238,6 @@ def _group(table, start, count, x, part, parts, int8, half, scratch, out):  # pr
                      out[:, at: at + rows])
 
 
-def _barrier(address, parts):  # pragma: no cover - compiled
-    """Wait until every part arrived (int64 counter at `address`, generation at + 8): the
-    last to arrive resets the counter and moves the generation on; the others spin on it
-    (then yield, when it takes long: another process may hold their CPU)."""
-    if parts == 1:
-        return
-    generation = _atomic_load(address + 8)  # noqa: F821
-    if _atomic_add(address, 1) == parts - 1:  # noqa: F821
-        _atomic_add(address, -parts)  # noqa: F821
-        _atomic_add(address + 8, 1)  # noqa: F821
-        return
-    spins = 0
-    while _atomic_load(address + 8) == generation:  # noqa: F821
-        spins += 1
-        if spins < 20000:
-            _pause()  # noqa: F821
-        else:
-            _sched_yield()  # noqa: F821
-
-
-def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
-    """out (d,) float32 = x / sqrt(mean(x^2) + eps) * weight, x float64 (the residual
-    stream), computed in float64 and rounded once (as `RMSNorm.forward`)."""
-    d = x.shape[0]
-    total = 0.0
-    for i in range(d):
-        total += x[i] * x[i]
-    root = np.sqrt(total / d + eps)
-    for i in range(d):
-        out[i] = np.float32((x[i] / root) * np.float64(weight[i]))
-
-
-def _rotate(v, heads, E, cos, sin):  # pragma: no cover - compiled
-    """Rotary embedding in place on v (heads * E,), "rotate half" pairs (i, i + E/2)."""
-    half = E // 2
-    for h in range(heads):
-        o = h * E
-        for i in range(half):
-            a = v[o + i]
-            b = v[o + half + i]
-            v[o + i] = a * cos[i] - b * sin[i]
-            v[o + half + i] = b * cos[half + i] + a * sin[half + i]
-
-
-def _exp_shifted(s, n, top):  # pragma: no cover - compiled
-    """s[t] <- exp(s[t] - top) for t < n, float32 (`_loops.exp32`, 0.7 ulp; compiled with
-    contraction only: reassociation would undo the exp's range reduction)."""
-    for t in range(n):
-        s[t] = _exp32(s[t] - top)  # noqa: F821
-
-
-def _silu_times(both, out):  # pragma: no cover - compiled
-    """out[k] = SiLU(gate) * up for both = (gate, up) (2 ff,), float32, the exp by the
-    vectorized polynomial `_loops.exp32` (libm's exp, one call an element, took about a
-    sixth of an 8-row step; compiled with contraction only, as `_exp_shifted`)."""
-    ff = out.shape[0]
-    for k in range(ff):
-        gate = both[k]
-        out[k] = gate / (np.float32(1.0) + _exp32(min(-gate, np.float32(80.0)))) * both[ff + k]  # noqa: F821
-
-
-def _score(q, key, scale):  # pragma: no cover - compiled
-    """q . key * scale, float32 (summed in any order)."""
-    s = np.float32(0.0)
-    for e in range(q.shape[0]):
-        s += q[e] * key[e]
-    return s * scale
-
-
-def _attend(i, h, layer, frame, arrays, rotated, scores, mixed, attended):  # pragma: no cover - compiled
-    """Row i's head h (its query in `rotated[i]`) over its sequence's cached keys
-    starts[i] .. slot (its own and those of the step's earlier rows of its sequence were
-    written before the barrier), in the paged cache through the row's block table, in
-    float32 as the module path's attention: scores, their exps by a vectorized polynomial,
-    the weighted values in key order, one division by the exps' sum at the end. The same
-    code and order whatever else is in the step. A layer with a sliding window w attends
-    over slots max(start, slot - w + 1) .. slot only (the module path's band: key j is seen
-    from position i when i - w < j <= i)."""
-    heads, kv_heads, E, size = frame.heads, frame.kv_heads, frame.head_dim, frame.block_size
-    keys, vals = arrays.keys, arrays.values
-    first, count = arrays.starts[i], arrays.slots[i] + 1  # keys first .. count - 1
-    window = arrays.windows[layer]
-    if window > 0:
-        first = max(first, count - window)
-    table = arrays.tables[i]
-    g = h // (heads // kv_heads)
-    q = rotated[i, h * E: (h + 1) * E]
-    scale32 = np.float32(arrays.floats[0])
-    top = np.float32(-np.inf)
-    t = first
-    while t < count:  # key t in block table[t // size] at t % size, in order
-        b = t // size
-        block, stop = table[b], min(count, (b + 1) * size)
-        for u in range(t, stop):
-            scores[u - first] = _score(q, keys[layer, block, g, u - b * size], scale32)
-            top = max(top, scores[u - first])
-        t = stop
-    _exp_shifted(scores, count - first, top)
-    total = np.float32(0.0)
-    for u in range(count - first):
-        total += scores[u]
-    for e in range(E):
-        mixed[e] = np.float32(0.0)
-    t = first
-    while t < count:
-        b = t // size
-        block, stop = table[b], min(count, (b + 1) * size)
-        for u in range(t, stop):
-            w = scores[u - first]
-            value = vals[layer, block, g, u - b * size]
-            for e in range(E):
-                mixed[e] += w * value[e]
-        t = stop
-    inverse = np.float32(1.0) / total
-    for e in range(E):
-        attended[i, h * E + e] = mixed[e] * inverse
-
-
-def _add_rows(x, projected):  # pragma: no cover - compiled
-    """x (N, d) float64 += projected (N, d) float32, row by row (1-D loops)."""
-    for i in range(x.shape[0]):
-        row, add = x[i], projected[i]
-        for k in range(row.shape[0]):
-            row[k] += add[k]
-
-
-def _share(count, parts, part):  # pragma: no cover - compiled
-    """Items [first, stop) of `count` that part `part` of `parts` takes (contiguous, in order)."""
-    step = (count + parts - 1) // parts
-    return min(count, part * step), min(count, (part + 1) * step)
-
-
 def _step(part, frame, arrays):  # pragma: no cover - compiled
     """Part `part` of N token rows through every layer (see the module docstring).
 
@@ -358,6 +249,9 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     tokens, slots, tables, outputs = arrays.tokens, arrays.slots, arrays.tables, arrays.outputs
     heads, kv_heads, E, size = frame.heads, frame.kv_heads, frame.head_dim, frame.block_size
     parts, barrier, int8, n = frame.parts, frame.barrier, frame.int8 != 0, frame.rows
+    post_norms, qk_norm, gelu, ropes = frame.post_norms != 0, frame.qk_norm != 0, frame.gelu_tanh != 0, arrays.ropes
+    stride = 2 + 2 * frame.post_norms + 2 * frame.qk_norm  # norms a layer (LAYER_NORMS)
+    qk_at = 2 + 2 * frame.post_norms  # the query norm's place in a layer's norms
     layers = keys.shape[0]
     embed = MATRICES_PER_LAYER * layers  # noqa: F821
     d = table[embed, COLUMNS]  # noqa: F821
@@ -375,7 +269,7 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     for i in range(n):
         _dequantize_row(raw, values, tokens[i], table[embed, CODE], half, row)  # noqa: F821
         for k in range(d):
-            x[i, k] = np.float64(row[k])
+            x[i, k] = np.float64(row[k]) * floats[1]  # Gemma's sqrt(d) in float64 (1.0: Llama)
     normed = np.empty((n, d), np.float32)
     qkv_rows = (heads + 2 * kv_heads) * E
     rotated = np.empty((n, qkv_rows), np.float32)
@@ -397,10 +291,13 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
     pairs_first, pairs_stop = _share(n * heads, parts, part)  # the (row, head) pairs it attends
     for layer in range(layers):
         base = MATRICES_PER_LAYER * layer  # noqa: F821
+        at_norm = stride * layer
+        eps_at = FLOATS_BEFORE_EPS + at_norm  # noqa: F821
+        kind = ropes[layer]
         # attention
-        weight = carray(_f32(norms[2 * layer]), (d,))  # noqa: F821
+        weight = carray(_f32(norms[at_norm]), (d,))  # noqa: F821
         for i in range(n):
-            _rms_norm(x[i], weight, floats[1 + 2 * layer], normed[i])
+            _rms_norm(x[i], weight, floats[eps_at], normed[i])
         _group(table, base, 3, normed, part, parts, int8, half, scratch, qkv)
         _barrier(barrier, parts)
         order = orders[layer]  # (Hq E + Hkv E,): the query and key rows in output order
@@ -410,8 +307,16 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
                 into[k] = source[order[k]]
             for k in range(order.shape[0], qkv_rows):
                 into[k] = source[k]
-            _rotate(into[: heads * E], heads, E, cos[i], sin[i])
-            _rotate(into[heads * E: (heads + kv_heads) * E], kv_heads, E, cos[i], sin[i])
+            if qk_norm:  # each head's query and key over E, before the rotation
+                q_weight = carray(_f32(norms[at_norm + qk_at]), (E,))  # noqa: F821
+                k_weight = carray(_f32(norms[at_norm + qk_at + 1]), (E,))  # noqa: F821
+                for h in range(heads):
+                    _rms_norm32(into[h * E: (h + 1) * E], q_weight, floats[eps_at + qk_at], into[h * E: (h + 1) * E])
+                for h in range(heads, heads + kv_heads):
+                    _rms_norm32(into[h * E: (h + 1) * E], k_weight, floats[eps_at + qk_at + 1],
+                                into[h * E: (h + 1) * E])
+            _rotate(into[: heads * E], heads, E, cos[kind, i], sin[kind, i])
+            _rotate(into[heads * E: (heads + kv_heads) * E], kv_heads, E, cos[kind, i], sin[kind, i])
         for i in range(mine, mine_stop):
             block, offset = tables[i, slots[i] // size], slots[i] % size
             for g in range(kv_heads):
@@ -424,26 +329,34 @@ def _step(part, frame, arrays):  # pragma: no cover - compiled
         _barrier(barrier, parts)
         _group(table, base + 3, 1, attended, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        _add_rows(x, projected)
+        post = at_norm + 2 if post_norms else 0  # (an index in range when unused)
+        _residual(x, projected, post_norms, norms[post], floats[FLOATS_BEFORE_EPS + post], normed)  # noqa: F821
         # feed-forward
-        weight = carray(_f32(norms[2 * layer + 1]), (d,))  # noqa: F821
+        weight = carray(_f32(norms[at_norm + 1]), (d,))  # noqa: F821
         for i in range(n):
-            _rms_norm(x[i], weight, floats[2 + 2 * layer], normed[i])
+            _rms_norm(x[i], weight, floats[eps_at + 1], normed[i])
         _group(table, base + 4, 2, normed, part, parts, int8, half, scratch, gate_up)
         _barrier(barrier, parts)
         for i in range(n):
-            _silu_times(gate_up[i], hidden[i])
+            _gated(gate_up[i], ff, gelu, hidden[i])
         _group(table, base + 6, 1, hidden, part, parts, int8, half, scratch, projected)
         _barrier(barrier, parts)
-        _add_rows(x, projected)
+        _residual(x, projected, post_norms, norms[post + 1], floats[FLOATS_BEFORE_EPS + post + 1], normed)  # noqa: F821
     # the output head, for the rows that asked only (the largest product)
     wanted = np.empty((frame.outputs_count, d), np.float32)
-    weight = carray(_f32(norms[2 * layers]), (d,))  # noqa: F821
+    weight = carray(_f32(norms[stride * layers]), (d,))  # noqa: F821
     for i in range(n):
         if outputs[i] >= 0:
-            _rms_norm(x[i], weight, floats[1 + 2 * layers], wanted[outputs[i]])
+            _rms_norm(x[i], weight, floats[FLOATS_BEFORE_EPS + stride * layers], wanted[outputs[i]])  # noqa: F821
     if frame.outputs_count > 0:
         _group(table, embed + 1, 1, wanted, part, parts, int8, half, scratch, arrays.logits)
+        cap = np.float32(floats[2])
+        if cap > 0:  # cap * tanh(logits / cap) on the columns this part computed, in float32
+            first, stop = _part_rows(table[embed + 1, ROWS], parts, part)  # noqa: F821
+            logits = arrays.logits
+            for r in range(frame.outputs_count):
+                for v in range(first, stop):
+                    logits[r, v] = np.tanh(logits[r, v] / cap) * cap
 
 
 def _step_entry(frame_address, part):  # pragma: no cover - compiled
@@ -451,21 +364,22 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
     then `_step`."""
     frame = carray(_i64(frame_address), (FRAME_WORDS,)).view(FRAME)[0]  # noqa: F821
     layers, heads, kv_heads, E, n = frame.layers, frame.heads, frame.kv_heads, frame.head_dim, frame.rows
+    norms = (2 + 2 * frame.post_norms + 2 * frame.qk_norm) * layers + 1
     table = carray(_i64(frame.table), (frame.matrices, 6))  # noqa: F821
     d = table[MATRICES_PER_LAYER * layers, COLUMNS]  # noqa: F821
     cache = (layers, frame.blocks, kv_heads, frame.block_size, E)
     arrays = StepArrays(  # noqa: F821
         table,
         carray(_i64(frame.orders), (layers, (heads + kv_heads) * E)),  # noqa: F821
-        carray(_i64(frame.norms), (2 * layers + 1,)),  # noqa: F821
-        carray(_f64(frame.floats), (2 * layers + 2,)),  # noqa: F821
+        carray(_i64(frame.norms), (norms,)),  # noqa: F821
+        carray(_f64(frame.floats), (FLOATS_BEFORE_EPS + norms,)),  # noqa: F821
         carray(_i64(frame.tokens), (n,)),  # noqa: F821
         carray(_i64(frame.slots), (n,)),  # noqa: F821
         carray(_i64(frame.starts), (n,)),  # noqa: F821
         carray(_i32(frame.tables), (n, frame.width)),  # noqa: F821
         carray(_i64(frame.outputs), (n,)),  # noqa: F821
-        carray(_f32(frame.cos), (n, E)),  # noqa: F821
-        carray(_f32(frame.sin), (n, E)),  # noqa: F821
+        carray(_f32(frame.cos), (frame.rope_kinds, n, E)),  # noqa: F821
+        carray(_f32(frame.sin), (frame.rope_kinds, n, E)),  # noqa: F821
         carray(_f32(frame.keys), cache),  # noqa: F821
         carray(_f32(frame.values), cache),  # noqa: F821
         carray(_f32(frame.half), (1 << 16,)),  # noqa: F821
@@ -473,6 +387,7 @@ def _step_entry(frame_address, part):  # pragma: no cover - compiled
                (n * ((heads + 2 * kv_heads) * E + heads * E + d + 2 * table[4, ROWS]),)),
         carray(_f32(frame.logits), (max(frame.outputs_count, 1), frame.vocab)),  # noqa: F821
         carray(_i64(frame.windows), (layers,)),  # noqa: F821
+        carray(_i64(frame.ropes), (layers,)),  # noqa: F821
     )
     _step(part, frame, arrays)
 
@@ -490,8 +405,8 @@ class CompiledStep(NamedTuple):
     namespace: dict
 
 
-_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rotate, _score, _attend, _add_rows, _share,
-           _step)
+_SERIAL = (_prepare, _runs_int8, _product, _group, _barrier, _rms_norm, _rms_norm32, _rotate, _score, _attend,
+           _residual, _share, _step)
 _EXACT = dict(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 
 
@@ -524,11 +439,12 @@ def build() -> CompiledStep:
         "_rows": loops["_matvec_rows"], "_int8": loops["_matvec_int8"], "_exp32": _loops.exp32,
         "_matmat_q4": loops["_matmat_q4"], "_matmat_q8_0": loops["_matmat_q8_0"],
         "FRAME": FRAME, "FRAME_WORDS": _FRAME_WORDS, "MATRICES_PER_LAYER": MATRICES_PER_LAYER,
+        "FLOATS_BEFORE_EPS": FLOATS_BEFORE_EPS,
         "ADDRESS": ADDRESS, "ROWS": ROWS, "ROW_BYTES": ROW_BYTES, "CODE": CODE, "COLUMNS": COLUMNS, "OFFSET": OFFSET,
         "StepArrays": StepArrays, "Scratch": Scratch,
     }
     namespace["_exp_shifted"] = nb.njit(**_EXACT)(_bound(_exp_shifted, namespace))
-    namespace["_silu_times"] = nb.njit(**_EXACT)(_bound(_silu_times, namespace))
+    namespace["_gated"] = nb.njit(**_EXACT)(_bound(_gated, namespace))
     options = dict(cache=True, fastmath=native.FASTMATH, nogil=True)
     for fn in _SERIAL:
         namespace[fn.__name__] = nb.njit(**options)(_bound(fn, namespace))
@@ -537,6 +453,8 @@ def build() -> CompiledStep:
 
 @lru_cache(maxsize=1)
 def source_digest() -> str:
-    """A digest of this file: the native library of the step is named by it (its folder is
-    named by `attnkit.kernels`' sources, which do not include this file)."""
-    return hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]
+    """A digest of this file and `step_pieces`: the native library of the step is named by it
+    (its folder is named by `attnkit.kernels`' sources, which do not include these files)."""
+    digest = hashlib.sha1(Path(__file__).read_bytes())
+    digest.update(Path(__file__).with_name("step_pieces.py").read_bytes())
+    return digest.hexdigest()[:12]

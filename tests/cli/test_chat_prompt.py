@@ -325,6 +325,7 @@ def test_a_typed_colour_code_is_text_not_a_mouse_event(monkeypatch):
     assert got == ["Say hello. [31mRED[0m", "a[Mxyzb", "[<0;1;1Mok", "[99z"]
 
 
+@pytest.mark.slow  # over 2 s in the quick loop (2-core Xeon, 2026-12-08)
 def test_any_typed_byte_sequence_gives_text_never_an_exception(monkeypatch):
     """Random sequences of the pieces escape sequences are made of, and of any characters:
     each prompt returns a string. Left out: keys that end the prompt or change its mode on

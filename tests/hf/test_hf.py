@@ -238,6 +238,7 @@ def test_tiled_trains_with_attention_dropout(implementation):
     assert torch.equal(losses[0][0], losses[1][0]) and torch.equal(losses[0][1], losses[1][1])
 
 
+@pytest.mark.slow  # over 2 s in the quick loop (2-core Xeon, 2026-12-08)
 def test_flash_dropout_gradients_match_finite_differences():
     """flash_attention(..., dropout_p): the backward draws each tile's mask again (gradcheck,
     float64, several tiles, with causal, GQA and softcap)."""

@@ -249,6 +249,7 @@ def test_serve_offers_a_transformers_folder(folders):
     assert doc["layers"] == 6 and doc["layer_names"][3] == "decoder 0 cross attention"
 
 
+@pytest.mark.slow  # over 2 s in the quick loop (2-core Xeon, 2026-12-08)
 def test_the_views_tokenize_as_transformers_does_not_with_tokenizer_json_padding(transformers):
     """MiniLM's tokenizer.json pads to a fixed 128 and cuts at 128; transformers' tokenizer
     call does neither unless asked, and the views must not either: a 13-token sentence is 13

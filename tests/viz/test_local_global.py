@@ -106,6 +106,7 @@ def test_html_names_local_and_global_layers():
     assert doc_payload(causal_maps(windows=(None, None)))["layer_names"] is None
 
 
+@pytest.mark.slow  # over 2 s in the quick loop (2-core Xeon, 2026-12-08)
 def test_show_gemma3_marks_local_and_global_layers(gemma3_file, tmp_path):
     """The embedded Gemma 3: layer 0 local (512), layer 5 global, the summary says which."""
     from attnkit.cli import app

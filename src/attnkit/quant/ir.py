@@ -69,7 +69,8 @@ def _ir_prefetch(builder, pointer) -> None:  # pragma: no cover - compiled
     """LLVM IR asking for the cache line at `pointer` (i8*): a read, kept in every cache
     level. A decode product streams its weights from the file's pages, whose 4 KB boundaries
     stop the hardware prefetcher: the row loops ask for the rows `PREFETCH_ROWS` ahead
-    themselves (the Q8_0 output head ran 5x faster so)."""
+    themselves (the Q8_0 output head ran several times faster so; docs/benchmarks.md,
+    'Measurements behind design choices')."""
     from llvmlite import ir
     from numba.core import cgutils
 

@@ -287,8 +287,9 @@ def _dequantize_row(raw, values, r, code, half, out):  # pragma: no cover - comp
         size = raw.shape[1] // blocks if blocks else Q4_0_BYTES  # 18 or 20 bytes a block
         has_min = code == Q4_1
         # n is 16, computed from the array: with a literal 16 LLVM unrolled the loops into
-        # scalar code (0.54 ns a weight); a count it cannot fold keeps them loops, which it
-        # vectorizes (0.29 ns, Zen 4; a 50-token prefill spends a fifth of its time here)
+        # scalar code; a count it cannot fold keeps them loops, which it vectorizes, much
+        # faster (a prefill spends a good part of its time here; docs/benchmarks.md,
+        # 'Measurements behind design choices')
         n = size - (4 if has_min else 2)
         row = raw[r]
         for b in range(blocks):
@@ -407,9 +408,10 @@ def _dequantize_rows(raw, values, start, code, half, out):  # pragma: no cover -
 # ----------------------------------------------------------------------------- Q5_0, Q4_K, Q6_K on float32 x
 # Four rows at a time through their IR loops, as Q4_0/Q4_1 (`_matvec_q4`): the weights
 # widened in vector lanes block by block and multiplied with x at once, never written out as
-# a float32 row. (Loops written here in Python ran at 4-5.5 GMAC/s on Gemma 3's matrices:
-# numba's integer lanes are 64-bit, and short loops per block paid their set-up each time;
-# the row dequantized first, then summed, at 2-4.)
+# a float32 row. (Loops written here in Python ran slower on Gemma 3's matrices: numba's
+# integer lanes are 64-bit, and short loops per block paid their set-up each time; the row
+# dequantized first, then summed, slower still. docs/benchmarks.md, 'Measurements behind
+# design choices'.)
 
 def _matvec_q5_0(raw, x, out, first, stop):  # pragma: no cover - compiled
     """Q5_0 on float32 x, four rows of W at a time through the IR loop `_rows4f_q5_0`

@@ -44,9 +44,9 @@ backward folds -D into its dP matmul the same way. With the compiled kernels
 band's edges and sums the rows in the forward, and the backward makes dS, finds
 the dominant keys and sums dS in a second one, so every product runs at the
 head's own width and no ones column is copied. (Not exp2 with log2(e)
-folded into the scale: NumPy's exp2 is twice as fast as exp on arguments in
-[-126, 0] but 3-40x slower on -inf and on results that underflow, which masked
-and causal tiles are full of.)
+folded into the scale: NumPy's exp2 is faster than exp on arguments in
+[-126, 0] but many times slower on -inf and on results that underflow, which masked
+and causal tiles are full of; docs/benchmarks.md, 'Measurements behind design choices'.)
 
 Exactness between the two passes: tiles sit on one (block_q, block_k) grid in
 the forward and the backward and their scores come from one function

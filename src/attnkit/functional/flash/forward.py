@@ -207,8 +207,9 @@ def _fused_tiles(plan: FlashPlan, inputs: _ForwardInputs, rows: _Rows, qs, ka, v
 
     The heads whose piece fits the L2 cache together go side by side in each
     call (`_heads_per_call`): a causal diagonal is cut into pieces of piece_q
-    rows, and each piece's calls cost about 10 µs of Python and dispatch on
-    top of its work. NumPy's batched product multiplies head by head, so each
+    rows, and each piece's calls carry a fixed cost of Python and dispatch on
+    top of its work (docs/benchmarks.md, 'Measurements behind design
+    choices'). NumPy's batched product multiplies head by head, so each
     head's scores are the bits `_tile_scores` forms on one head."""
     assert plan.mask is None and plan.mask_mod is None, "the fast path takes no mask"
     cd = ka.dtype

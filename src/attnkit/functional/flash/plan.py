@@ -34,34 +34,31 @@ def choose_blocks(L: int, S: int, itemsize: int, banded: bool) -> tuple[int, int
     MAX_BLOCK and as many query rows (up to MAX_BLOCK_Q) as make a tile of twice
     the L2 cache the OS reports (512 x 512 float32 scores from a 512 KiB L2,
     1024 x 512 from 1 MiB). On the AVX-512 EPYC (1 MiB L2 a core) 1024-row
-    tiles against the earlier cap of 512 (H = 8, E = 64, best of 10
-    interleaved): forward at L = 2048 58.0 -> 55.2 ms on one thread, 35.2 ->
-    30.3 on two; forward + backward 198 -> 193 and 112 -> 103; L = 1024 and
-    4096 and a causal L = 1024 the same or better: fewer tasks, each sampling
-    its shifts and streaming its keys once for twice the rows.
+    tiles were as fast as the earlier cap of 512 or faster, forward and
+    forward + backward, on one thread and on two, causal too: fewer tasks, each
+    sampling its shifts and streaming its keys once for twice the rows.
 
     Key blocks are never 256 wide: that is the inner side of the P [V, 1] and
     dS K products, and on a first-generation Zen EPYC (OpenBLAS's Haswell
-    kernel) single-thread sgemm with an inner side of 256 ran at 9-11 GFLOP/s
-    against 33-35 for 384 or 512, so 512 x 256 tiles made the forward 1.6-1.7x
-    and the backward 2.0-2.3x slower than 512 x 512 (L = 1024 ... 4096, fresh
-    processes). A tile of twice the L2 beat one the L2 holds (256 x 512) by
-    about 5% there: each pass streams it once and the products reuse it by rows.
+    kernel) single-thread sgemm with an inner side of 256 ran at a fraction of
+    the speed of 384 or 512, so 512 x 256 tiles made both passes much slower
+    than 512 x 512. A tile of twice the L2 beat one the L2 holds (256 x 512)
+    there: each pass streams it once and the products reuse it by rows.
 
     Tiles a band's edge crosses (a causal diagonal, a window's edges) are cut
     into pieces of PIECE_ROWS rows (`FlashPlan.pieces`), each as wide as its
     rows see, so a causal self-attention keeps the full tiles (query blocks of
-    L / 4 along its diagonal made its L = 1024 forward ~10% slower). A
+    L / 4 along its diagonal made its forward slower). A
     chunk of rows over a longer cache (`banded`, no left edge, 2L < S) cuts
     its query blocks to L / 8 (at least 64): a tile the band crosses costs its
     full width, (n + 1) / 2n of the full matrix for n query blocks. The forward
     puts several heads side by side in each call when the tiles are small
     (`_heads_per_task`), and on the fused tiles when a band's pieces are: a
-    causal L = 1024 forward (H = 8, E = 64) has 9 pieces a head, 8 of them
-    128 rows high; head by head their calls' fixed costs put it at 0.67 of
-    the full forward's time, side by side at 0.64 (one thread, AVX-512 EPYC;
-    its products alone take 0.62: a 128-row product runs ~15% slower than a
-    512-row one, and each piece computes the triangle it cuts off)."""
+    causal forward has several pieces a head, most of them 128 rows high, and
+    side by side their calls' fixed costs weigh less than head by head (its
+    products alone still take most of the time: a 128-row product runs slower
+    than a 512-row one, and each piece computes the triangle it cuts off).
+    The figures: docs/benchmarks.md, 'Measurements behind design choices'."""
     budget = max(1, 2 * l2_cache_bytes() // itemsize)  # scores per tile
     block_k = max(1, min(S, MAX_BLOCK))
     block_q = max(32, min(MAX_BLOCK_Q, budget // block_k // 32 * 32))
@@ -176,8 +173,8 @@ class FlashPlan:
     # The compiled fused tiles (attnkit.kernels.flash: band_exp_tile, grad_scores_tile)
     # do each float32 tile's element-wise work in one pass: the shift, the band's mask
     # and the row sums, so keys and values need no ones column and the products run at
-    # the head's own width (on a Zen 4 with OpenBLAS's SkylakeX kernel, 512 x 512 by 65
-    # ran 10-12% slower than by 64). Chosen once per call, so that the forward and the
+    # the head's own width (a product by E + 1 columns runs slower than by E; docs/benchmarks.md,
+    # 'Measurements behind design choices'). Chosen once per call, so that the forward and the
     # backward form the same scores; float64 runs (`fused_in`) keep the reference path.
     fused: bool = False
     _band_cache: dict = field(default_factory=dict, repr=False)
@@ -272,12 +269,11 @@ class FlashPlan:
         both as offsets in the piece; one run, the whole piece, when the band's
         edge does not cross it. Its weights outside the band are 0, so a run
         leaves out only zero terms. A causal diagonal piece of 128 rows then
-        multiplies about (1 + 32 / 128) / 2 of its weights by V instead of all:
-        on the Zen 4 EPYC (one thread, 4 heads side by side) a 512 x 512
-        diagonal tile with its P V in runs of 32 rows took 0.59 of a full
-        tile's two products, against 0.66 as 128-row products (the score
-        product stays at 128 rows: with 32 its q kᵀ ran at half the speed, an
-        inner side of 64 over so few rows). Cached per piece."""
+        multiplies about (1 + 32 / 128) / 2 of its weights by V instead of all,
+        which made a diagonal tile cheaper than with 128-row products (the score
+        product stays at 128 rows: with 32 its q kᵀ ran much slower, an inner
+        side of 64 over so few rows). Cached per piece. The figures:
+        docs/benchmarks.md, 'Measurements behind design choices'."""
         key = ("values", r0, r1, k0, k1)
         found = self._band_cache.get(key)
         if found is None:
@@ -328,7 +324,8 @@ class FlashPlan:
         """(bias, empty): the band's additive (rows, cols) tile, 0 where it allows
         a pair and -inf where it does not, as the span of columns that hold a
         -inf (None when it allows all), and whether it allows none. Adding is
-        ~3x faster than np.copyto(where=); the tile depends only on the band
+        faster than np.copyto(where=) (docs/benchmarks.md, 'Measurements behind
+        design choices'); the tile depends only on the band
         relative to the tile and its shape, so it is cached across calls (a
         causal mask's diagonal tiles repeat for every head and every call)."""
         local = self.band.shifted(q0, k0)  # on the tile's own positions: j - i
@@ -481,8 +478,8 @@ def _make_plan(query, key, value, *, attn_mask=None, is_causal: bool = False, sc
     key_ones = L * shapes.group >= ONES_MIN_ROWS
     if not key_ones:
         # A few query rows (a decode step) make a tile of MAX_BLOCK keys too small for
-        # its NumPy calls: 1 query, 9 heads over 3 kv heads, S = 32768, one thread,
-        # key tiles of 512: 18.2 ms, 2048: 12.5, 8192: 11.0, 32768: 14.6.
+        # its NumPy calls; wider key tiles win, up to a point where one tile grows too big
+        # (docs/benchmarks.md, 'Measurements behind design choices').
         auto_k = min(S, max(auto_k, FEW_ROWS_KEYS))
     heads = math.prod(shapes.batch) * shapes.q_heads
     threads = useful_threads(num_threads, heads * L * S)  # the forward's work (see _flash_forward)

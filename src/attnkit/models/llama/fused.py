@@ -26,9 +26,10 @@ modules the step stands in for (`STEP_MODULES`: its attention and MLP), as Llama
 The frame (`step.prepare`: the addresses of the blocks and the norms, the row orders) is
 built from the model's public parts once per model and kept beside it (not in it). It is
 rebuilt when a weight or a module was replaced: while `attnkit.nn.module.structure_version()`
-has not moved since the last step, nothing was (about 1 us); when it has moved (any module
+has not moved since the last step, nothing was (a cheap check); when it has moved (any module
 of the process changed), the attributes the frame was built from are read again and
-compared by identity (`_Links.unchanged`, in C: about 40 us for SmolLM2).
+compared by identity (`_Links.unchanged`, in C). Timings: docs/benchmarks.md, 'Measurements
+behind design choices'.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def _exact(backend) -> bool:
 class _Links:
     """What a frame was built from, to compare by identity later: child modules and
     parameters through the modules' live views (`Module.child_modules`, `own_parameters`),
-    plain attributes through `getattr`. The comparisons run in C (`map`): about 40 us for
-    SmolLM2's 900 links, where reading them through attribute lookups took 0.4 ms."""
+    plain attributes through `getattr`. The comparisons run in C (`map`), many times faster
+    than reading the links through attribute lookups (docs/benchmarks.md, 'Measurements
+    behind design choices')."""
 
     def __init__(self) -> None:
         self.views: list = []  # (view, key, value): module views

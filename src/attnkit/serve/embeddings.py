@@ -1,15 +1,14 @@
-"""Embedding requests that arrive together, encoded together.
+"""Embedding requests that arrive together, answered together, each the same bits as alone.
 
 An `EmbeddingBatcher` holds one thread per encoder. Each request's texts are queued; when
 the encoder is free, the thread takes every request waiting at that moment (no waiting
-window: a request alone goes at once), encodes all their texts in one
-`SentenceEncoder.encode` call, and hands each request its rows. `encode` packs each
-length-sorted batch's tokens into one forward without padding, so a text's vector is
-computed with the same operations in the same order whoever else is in the call: the
-answers are the same bits as the request alone (tests/serve/test_serve_batching.py checks
-it with 8 concurrent clients), as long as the encoder runs its products on one thread in
-both (a batch of fewer than `MIN_TOKENS_PER_THREAD` tokens a thread does; larger batches
-may pick a threaded schedule whose sums round differently).
+window: a request alone goes at once) and encodes them one request a call, under one hold
+of the model's lock. It does not join requests into one call: the encoder's products are
+BLAS products whose row sums may round differently with the number of rows (OpenBLAS's
+Haswell kernels do: a text's vector moved by a few float32 ulps when another request's
+tokens joined its call), and a request's answer must be the same bits alone or among
+others (tests/serve/test_serve_batching.py, 8 concurrent clients). A text list inside one
+request is one call, as it is alone.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ __all__ = ["EmbeddingBatcher"]
 
 
 class EmbeddingBatcher:
-    """Encode the texts of requests that wait together in one call.
+    """Encode the requests that wait together, one `encode` call a request.
 
     Arguments:
         encoder: a `SentenceEncoder`.
@@ -55,17 +54,13 @@ class EmbeddingBatcher:
                 while not self._waiting:
                     self._ready.wait()
                 batch, self._waiting = self._waiting, []
-            texts = [text for request, _ in batch for text in request]
-            try:
-                with self.lock:
-                    vectors = self.encoder.encode(texts)  # (sum of texts, D)
-            except Exception as error:  # noqa: BLE001 - each request raises it
-                for _, future in batch:
-                    future.set_exception(error)
-                continue
-            self.calls += 1
+            with self.lock:
+                for request, future in batch:
+                    try:
+                        vectors = np.asarray(self.encoder.encode(request))  # (len(request), D)
+                    except Exception as error:  # noqa: BLE001 - the request raises it
+                        future.set_exception(error)
+                        continue
+                    self.calls += 1
+                    future.set_result(vectors)
             self.requests += len(batch)
-            start = 0
-            for request, future in batch:
-                future.set_result(np.asarray(vectors[start:start + len(request)]))
-                start += len(request)
